@@ -1,0 +1,36 @@
+# Every target sets up its own virtual environment from pyproject.toml, so the
+# two README commands work on a fresh machine with nothing installed by hand.
+PYTHON ?= python3
+VENV   := .venv
+STAMP  := $(VENV)/.installed-stamp
+BIN    := $(VENV)/bin
+
+.PHONY: setup run test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip==25.3
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The main job on its embedded defaults (see README).
+run: $(STAMP)
+	$(BIN)/headgate run
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/pytest -q
+
+# The whole suite: lint, types, tests.
+test: lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,227 @@
+"""Gateway configuration: embedded defaults, a TOML file, then flags.
+
+Every setting has a default that works on a laptop, so ``headgate serve`` with
+no arguments starts a usable gateway. A TOML file overrides the defaults, and
+command-line flags override the file. Errors name the file, the key and what
+was expected, because a typo in a config file should never become a traceback.
+
+Example ``headgate.toml``::
+
+    [gateway]
+    listen = "127.0.0.1:7878"
+    unix_socket = "/tmp/headgate.sock"
+    data_dir = "./headgate-data"
+    stream_capacity = "64MiB"
+    term_length = "16MiB"
+    group_commit_interval_ms = 2
+    max_message_size = "1MiB"
+
+    [streams.ticks]
+    capacity = "8MiB"
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+_SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB|K|M|G)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1024,
+    "kib": 1024,
+    "kb": 1000,
+    "m": 1024**2,
+    "mib": 1024**2,
+    "mb": 1000**2,
+    "g": 1024**3,
+    "gib": 1024**3,
+    "gb": 1000**3,
+}
+
+DEFAULT_PORT = 7878
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message says which and why."""
+
+
+def parse_size(value: object, *, what: str) -> int:
+    """Read a byte size such as ``4096``, ``"64MiB"`` or ``"1 GB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as 64MiB, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{what}: a size cannot be negative ({value})")
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            number, unit = match.groups()
+            return int(number) * _UNITS[(unit or "").lower()]
+    raise ConfigError(f"{what}: expected a size such as 4096 or 64MiB, got {value!r}")
+
+
+def parse_address(value: str, *, what: str = "listen") -> tuple[str, int]:
+    """Split ``host:port`` (``[::1]:7878`` for IPv6); a bare host gets the default port."""
+    text = value.strip()
+    if not text:
+        raise ConfigError(f"{what}: empty address")
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, port_text = text.split(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host or "127.0.0.1", DEFAULT_PORT
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ConfigError(f"{what}: port must be a number from 0 to 65535, got {port_text!r}")
+    return host or "127.0.0.1", int(port_text)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSettings:
+    """Settings for one stream; unset fields fall back to the gateway's."""
+
+    #: Log capacity (bytes between Spark's release position and the tail).
+    capacity: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    """Everything ``headgate serve`` needs; the defaults are the embedded ones."""
+
+    #: TCP address to listen on; port 0 picks a free port.
+    listen: tuple[str, int] = ("127.0.0.1", DEFAULT_PORT)
+    #: Optional Unix socket path to listen on as well.
+    unix_socket: Path | None = None
+    #: Where stream logs live (``<data_dir>/streams/<name>/``).
+    data_dir: Path = Path("headgate-data")
+    #: Default log capacity of a stream, the budget its producers share.
+    stream_capacity: int = 64 * 1024**2
+    #: Size of one memory-mapped term file (a power of two).
+    term_length: int = 16 * 1024**2
+    #: How often dirty logs are flushed and fsynced (group commit).
+    group_commit_interval_ms: float = 2.0
+    #: Largest channel message (one batch) the gateway accepts.
+    max_message_size: int = 1024**2
+    #: Largest number of concurrent connections.
+    max_connections: int = 1024
+    #: Per-stream overrides by stream name.
+    streams: dict[str, StreamSettings] = field(default_factory=dict)
+
+    def stream_capacity_for(self, name: str) -> int:
+        """The capacity of stream ``name``, honouring a per-stream override."""
+        override = self.streams.get(name)
+        if override is not None and override.capacity is not None:
+            return override.capacity
+        return self.stream_capacity
+
+    def validate(self) -> GatewayConfig:
+        """Check relations between settings; return self for chaining."""
+        tl = self.term_length
+        if tl < 4096 or tl & (tl - 1):
+            raise ConfigError(f"term_length must be a power of two >= 4096, got {tl}")
+        if self.max_message_size > tl // 2:
+            raise ConfigError(
+                f"max_message_size ({self.max_message_size}) must be at most half "
+                f"of term_length ({tl})"
+            )
+        if self.stream_capacity < 2 * tl:
+            raise ConfigError(
+                f"stream_capacity ({self.stream_capacity}) must be at least two terms ({2 * tl})"
+            )
+        if self.group_commit_interval_ms <= 0:
+            raise ConfigError("group_commit_interval_ms must be positive")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections must be at least 1")
+        return self
+
+
+_GATEWAY_KEYS = {
+    "listen",
+    "unix_socket",
+    "data_dir",
+    "stream_capacity",
+    "term_length",
+    "group_commit_interval_ms",
+    "max_message_size",
+    "max_connections",
+}
+
+
+def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
+    unknown = set(table) - _GATEWAY_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        what = f"{where}.{key}"
+        if key == "listen":
+            if not isinstance(value, str):
+                raise ConfigError(f'{what}: expected "host:port", got {value!r}')
+            out[key] = parse_address(value, what=what)
+        elif key in ("unix_socket", "data_dir"):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{what}: expected a path, got {value!r}")
+            out[key] = Path(value)
+        elif key in ("stream_capacity", "term_length", "max_message_size"):
+            out[key] = parse_size(value, what=what)
+        elif key == "group_commit_interval_ms":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
+            out[key] = float(value)
+        elif key == "max_connections":
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"{what}: expected a whole number, got {value!r}")
+            out[key] = value
+    return out
+
+
+def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
+    """Defaults, then the TOML file at ``path`` (if any), then ``overrides``.
+
+    Overrides whose value is ``None`` are ignored, so CLI flags that were not
+    given do not mask the file.
+    """
+    config = GatewayConfig()
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+        unknown = set(raw) - {"gateway", "streams"}
+        if unknown:
+            raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
+        gateway = raw.get("gateway", {})
+        if not isinstance(gateway, dict):
+            raise ConfigError(f"{path}: [gateway] must be a table")
+        config = replace(config, **_gateway_from_table(gateway, f"{path}: gateway"))
+        streams_raw = raw.get("streams", {})
+        if not isinstance(streams_raw, dict):
+            raise ConfigError(f"{path}: [streams] must be a table of tables")
+        streams: dict[str, StreamSettings] = {}
+        for name, table in streams_raw.items():
+            where = f"{path}: streams.{name}"
+            if not isinstance(table, dict):
+                raise ConfigError(f"{where} must be a table")
+            unknown = set(table) - {"capacity"}
+            if unknown:
+                raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+            capacity = table.get("capacity")
+            if capacity is not None:
+                capacity = parse_size(capacity, what=f"{where}.capacity")
+            streams[name] = StreamSettings(capacity=capacity)
+        config = replace(config, streams=streams)
+    config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    return config.validate()
