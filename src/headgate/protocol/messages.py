@@ -1,0 +1,785 @@
+"""headgate's own messages, carried inside LCMUX SendGlobal and SendChannel frames.
+
+LCMUX moves opaque payloads; this module gives them meaning. There are two
+families:
+
+* **Global messages** travel in ``SendGlobal`` frames. They are never buffered
+  and need no guarantees, so they are the control plane: the handshake, acks,
+  errors, freeing handles, keep-alives. Each begins with one byte naming its
+  type (:class:`MessageType`).
+* **Channel messages** travel in ``SendChannel`` frames, and the channel names
+  their type, so they carry no type byte: channel 0 binds stream names,
+  channel 1 binds schemas, and channel ``2 + h`` carries the data of stream
+  handle ``h``. Data messages are the bulk of the traffic and each of their
+  bytes costs guarantees, which is why their header is a fixed 8 (or 16)
+  bytes that a receiver reads with one ``struct`` call.
+
+Integers are standalone compact U64s (big-endian tails, as in LCMUX) except
+where the value is usually large or random, where a fixed 8-byte little-endian
+field is shorter on average and cheaper to read: a ping nonce, and the sequence
+and position in data headers (little-endian like the records block after them).
+Strings are a standalone compact U64 byte length followed by UTF-8; every
+string and byte field has a maximum length, checked before anything is copied.
+
+Encoding a value that the peer would reject raises ``ValueError`` (the bug is
+local); decoding anything malformed raises :class:`MessageError` (the peer is
+at fault). Every byte is drawn in ``PROTOCOL.md``.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from enum import Enum, IntEnum, IntFlag
+
+from headgate.protocol.c64 import (
+    U64_MAX,
+    Buffer,
+    decode_standalone,
+    encode_standalone_into,
+)
+from headgate.protocol.errors import ErrorCode, MessageError
+
+__all__ = [
+    "BATCH_HEADER_SIZE",
+    "FIRST_DATA_CHANNEL",
+    "MAX_NAME_BYTES",
+    "MAX_SCHEMA_TEXT_BYTES",
+    "MAX_TEXT_BYTES",
+    "MAX_TOKEN_BYTES",
+    "PROTOCOL_VERSION",
+    "SCHEMA_CHANNEL",
+    "STREAM_CHANNEL",
+    "TAIL_HEADER_SIZE",
+    "Ack",
+    "BindSchema",
+    "BindStream",
+    "ChannelMessage",
+    "Error",
+    "Fetch",
+    "FetchDone",
+    "FreeHandle",
+    "GlobalMessage",
+    "Goodbye",
+    "HandleRef",
+    "HandleType",
+    "Hello",
+    "HelloFlags",
+    "MessageType",
+    "Missed",
+    "Ping",
+    "Pong",
+    "Release",
+    "StartAt",
+    "Subscribe",
+    "Welcome",
+    "data_channel",
+    "decode_batch",
+    "decode_bind_schema",
+    "decode_bind_stream",
+    "decode_global",
+    "decode_tail_records",
+    "encode_batch_header",
+    "encode_message",
+    "encode_tail_header",
+    "handle_of_channel",
+    "is_valid_name",
+]
+
+#: The protocol version that Hello and Welcome carry.
+PROTOCOL_VERSION = 1
+
+#: Channel on which stream names are bound (handle type STREAM).
+STREAM_CHANNEL = 0
+#: Channel on which schemas are bound (handle type SCHEMA).
+SCHEMA_CHANNEL = 1
+#: Channel of stream handle 0; stream handle ``h`` uses ``FIRST_DATA_CHANNEL + h``.
+FIRST_DATA_CHANNEL = 2
+
+#: Longest stream name, schema name, client name or server name, in bytes.
+MAX_NAME_BYTES = 255
+#: Longest error or goodbye text, in bytes of UTF-8.
+MAX_TEXT_BYTES = 1024
+#: Longest authentication token, in bytes.
+MAX_TOKEN_BYTES = 1024
+#: Longest schema text (DDL), in bytes of UTF-8.
+MAX_SCHEMA_TEXT_BYTES = 65536
+
+#: Bytes before the records block in a Batch: first_sequence (u64 LE).
+BATCH_HEADER_SIZE = 8
+#: Bytes before the records block in TailRecords: first_sequence, position.
+TAIL_HEADER_SIZE = 16
+
+# The records block begins with its record count, a u32 LE (records.py owns
+# the rest of the block).
+_RECORD_COUNT_SIZE = 4
+
+_U64LE = struct.Struct("<Q")
+_BATCH_HEAD = struct.Struct("<QI")
+_TAIL_HEAD = struct.Struct("<QQI")
+_TAIL_PREFIX = struct.Struct("<QQ")
+
+# Stream and schema names: ASCII, so their UTF-8 length is their length.
+_NAME = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
+
+
+class MessageType(IntEnum):
+    """The first byte of every global message."""
+
+    # 0 is left unassigned so that a zeroed buffer never parses as a message.
+    HELLO = 0x01
+    WELCOME = 0x02
+    GOODBYE = 0x03
+    ERROR = 0x04
+    PING = 0x05
+    PONG = 0x06
+    FREE_HANDLE = 0x10
+    ACK = 0x11
+    RELEASE = 0x12
+    SUBSCRIBE = 0x20
+    MISSED = 0x21
+    FETCH = 0x22
+    FETCH_DONE = 0x23
+
+
+class HandleType(IntEnum):
+    """The kinds of data handle; each is bound on the channel of the same number."""
+
+    #: A stream name, bound by BindStream on channel 0.
+    STREAM = 0
+    #: A schema, bound by BindSchema on channel 1.
+    SCHEMA = 1
+
+
+class HelloFlags(IntFlag):
+    """Options a producer asks for in Hello; undefined bits must be zero."""
+
+    NONE = 0
+    #: The producer may send beyond its guarantees (the seed's optimistic mode),
+    #: so the gateway must be ready to drop and announce.
+    OPTIMISTIC = 0x01
+
+
+# A plain int: IntFlag's own complement keeps only defined bits, which would
+# hide exactly the undefined ones this mask is for.
+_KNOWN_HELLO_FLAGS = int(HelloFlags.OPTIMISTIC)
+
+
+class StartAt(Enum):
+    """Where a subscription starts when no explicit position is given."""
+
+    #: At the end of the log: only batches appended from now on.
+    NOW = "now"
+    #: At the oldest position the log still holds.
+    EARLIEST = "earliest"
+
+
+# --- global messages -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hello:
+    """The producer's opening message: who it is and what it wants."""
+
+    #: Protocol version the producer speaks.
+    version: int = PROTOCOL_VERSION
+    #: Identity of the producer; one that resumes after a crash reuses its id,
+    #: so the gateway can recognise sequences it already stored.
+    producer_id: int
+    #: A human-readable name for logs and dashboards (UTF-8, at most 255 bytes).
+    client_name: str
+    #: Authentication token, opaque to the protocol; empty when none is used.
+    token: bytes = b""
+    #: Options the producer asks for.
+    flags: HelloFlags = HelloFlags.NONE
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Welcome:
+    """The gateway's answer to Hello: the session is open, with these terms."""
+
+    #: Protocol version the gateway speaks on this connection.
+    version: int = PROTOCOL_VERSION
+    #: A human-readable name of the gateway (UTF-8, at most 255 bytes).
+    server_name: str
+    #: The largest frame payload the gateway accepts, in bytes.
+    max_message_size: int
+    #: After this many milliseconds without receiving a byte, either side may
+    #: close the connection; a peer with nothing to say sends Ping well before.
+    idle_timeout_ms: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goodbye:
+    """A graceful close: the sender sends nothing after it."""
+
+    #: Why: ``ErrorCode.NONE`` for a normal close, else the reason.
+    code: ErrorCode
+    #: Details for humans (UTF-8, at most 1024 bytes).
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandleRef:
+    """A data handle named by its type and number, as the scope of an Error."""
+
+    #: Which kind of handle.
+    handle_type: HandleType
+    #: The handle's number, as bound by the peer that bound it.
+    handle: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error:
+    """A violation or refusal; with no scope the connection closes after it."""
+
+    #: What went wrong (never ``ErrorCode.NONE``).
+    code: ErrorCode
+    #: The handle the error is confined to (a refused stream), or ``None`` when
+    #: it concerns the whole connection.
+    scope: HandleRef | None = None
+    #: Details for humans (UTF-8, at most 1024 bytes).
+    text: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ping:
+    """A keep-alive that asks for a Pong carrying the same nonce."""
+
+    #: Any u64; echoed back unchanged.
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Pong:
+    """The answer to a Ping."""
+
+    #: The nonce of the Ping being answered.
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FreeHandle:
+    """A proposal (or confirmation) to free a data handle, as in the seed."""
+
+    #: Which kind of handle.
+    handle_type: HandleType
+    #: The handle's number.
+    handle: int
+    #: True if the sender is the peer that bound the handle.
+    mine: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Ack:
+    """Cumulative durability of one producer's batches on one stream."""
+
+    #: The stream handle, as bound by the producer.
+    handle: int
+    #: Every batch of this producer on this stream whose first_sequence is
+    #: below this is durable.
+    next_sequence: int
+    #: The stream log's durable end position when the ack was made.
+    durable_position: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Release:
+    """The pipeline has committed everything of a stream before ``position``."""
+
+    #: The stream name.
+    stream: str
+    #: Log space before this position may be reclaimed.
+    position: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Subscribe:
+    """A request for a lossy live tail of a stream."""
+
+    #: The stream name.
+    stream: str
+    #: ``StartAt.NOW``, ``StartAt.EARLIEST`` or an explicit log position.
+    start: StartAt | int
+    #: Deliver one batch in every ``sample_every`` (1 delivers all).
+    sample_every: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Missed:
+    """The gateway skipped batches of a tail because the subscriber was slow."""
+
+    #: The stream handle, as bound by the gateway for this subscriber.
+    handle: int
+    #: How many batches were skipped since the previous TailRecords.
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fetch:
+    """A request to read a stretch of a stream's log through the gateway."""
+
+    #: Chosen by the reader; FetchDone echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The first log position to read.
+    start_position: int
+    #: Stop before this position (``U64_MAX``: the end as of the request).
+    end_position: int
+    #: Stop after the batch that reaches this many bytes of records.
+    max_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FetchDone:
+    """The gateway has sent every batch it will send for a Fetch."""
+
+    #: The request_id of the Fetch.
+    request_id: int
+    #: Where a follow-up Fetch should start.
+    next_position: int
+    #: How many TailRecords this Fetch produced; because FetchDone is global it
+    #: can overtake them, and the reader waits until it has seen this many.
+    batches: int
+
+
+# --- channel messages ------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BindStream:
+    """Binds the least unassigned stream handle to a stream name (channel 0)."""
+
+    #: The stream name: ``[A-Za-z0-9][A-Za-z0-9._-]{0,254}``.
+    stream: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BindSchema:
+    """Binds the least unassigned schema handle to a schema (channel 1)."""
+
+    #: The schema name, with the same rules as a stream name.
+    name: str
+    #: The schema as DDL text (UTF-8, at most 64 KiB).
+    text: str
+
+
+GlobalMessage = (
+    Hello
+    | Welcome
+    | Goodbye
+    | Error
+    | Ping
+    | Pong
+    | FreeHandle
+    | Ack
+    | Release
+    | Subscribe
+    | Missed
+    | Fetch
+    | FetchDone
+)
+ChannelMessage = BindStream | BindSchema
+
+
+# --- channels --------------------------------------------------------------
+
+
+def data_channel(handle: int) -> int:
+    """Return the channel that carries the data of stream handle ``handle``."""
+    if not 0 <= handle <= U64_MAX - FIRST_DATA_CHANNEL:
+        raise ValueError(f"stream handle {handle} has no data channel")
+    return FIRST_DATA_CHANNEL + handle
+
+
+def handle_of_channel(channel: int) -> int | None:
+    """Return the stream handle whose data ``channel`` carries, or None for 0 and 1."""
+    if channel < FIRST_DATA_CHANNEL:
+        return None
+    return channel - FIRST_DATA_CHANNEL
+
+
+def is_valid_name(name: str) -> bool:
+    """Tell whether ``name`` may name a stream or a schema."""
+    return name.isascii() and _NAME.fullmatch(name.encode("ascii")) is not None
+
+
+# --- data messages ---------------------------------------------------------
+
+
+def _check_u64(value: int, what: str) -> None:
+    if not 0 <= value <= U64_MAX:
+        raise ValueError(f"{what} {value} is not an unsigned 64-bit integer")
+
+
+def encode_batch_header(first_sequence: int) -> bytes:
+    """Return the 8 bytes that precede a records block in a Batch."""
+    _check_u64(first_sequence, "first_sequence")
+    return _U64LE.pack(first_sequence)
+
+
+def decode_batch(payload: Buffer) -> tuple[int, int, memoryview]:
+    """Split a Batch into ``(first_sequence, record_count, records)``, copying nothing.
+
+    ``records`` is a view of the whole records block, record count included,
+    over ``payload``'s own memory, ready for the records module to parse.
+    Raises ``MessageError`` when there is no room for a record count.
+    """
+    if len(payload) < BATCH_HEADER_SIZE + _RECORD_COUNT_SIZE:
+        raise MessageError(f"a batch needs at least 12 bytes, got {len(payload)}")
+    first_sequence, count = _BATCH_HEAD.unpack_from(payload)
+    return first_sequence, count, memoryview(payload)[BATCH_HEADER_SIZE:]
+
+
+def encode_tail_header(first_sequence: int, position: int) -> bytes:
+    """Return the 16 bytes that precede a records block in TailRecords."""
+    _check_u64(first_sequence, "first_sequence")
+    _check_u64(position, "position")
+    return _TAIL_PREFIX.pack(first_sequence, position)
+
+
+def decode_tail_records(payload: Buffer) -> tuple[int, int, int, memoryview]:
+    """Split TailRecords into ``(first_sequence, position, record_count, records)``.
+
+    As :func:`decode_batch`, with the batch's log position after the sequence.
+    """
+    if len(payload) < TAIL_HEADER_SIZE + _RECORD_COUNT_SIZE:
+        raise MessageError(f"tail records need at least 20 bytes, got {len(payload)}")
+    first_sequence, position, count = _TAIL_HEAD.unpack_from(payload)
+    return first_sequence, position, count, memoryview(payload)[TAIL_HEADER_SIZE:]
+
+
+# --- encoding --------------------------------------------------------------
+
+
+def _put_u64(out: bytearray, value: int, what: str) -> None:
+    _check_u64(value, what)
+    encode_standalone_into(value, out)
+
+
+def _put_bytes(out: bytearray, data: bytes, limit: int, what: str) -> None:
+    if len(data) > limit:
+        raise ValueError(f"{what} is {len(data)} bytes; at most {limit} allowed")
+    encode_standalone_into(len(data), out)
+    out += data
+
+
+def _put_text(out: bytearray, text: str, limit: int, what: str) -> None:
+    _put_bytes(out, text.encode("utf-8"), limit, what)
+
+
+def _put_name(out: bytearray, name: str, what: str) -> None:
+    if not is_valid_name(name):
+        raise ValueError(f"{what} {name!r} is not a valid name")
+    _put_bytes(out, name.encode("ascii"), MAX_NAME_BYTES, what)
+
+
+def _put_code(out: bytearray, code: ErrorCode) -> None:
+    out.append(ErrorCode(code))
+
+
+def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
+    """Return the payload bytes of a global message or a bind message.
+
+    Raises ``ValueError`` for a field the peer would reject (an integer out of
+    range, a string too long, an invalid name, an Error with code NONE).
+    """
+    out = bytearray()
+    match message:
+        case BindStream():
+            _put_name(out, message.stream, "stream name")
+        case BindSchema():
+            _put_name(out, message.name, "schema name")
+            _put_text(out, message.text, MAX_SCHEMA_TEXT_BYTES, "schema text")
+        case Hello():
+            flags = int(message.flags)
+            if flags & ~_KNOWN_HELLO_FLAGS:
+                raise ValueError(f"undefined Hello flags {flags:#x}")
+            out.append(MessageType.HELLO)
+            _put_u64(out, message.version, "version")
+            _put_u64(out, message.producer_id, "producer_id")
+            _put_text(out, message.client_name, MAX_NAME_BYTES, "client name")
+            _put_bytes(out, bytes(message.token), MAX_TOKEN_BYTES, "token")
+            out.append(flags)
+        case Welcome():
+            out.append(MessageType.WELCOME)
+            _put_u64(out, message.version, "version")
+            _put_text(out, message.server_name, MAX_NAME_BYTES, "server name")
+            _put_u64(out, message.max_message_size, "max_message_size")
+            _put_u64(out, message.idle_timeout_ms, "idle_timeout_ms")
+        case Goodbye():
+            out.append(MessageType.GOODBYE)
+            _put_code(out, message.code)
+            _put_text(out, message.text, MAX_TEXT_BYTES, "goodbye text")
+        case Error():
+            if message.code == ErrorCode.NONE:
+                raise ValueError("an Error message needs a code other than NONE")
+            out.append(MessageType.ERROR)
+            _put_code(out, message.code)
+            if message.scope is None:
+                out.append(0)
+            else:
+                out.append(1)
+                out.append(HandleType(message.scope.handle_type))
+                _put_u64(out, message.scope.handle, "handle")
+            _put_text(out, message.text, MAX_TEXT_BYTES, "error text")
+        case Ping():
+            _check_u64(message.nonce, "nonce")
+            out.append(MessageType.PING)
+            out += _U64LE.pack(message.nonce)
+        case Pong():
+            _check_u64(message.nonce, "nonce")
+            out.append(MessageType.PONG)
+            out += _U64LE.pack(message.nonce)
+        case FreeHandle():
+            out.append(MessageType.FREE_HANDLE)
+            out.append(HandleType(message.handle_type))
+            _put_u64(out, message.handle, "handle")
+            out.append(1 if message.mine else 0)
+        case Ack():
+            out.append(MessageType.ACK)
+            _put_u64(out, message.handle, "handle")
+            _put_u64(out, message.next_sequence, "next_sequence")
+            _put_u64(out, message.durable_position, "durable_position")
+        case Release():
+            out.append(MessageType.RELEASE)
+            _put_name(out, message.stream, "stream name")
+            _put_u64(out, message.position, "position")
+        case Subscribe():
+            if message.sample_every < 1:
+                raise ValueError("sample_every must be at least 1")
+            out.append(MessageType.SUBSCRIBE)
+            _put_name(out, message.stream, "stream name")
+            if message.start is StartAt.NOW:
+                out.append(0)
+            elif message.start is StartAt.EARLIEST:
+                out.append(1)
+            else:
+                out.append(2)
+                _put_u64(out, message.start, "start position")
+            _put_u64(out, message.sample_every, "sample_every")
+        case Missed():
+            out.append(MessageType.MISSED)
+            _put_u64(out, message.handle, "handle")
+            _put_u64(out, message.count, "count")
+        case Fetch():
+            out.append(MessageType.FETCH)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_u64(out, message.start_position, "start_position")
+            _put_u64(out, message.end_position, "end_position")
+            _put_u64(out, message.max_bytes, "max_bytes")
+        case FetchDone():
+            out.append(MessageType.FETCH_DONE)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, message.next_position, "next_position")
+            _put_u64(out, message.batches, "batches")
+        case _:
+            raise TypeError(f"not a headgate message: {message!r}")
+    return bytes(out)
+
+
+# --- decoding --------------------------------------------------------------
+
+
+class _Reader:
+    """A cursor over one message's bytes; every shortfall is a MessageError."""
+
+    __slots__ = ("_buf", "_pos", "_what")
+
+    def __init__(self, payload: Buffer, what: str) -> None:
+        self._buf = bytes(payload)
+        self._pos = 0
+        self._what = what
+
+    def _fail(self, problem: str) -> MessageError:
+        return MessageError(f"{self._what}: {problem}")
+
+    def u8(self, field: str) -> int:
+        if self._pos >= len(self._buf):
+            raise self._fail(f"truncated before {field}")
+        value = self._buf[self._pos]
+        self._pos += 1
+        return value
+
+    def u64(self, field: str) -> int:
+        got = decode_standalone(self._buf, self._pos)
+        if got is None:
+            raise self._fail(f"truncated in {field}")
+        value, self._pos = got
+        return value
+
+    def u64le(self, field: str) -> int:
+        if self._pos + 8 > len(self._buf):
+            raise self._fail(f"truncated in {field}")
+        (value,) = _U64LE.unpack_from(self._buf, self._pos)
+        self._pos += 8
+        return int(value)
+
+    def raw(self, limit: int, field: str) -> bytes:
+        length = self.u64(f"the length of {field}")
+        if length > limit:
+            raise self._fail(f"{field} is {length} bytes; at most {limit} allowed")
+        end = self._pos + length
+        if end > len(self._buf):
+            raise self._fail(f"truncated in {field}")
+        data = self._buf[self._pos : end]
+        self._pos = end
+        return data
+
+    def text(self, limit: int, field: str) -> str:
+        data = self.raw(limit, field)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise self._fail(f"{field} is not UTF-8") from error
+
+    def name(self, field: str) -> str:
+        data = self.raw(MAX_NAME_BYTES, field)
+        if _NAME.fullmatch(data) is None:
+            raise self._fail(f"{field} {data!r} is not a valid name")
+        return data.decode("ascii")
+
+    def code(self, field: str) -> ErrorCode:
+        value = self.u8(field)
+        try:
+            return ErrorCode(value)
+        except ValueError:
+            raise self._fail(f"unknown {field} {value}") from None
+
+    def handle_type(self) -> HandleType:
+        value = self.u8("handle type")
+        try:
+            return HandleType(value)
+        except ValueError:
+            raise self._fail(f"unknown handle type {value}") from None
+
+    def finish(self) -> None:
+        if self._pos != len(self._buf):
+            raise self._fail(f"{len(self._buf) - self._pos} trailing bytes")
+
+
+def decode_bind_stream(payload: Buffer) -> BindStream:
+    """Decode the payload of a SendChannel on channel 0."""
+    reader = _Reader(payload, "BindStream")
+    message = BindStream(stream=reader.name("stream name"))
+    reader.finish()
+    return message
+
+
+def decode_bind_schema(payload: Buffer) -> BindSchema:
+    """Decode the payload of a SendChannel on channel 1."""
+    reader = _Reader(payload, "BindSchema")
+    name = reader.name("schema name")
+    text = reader.text(MAX_SCHEMA_TEXT_BYTES, "schema text")
+    reader.finish()
+    return BindSchema(name=name, text=text)
+
+
+def decode_global(payload: Buffer) -> GlobalMessage:
+    """Decode the payload of a SendGlobal frame into the message it carries."""
+    if len(payload) == 0:
+        raise MessageError("empty global message")
+    kind = payload[0]
+    try:
+        message_type = MessageType(kind)
+    except ValueError:
+        raise MessageError(f"unknown global message type {kind:#04x}") from None
+    reader = _Reader(payload, message_type.name)
+    reader.u8("type")
+    message: GlobalMessage
+    match message_type:
+        case MessageType.HELLO:
+            version = reader.u64("version")
+            producer_id = reader.u64("producer_id")
+            client_name = reader.text(MAX_NAME_BYTES, "client name")
+            token = reader.raw(MAX_TOKEN_BYTES, "token")
+            flags = reader.u8("flags")
+            if flags & ~_KNOWN_HELLO_FLAGS:
+                raise MessageError(f"HELLO: undefined flags {flags:#04x}")
+            message = Hello(
+                version=version,
+                producer_id=producer_id,
+                client_name=client_name,
+                token=token,
+                flags=HelloFlags(flags),
+            )
+        case MessageType.WELCOME:
+            message = Welcome(
+                version=reader.u64("version"),
+                server_name=reader.text(MAX_NAME_BYTES, "server name"),
+                max_message_size=reader.u64("max_message_size"),
+                idle_timeout_ms=reader.u64("idle_timeout_ms"),
+            )
+        case MessageType.GOODBYE:
+            code = reader.code("code")
+            message = Goodbye(code=code, text=reader.text(MAX_TEXT_BYTES, "text"))
+        case MessageType.ERROR:
+            code = reader.code("code")
+            if code == ErrorCode.NONE:
+                raise MessageError("ERROR: code NONE is not an error")
+            scope_kind = reader.u8("scope")
+            scope: HandleRef | None
+            if scope_kind == 0:
+                scope = None
+            elif scope_kind == 1:
+                handle_type = reader.handle_type()
+                scope = HandleRef(handle_type=handle_type, handle=reader.u64("handle"))
+            else:
+                raise MessageError(f"ERROR: unknown scope kind {scope_kind}")
+            message = Error(code=code, scope=scope, text=reader.text(MAX_TEXT_BYTES, "text"))
+        case MessageType.PING:
+            message = Ping(nonce=reader.u64le("nonce"))
+        case MessageType.PONG:
+            message = Pong(nonce=reader.u64le("nonce"))
+        case MessageType.FREE_HANDLE:
+            handle_type = reader.handle_type()
+            handle = reader.u64("handle")
+            mine = reader.u8("mine")
+            if mine > 1:
+                raise MessageError(f"FREE_HANDLE: mine must be 0 or 1, not {mine}")
+            message = FreeHandle(handle_type=handle_type, handle=handle, mine=mine == 1)
+        case MessageType.ACK:
+            message = Ack(
+                handle=reader.u64("handle"),
+                next_sequence=reader.u64("next_sequence"),
+                durable_position=reader.u64("durable_position"),
+            )
+        case MessageType.RELEASE:
+            message = Release(stream=reader.name("stream name"), position=reader.u64("position"))
+        case MessageType.SUBSCRIBE:
+            stream = reader.name("stream name")
+            start_kind = reader.u8("start")
+            start: StartAt | int
+            if start_kind == 0:
+                start = StartAt.NOW
+            elif start_kind == 1:
+                start = StartAt.EARLIEST
+            elif start_kind == 2:
+                start = reader.u64("start position")
+            else:
+                raise MessageError(f"SUBSCRIBE: unknown start kind {start_kind}")
+            sample_every = reader.u64("sample_every")
+            if sample_every == 0:
+                raise MessageError("SUBSCRIBE: sample_every must be at least 1")
+            message = Subscribe(stream=stream, start=start, sample_every=sample_every)
+        case MessageType.MISSED:
+            message = Missed(handle=reader.u64("handle"), count=reader.u64("count"))
+        case MessageType.FETCH:
+            message = Fetch(
+                request_id=reader.u64("request_id"),
+                stream=reader.name("stream name"),
+                start_position=reader.u64("start_position"),
+                end_position=reader.u64("end_position"),
+                max_bytes=reader.u64("max_bytes"),
+            )
+        case MessageType.FETCH_DONE:
+            message = FetchDone(
+                request_id=reader.u64("request_id"),
+                next_position=reader.u64("next_position"),
+                batches=reader.u64("batches"),
+            )
+    reader.finish()
+    return message
