@@ -1,0 +1,433 @@
+"""The ``headgate`` Spark data source: stream logs in, one row per record out.
+
+A Structured Streaming query reads the logs a gateway writes, by position,
+the way the Kafka source reads topics by offset::
+
+    spark.readStream.format("headgate")
+        .option("path", "/var/lib/headgate")          # the gateway's data directory
+        .option("streamPattern", "orders-.*")
+        .option("maxRecordsPerTrigger", 1_000_000)
+        .load()
+
+``format("headgate")`` needs no register call: the top-level module
+``pyspark_headgate`` exposes :class:`HeadgateDataSource` as ``DefaultSource``.
+``spark.read.format("headgate")`` reads the same logs as one batch.
+
+Options:
+
+``path``
+    A gateway's local data directory; stream ``s`` is the log in ``<path>/streams/s``.
+``gateway``
+    ``host:port`` of a gateway to read through, for executors that cannot see
+    the disk. Not available yet (an error says so); the partitions already
+    carry all that a remote read needs: address, stream, positions.
+``streams`` / ``streamPattern``
+    A comma-separated list of stream names, or a regex a whole name must
+    match. Without either, every stream. Streams that appear later are read
+    from their start (or from ``startingOffsets`` if it names them).
+``startingOffsets``
+    ``earliest`` (default), ``latest``, or JSON ``{"stream": position}``;
+    streams the JSON does not name start at their earliest retained position.
+    Used only when a query starts without a checkpoint.
+``endingOffsets``
+    Batch reads only: ``latest`` (default) or JSON ``{"stream": position}``.
+``maxRecordsPerTrigger`` / ``maxBytesPerTrigger``
+    Admission control: at most this many records / log bytes per
+    micro-batch, in whole frames, oldest frames first; a single frame larger
+    than the limit is read alone (see :mod:`headgate.spark.planning`).
+    ``Trigger.AvailableNow`` honours them and reads everything in several
+    batches; ``Trigger.Once`` ignores them, as Spark asks.
+``bytesPerPartition``
+    Log bytes per Spark partition (default 32 MiB), cut at frame boundaries.
+
+Offsets are JSON objects from stream name to log position, keys sorted.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxBytes,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    BinaryType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
+from headgate.spark.planning import (
+    Offset,
+    StreamLogs,
+    StreamSelection,
+    admit,
+    plan_slices,
+    sorted_offset,
+)
+
+__all__ = ["SCHEMA", "HeadgateDataSource", "HeadgatePartition", "SourceOptions"]
+
+#: One row per record. ``position`` is the log position of the record's frame;
+#: ``sequence`` is the frame's first sequence plus the record's index in it;
+#: ``ingest_time`` is the frame's timestamp (when the gateway appended it).
+SCHEMA = StructType(
+    [
+        StructField("stream", StringType()),
+        StructField("position", LongType()),
+        StructField("producer", LongType()),
+        StructField("sequence", LongType()),
+        StructField("ingest_time", TimestampType()),
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+    ]
+)
+
+DEFAULT_BYTES_PER_PARTITION = 32 * 1024 * 1024
+
+_GATEWAY_NOT_YET = (
+    "headgate: reading through a gateway (option 'gateway') is not available yet; "
+    "read the gateway's data directory with option 'path'"
+)
+
+
+# --- options ------------------------------------------------------------------
+
+
+def _positive(options: Mapping[str, str], name: str) -> int | None:
+    text = options.get(name.lower())
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"headgate: option {name!r} must be an integer, got {text!r}") from None
+    if value <= 0:
+        raise ValueError(f"headgate: option {name!r} must be positive, got {value}")
+    return value
+
+
+def _positions(name: str, text: str, words: Sequence[str]) -> str | Offset:
+    if text.strip().lower() in words:
+        return text.strip().lower()
+    try:
+        parsed = json.loads(text)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in parsed.values()
+    ):
+        raise ValueError(
+            f"headgate: option {name!r} must be {' or '.join(map(repr, words))} or a JSON "
+            f'object from stream name to position, like {{"orders": 0}}; got {text!r}'
+        )
+    return sorted_offset(parsed)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceOptions:
+    """The source's options, checked; see the module docstring for each."""
+
+    data_dir: str | None
+    gateway: str | None
+    selection: StreamSelection = field(default_factory=StreamSelection)
+    starting: str | Offset = "earliest"
+    ending: str | Offset = "latest"
+    max_records: int | None = None
+    max_bytes: int | None = None
+    bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
+        """Check Spark's (case-insensitive) options; ``ValueError`` names the bad one."""
+        options = {str(k).lower(): str(v) for k, v in raw.items()}
+        data_dir, gateway = options.get("path"), options.get("gateway")
+        if (data_dir is None) == (gateway is None):
+            raise ValueError(
+                "headgate: set exactly one of option 'path' (a gateway's data directory) "
+                "and option 'gateway' (host:port)"
+            )
+        if gateway is not None:
+            host, _, port = gateway.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"headgate: option 'gateway' must be host:port, got {gateway!r}")
+            raise ValueError(_GATEWAY_NOT_YET)
+        names, pattern = options.get("streams"), options.get("streampattern")
+        if names is not None and pattern is not None:
+            raise ValueError("headgate: set option 'streams' or 'streamPattern', not both")
+        if pattern is not None:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(
+                    f"headgate: option 'streamPattern' is not a regex: {error}"
+                ) from None
+        selection = StreamSelection(
+            names=None
+            if names is None
+            else tuple(n.strip() for n in names.split(",") if n.strip()),
+            pattern=pattern,
+        )
+        return cls(
+            data_dir=data_dir,
+            gateway=gateway,
+            selection=selection,
+            starting=_positions(
+                "startingOffsets",
+                options.get("startingoffsets", "earliest"),
+                ("earliest", "latest"),
+            ),
+            ending=_positions("endingOffsets", options.get("endingoffsets", "latest"), ("latest",)),
+            max_records=_positive(options, "maxRecordsPerTrigger"),
+            max_bytes=_positive(options, "maxBytesPerTrigger"),
+            bytes_per_partition=_positive(options, "bytesPerPartition")
+            or DEFAULT_BYTES_PER_PARTITION,
+        )
+
+
+# --- partitions and reading -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HeadgatePartition(InputPartition):
+    """One Spark task's share of a batch: everything an executor needs to read it.
+
+    A local read opens ``<data_dir>/streams/<stream>``; a remote read (later)
+    asks ``gateway`` for the same frames by stream and position.
+    """
+
+    #: Stream ranges to read, in order.
+    slices: tuple[StreamSlice, ...]
+    #: The gateway's data directory, for a local read.
+    data_dir: str | None
+    #: ``host:port`` of the gateway, for a remote read.
+    gateway: str | None = None
+
+
+def _read(partition: InputPartition) -> Iterator[Any]:
+    if not isinstance(partition, HeadgatePartition):
+        return  # Spark's placeholder partition for an empty batch read
+    if partition.gateway is not None or partition.data_dir is None:
+        raise SourceError(_GATEWAY_NOT_YET)
+    schema = arrow_schema()
+    for piece in partition.slices:
+        yield from read_slice(partition.data_dir, piece, schema)
+
+
+class _Planner:
+    """Offsets and partitions over one data directory; shared by both readers."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        assert options.data_dir is not None
+        self.options = options
+        self.logs = StreamLogs(options.data_dir, options.selection)
+        # Where each stream absent from a start offset begins; remembered so
+        # that latestOffset and partitions agree for a stream first seen now.
+        self._first: dict[str, int] = {}
+
+    def starting_offset(self) -> Offset:
+        starting = self.options.starting
+        streams = self.logs.discover()
+        if starting == "latest":
+            return sorted_offset({s: self.logs.latest(s) for s in streams})
+        return sorted_offset({s: self.first_position(s) for s in streams})
+
+    def first_position(self, stream: str) -> int:
+        """Where a stream that no offset mentions yet starts being read."""
+        if stream not in self._first:
+            starting = self.options.starting
+            if isinstance(starting, dict) and stream in starting:
+                self._first[stream] = starting[stream]
+            else:
+                self._first[stream] = self.logs.earliest(stream)
+        return self._first[stream]
+
+    def ranges(
+        self, start: Offset, cap: Offset | None
+    ) -> tuple[dict[str, tuple[int, int]], Offset]:
+        """Readable ``(from, latest)`` per selected stream, and the offsets carried as they are."""
+        selection = self.options.selection
+        carried = {s: p for s, p in start.items() if not selection.matches(s)}
+        names = {s for s in start if selection.matches(s)}
+        names.update(self.logs.discover() if cap is None else cap)
+        ranges: dict[str, tuple[int, int]] = {}
+        for stream in sorted(names):
+            begin = start[stream] if stream in start else self.first_position(stream)
+            latest = self.logs.latest(stream, read_up_to=start.get(stream))
+            if latest < begin:
+                raise SourceError(
+                    f"stream {stream!r}: the log ends at position {latest}, before position "
+                    f"{begin} the query has already read; was the log recreated?"
+                )
+            if cap is not None:
+                latest = max(begin, min(latest, cap.get(stream, begin)))
+            ranges[stream] = (begin, latest)
+        return ranges, carried
+
+    def partitions(self, start: Offset, end: Offset) -> list[HeadgatePartition]:
+        ranges = {
+            stream: (start[stream] if stream in start else self.first_position(stream), stop)
+            for stream, stop in end.items()
+        }
+        planned = plan_slices(self.logs, ranges, self.options.bytes_per_partition)
+        return [HeadgatePartition(tuple(p), self.options.data_dir) for p in planned]
+
+    def close(self) -> None:
+        self.logs.close()
+
+
+class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Micro-batches over the stream logs; see the module docstring for the options."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self._options = options
+        self._planner: _Planner | None = None
+        #: The AvailableNow target: latest positions when the query started.
+        self._target: Offset | None = None
+
+    # Spark pickles the reader to run read() in executors; the planner's open
+    # logs stay behind (read() opens its own).
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self._options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["options"])  # type: ignore[misc]
+
+    @property
+    def planner(self) -> _Planner:
+        if self._planner is None:
+            self._planner = _Planner(self._options)
+        return self._planner
+
+    def initialOffset(self) -> Offset:
+        return self.planner.starting_offset()
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        logs = self.planner.logs
+        self._target = sorted_offset({s: logs.latest(s) for s in logs.discover()})
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self._options.max_records is not None:
+            return ReadMaxRows(self._options.max_records)
+        if self._options.max_bytes is not None:
+            return ReadMaxBytes(self._options.max_bytes)
+        return ReadAllAvailable()
+
+    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        ranges, carried = self.planner.ranges(start, self._target)
+        max_records, max_bytes = self._limits(limit)
+        if max_records is None and max_bytes is None:
+            ends = {stream: latest for stream, (_, latest) in ranges.items()}
+        else:
+            ends = admit(self.planner.logs, ranges, max_records=max_records, max_bytes=max_bytes)
+        return sorted_offset({**carried, **ends})
+
+    def _limits(self, limit: ReadLimit) -> tuple[int | None, int | None]:
+        # Spark passes our default limit, or ReadAllAvailable to override it
+        # (Trigger.Once). Only one limit travels; the other option still applies.
+        if isinstance(limit, ReadAllAvailable):
+            return None, None
+        max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        max_bytes = limit.max_bytes if isinstance(limit, ReadMaxBytes) else None
+        return max_records or self._options.max_records, max_bytes or self._options.max_bytes
+
+    def reportLatestOffset(self) -> Offset:
+        logs = self.planner.logs
+        return sorted_offset({s: logs.latest(s) for s in logs.discover()})
+
+    def partitions(self, start: Offset, end: Offset) -> Sequence[InputPartition]:
+        return self.planner.partitions(start, end)
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(partition)
+
+    def commit(self, end: Offset) -> None:
+        """Nothing to do here: the log is released by the gateway, not by Spark.
+
+        Spark calls ``commit`` for batch N only when it plans batch N+1, so the
+        last batch of a run is never committed in that run (DESIGN.md). The
+        pipeline therefore reports Spark's progress to the gateway from its
+        ``StreamingQueryListener.onQueryProgress``, which fires after every
+        batch is committed, and the gateway releases log space behind it.
+        """
+
+    def stop(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None
+
+
+class HeadgateBatchReader(DataSourceReader):
+    """One batch over the logs, from ``startingOffsets`` to ``endingOffsets``."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self._options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        planner = _Planner(self._options)
+        try:
+            start = planner.starting_offset()
+            ending = self._options.ending
+            end = {
+                stream: max(
+                    begin,
+                    ending[stream]
+                    if isinstance(ending, dict) and stream in ending
+                    else planner.logs.latest(stream),
+                )
+                for stream, begin in start.items()
+            }
+            return planner.partitions(start, end)
+        finally:
+            planner.close()
+
+    def read(self, partition: InputPartition) -> Iterator[Any]:
+        return _read(partition)
+
+
+class HeadgateDataSource(DataSource):
+    """``format("headgate")``: Spark's entry point to the stream logs."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        # Checked here so that a bad option fails at load(), not at the first batch.
+        self._parsed = SourceOptions.parse(options)
+
+    @classmethod
+    def name(cls) -> str:
+        return "headgate"
+
+    def schema(self) -> StructType:
+        return SCHEMA
+
+    def _check_schema(self, schema: StructType) -> None:
+        if schema != SCHEMA:
+            raise ValueError(
+                f"headgate: the schema is fixed ({SCHEMA.simpleString()}); "
+                f"do not pass another ({schema.simpleString()})"
+            )
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        self._check_schema(schema)
+        return HeadgateBatchReader(self._parsed)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        self._check_schema(schema)
+        return HeadgateStreamReader(self._parsed)
