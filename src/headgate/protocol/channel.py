@@ -1,0 +1,739 @@
+"""One logical channel, seen from each end: guarantees, absolution, optimistic sending.
+
+A producer pushes record batches on many streams over one connection. If the
+gateway had a single receive buffer, one slow stream would stall all others.
+So every stream is an LCMUX *logical channel* with its own buffer at the
+receiving end (the *server*), and the sending end (the *client*) sends only
+what the server has promised to buffer: its *guarantees*, counted in bytes.
+
+:class:`ServerChannel` keeps the books of the buffer; :class:`ClientChannel`
+keeps the books of the guarantees. Both are sans-IO: methods take frame
+values or local decisions and return the frames to send. Sizes are explicit
+integers chosen by the caller (the gateway charges a batch its log-frame
+cost), so a channel is generic over an opaque message type ``T``.
+
+The server's books, in bytes::
+
+    capacity = buffered + free
+    free     = issuable + client guarantees      (as the server knows them)
+
+``issuable`` is free space not yet promised. The client's guarantees, as the
+server knows them, are ``capacity - buffered - issuable``; they go negative
+while the client owes bytes it sent optimistically ("optimistic debt").
+
+Control frames (IssueGuarantees, Plead, Absolve, AnnounceDropping, Apologise,
+LimitSending, LimitReceiving) belong to no channel: they never consume
+guarantees or buffer space. The seed: "if buffer management required buffer
+capacity in the first place, things could quickly go wrong."
+
+Why the client can always tell which of its messages were dropped
+-----------------------------------------------------------------
+The client queues every message sent optimistically, with the number of its
+bytes that no guarantee covered yet, and every later message while the queue
+is non-empty. Incoming guarantees pay those bytes in send order. Think of the
+guarantees as numbered tokens and of the bytes sent as consuming them in
+order; token ``k`` pays byte ``k``.
+
+1. Tokens the client receives before an AnnounceDropping never pay a dropped
+   message in full. The server drops a message of size ``s`` when
+   ``s > free = issuable + g`` (``g`` the server's view of the client's
+   guarantees), or when ``s`` exceeds its receive bound ``r``, and then we keep
+   ``issuable <= r - g``. Paying the dropped message in full would take
+   ``s - g`` more tokens, but the server issues at most ``issuable < s - g``
+   of them before announcing, and announces in the same step as the first
+   drop. Tokens issued later travel behind the announcement.
+2. Every buffered message is paid before the announcement arrives: in the
+   same step as the drop, the server issues at least its optimistic debt
+   ``max(0, -g)``, before AnnounceDropping.
+3. The first dropped message had bytes no guarantee covered (a covered
+   message always fits: ``free = issuable + g >= g >= s``), so it was queued,
+   and every message sent after it was queued too. The server drops all of
+   them until the apology, which the client sends only after the announcement.
+
+So when AnnounceDropping arrives, the queue holds exactly the dropped messages,
+in send order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+from headgate.protocol.errors import ErrorCode, FlowControlError
+from headgate.protocol.frames import (
+    Absolve,
+    AnnounceDropping,
+    Apologise,
+    IssueGuarantees,
+    LimitReceiving,
+    LimitSending,
+    Plead,
+)
+
+T = TypeVar("T")
+
+__all__ = [
+    "AnnounceIssuance",
+    "ClientChannel",
+    "ClientChannelStatistics",
+    "DropReason",
+    "MessageBuffered",
+    "MessageDropped",
+    "Reception",
+    "Sent",
+    "ServerChannel",
+    "ServerChannelStatistics",
+]
+
+
+def _check_size(name: str, value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{name} must not be negative, got {value}")
+
+
+def _tightest(*bounds: int | None) -> int | None:
+    present = [bound for bound in bounds if bound is not None]
+    return min(present) if present else None
+
+
+# --- outcomes ----------------------------------------------------------------
+
+
+class AnnounceIssuance(Enum):
+    """How many guarantees a server issues in the step that starts dropping.
+
+    The seed requires at least the optimistic debt of what was buffered ("the
+    server must issue guarantees for all the optimistic message bytes that it
+    did manage to buffer, before informing the client") and allows more ("a
+    realistic server would have issued all three issuable guarantees").
+    """
+
+    #: Issue everything issuable: the client learns of free space at once.
+    ALL = "all"
+    #: Issue exactly the optimistic debt, ``max(0, -client_guarantees)``.
+    DEBT = "debt"
+
+
+class DropReason(Enum):
+    """Why a server dropped a channel message."""
+
+    #: The server was already dropping, and stays so until an apology.
+    DROPPING = "dropping"
+    #: The message was larger than the free buffer space.
+    NO_SPACE = "no_space"
+    #: The message was larger than what the server's LimitReceiving still allows.
+    RECEIVE_LIMIT = "receive_limit"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessageBuffered:
+    """The server moved a channel message into its buffer."""
+
+    #: The size charged for the message.
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessageDropped:
+    """The server dropped a channel message, whole."""
+
+    #: The size of the dropped message.
+    size: int
+    #: Why it was dropped.
+    reason: DropReason
+    #: Frames to send now, in this order. Empty unless this drop started the
+    #: dropping; then an optional IssueGuarantees and an AnnounceDropping.
+    frames: tuple[IssueGuarantees | AnnounceDropping, ...]
+
+
+Reception = MessageBuffered | MessageDropped
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Sent:
+    """What the client knows about a message it just sent."""
+
+    #: The size charged for the message.
+    size: int
+    #: How far this message pushed the client into optimistic debt.
+    optimistic_bytes: int
+    #: True if the message is certain to be buffered (it was covered by
+    #: guarantees and nothing before it is in doubt); otherwise it is queued
+    #: until guarantees confirm it or AnnounceDropping reports it dropped.
+    confirmed: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerChannelStatistics:
+    """A snapshot of a server channel's books, for metrics."""
+
+    #: Total buffer size in bytes.
+    capacity: int
+    #: Bytes of buffered, unprocessed messages.
+    buffered_bytes: int
+    #: Number of buffered, unprocessed messages.
+    buffered_messages: int
+    #: Free bytes for which no guarantees were issued yet.
+    issuable: int
+    #: The client's guarantees as the server knows them (negative in debt).
+    client_guarantees: int
+    #: Whether the server drops every message until an apology.
+    dropping: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClientChannelStatistics:
+    """A snapshot of a client channel's books, for metrics."""
+
+    #: Guarantees available to the client (negative while in optimistic debt).
+    guarantees: int
+    #: Messages sent but not yet known to be buffered.
+    queued_messages: int
+    #: Their total size.
+    queued_bytes: int
+    #: Optimistic bytes not yet paid by guarantees (equals the debt).
+    unconfirmed_bytes: int
+
+
+# --- server ------------------------------------------------------------------
+
+
+class ServerChannel(Generic[T]):
+    """The receiving end of one logical channel: a FIFO buffer and its books.
+
+    The gateway keeps one per stream and connection. It grows the buffer as
+    log space frees up, issues guarantees for the growth, buffers the batches
+    that arrive, and processes them (appends them to the log) at its own
+    pace. Every method that must tell the client something returns the frame.
+
+    Args:
+        channel: the logical channel number, copied into every frame.
+        announce_issuance: how many guarantees to issue in the step that
+            starts dropping (see :class:`AnnounceIssuance`).
+    """
+
+    def __init__(
+        self, channel: int, *, announce_issuance: AnnounceIssuance = AnnounceIssuance.ALL
+    ) -> None:
+        self._channel = channel
+        self._announce_issuance = announce_issuance
+        self._capacity = 0
+        self._issuable = 0
+        self._buffer: deque[tuple[T, int]] = deque()
+        self._buffered_bytes = 0
+        self._dropping = False
+        # Remaining bytes the server may still accept, under its own
+        # LimitReceiving and under the client's LimitSending (None: unlimited).
+        self._receive_bound: int | None = None
+        self._send_bound: int | None = None
+
+    # -- read-only view --
+
+    @property
+    def channel(self) -> int:
+        return self._channel
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._buffered_bytes
+
+    @property
+    def buffered_messages(self) -> int:
+        return len(self._buffer)
+
+    @property
+    def free(self) -> int:
+        return self._capacity - self._buffered_bytes
+
+    @property
+    def issuable(self) -> int:
+        return self._issuable
+
+    @property
+    def client_guarantees(self) -> int:
+        """The client's guarantees as the server knows them (negative in debt)."""
+        return self._capacity - self._buffered_bytes - self._issuable
+
+    @property
+    def dropping(self) -> bool:
+        return self._dropping
+
+    @property
+    def receive_bound(self) -> int | None:
+        """Bytes the server's own LimitReceiving still lets it accept."""
+        return self._receive_bound
+
+    @property
+    def send_bound(self) -> int | None:
+        """Bytes the client's LimitSending still lets it send."""
+        return self._send_bound
+
+    @property
+    def closed(self) -> bool:
+        """True once a bound reached zero: no byte will ever be accepted again."""
+        return self._remaining() == 0
+
+    def statistics(self) -> ServerChannelStatistics:
+        return ServerChannelStatistics(
+            capacity=self._capacity,
+            buffered_bytes=self._buffered_bytes,
+            buffered_messages=len(self._buffer),
+            issuable=self._issuable,
+            client_guarantees=self.client_guarantees,
+            dropping=self._dropping,
+        )
+
+    # -- capacity and guarantees --
+
+    def grow(self, amount: int) -> None:
+        """Add ``amount`` bytes of buffer; they become issuable guarantees."""
+        _check_size("amount", amount)
+        self._capacity += amount
+        self._issuable += amount
+        self._trim_to_bounds()
+
+    def shrink(self, amount: int) -> None:
+        """Remove ``amount`` bytes of buffer that were never promised.
+
+        Only free space that is still issuable can go without the client's
+        help: at most ``min(issuable, free)``, since issuable may exceed the
+        free space while the client is in optimistic debt. To take back issued
+        guarantees, :meth:`plead`, or process without reissuing.
+        """
+        _check_size("amount", amount)
+        if amount > min(self._issuable, self.free):
+            raise ValueError(
+                f"cannot shrink by {amount}: {self._issuable} issuable, {self.free} free"
+            )
+        self._capacity -= amount
+        self._issuable -= amount
+
+    def issue(self, amount: int | None = None) -> IssueGuarantees | None:
+        """Promise the client issuable buffer space.
+
+        With no ``amount``, issue everything issuable, or nothing (``None``) if
+        nothing is. An explicit ``amount`` may be zero: ``issue(0)`` returns an
+        IssueGuarantees of zero, which LCMUX uses as a signal.
+        """
+        if amount is None:
+            if self._issuable == 0:
+                return None
+            amount = self._issuable
+        _check_size("amount", amount)
+        if amount > self._issuable:
+            raise ValueError(f"cannot issue {amount}: only {self._issuable} issuable")
+        self._issuable -= amount
+        return IssueGuarantees(channel=self._channel, amount=amount)
+
+    def plead(self, target: int) -> Plead:
+        """Ask the client to absolve guarantees until it holds ``target``."""
+        _check_size("target", target)
+        return Plead(channel=self._channel, target=target)
+
+    # -- messages --
+
+    def receive(self, message: T, size: int) -> Reception:
+        """Buffer a channel message that arrived, or drop it whole.
+
+        Raises:
+            FlowControlError: LIMIT_EXCEEDED if accepting the message would
+                break the client's own LimitSending promise.
+        """
+        _check_size("size", size)
+        if self._dropping:
+            # "it must keep dropping all messages on the same logical channel,
+            # until it receives an apology message"
+            return MessageDropped(size=size, reason=DropReason.DROPPING, frames=())
+        if self._send_bound is not None and size > self._send_bound:
+            raise FlowControlError(
+                f"channel {self._channel}: {size} bytes beyond the client's "
+                f"LimitSending ({self._send_bound} left)",
+                code=ErrorCode.LIMIT_EXCEEDED,
+            )
+        if self._receive_bound is not None and size > self._receive_bound:
+            return self._start_dropping(size, DropReason.RECEIVE_LIMIT)
+        if size > self.free:
+            # A message the books say was covered always fits: covered means
+            # size <= client_guarantees, and free = issuable + client_guarantees
+            # with issuable >= 0. So only an optimistic message lands here.
+            # "the server must never buffer partial messages"
+            return self._start_dropping(size, DropReason.NO_SPACE)
+        self._buffer.append((message, size))
+        self._buffered_bytes += size
+        if self._receive_bound is not None:
+            self._receive_bound -= size
+        if self._send_bound is not None:
+            self._send_bound -= size
+        # Issuable stays as it is, even above the free space: the message
+        # consumed the client's guarantees (or pushed it into debt), not ours.
+        return MessageBuffered(size=size)
+
+    def _start_dropping(self, size: int, reason: DropReason) -> MessageDropped:
+        # Issue and announce in the same step as the drop. Guarantees issued
+        # later stem from processing done after the drop; if they could reach
+        # the client before the announcement, they could pay off the dropped
+        # message and the client would never learn it was lost.
+        # "the server must issue guarantees for all the optimistic message
+        # bytes that it did manage to buffer, before informing the client"
+        self._dropping = True
+        # The debt never exceeds issuable: free >= 0 means issuable >= -guarantees.
+        debt = max(0, -self.client_guarantees)
+        amount = self._issuable if self._announce_issuance is AnnounceIssuance.ALL else debt
+        frames: list[IssueGuarantees | AnnounceDropping] = []
+        if amount > 0:
+            self._issuable -= amount
+            frames.append(IssueGuarantees(channel=self._channel, amount=amount))
+        frames.append(AnnounceDropping(channel=self._channel))
+        return MessageDropped(size=size, reason=reason, frames=tuple(frames))
+
+    def process(self, *, reissue: bool = True) -> tuple[T, int]:
+        """Take the oldest buffered message out of the buffer.
+
+        With ``reissue`` its space becomes issuable again; the guarantees
+        accumulate until :meth:`issue` ("the server need not communicate this
+        immediately"). Without, the buffer shrinks by the message's size, which
+        is how a server reduces capacity without asking the client.
+        """
+        if not self._buffer:
+            raise RuntimeError(f"channel {self._channel}: nothing buffered to process")
+        message, size = self._buffer.popleft()
+        self._buffered_bytes -= size
+        if reissue:
+            self._issuable += size
+            self._trim_to_bounds()
+        else:
+            self._capacity -= size
+        return message, size
+
+    # -- frames from the client --
+
+    def on_absolve(self, amount: int) -> None:
+        """The client gave up ``amount`` guarantees: shrink the buffer by as much.
+
+        A correct client never absolves more than the server thinks it holds:
+        the client absolves out of its own guarantees, and when the Absolve
+        arrives the server's view is at least the client's view at sending.
+        Between the two, only guarantees in flight to the client (which the
+        server already counts) and messages sent before the Absolve (which the
+        server has received by then, in order, and either counted or dropped)
+        make the views differ.
+
+        Raises:
+            FlowControlError: ABSOLVED_TOO_MUCH, or LIMIT_EXCEEDED if the
+                absolution breaks the client's LimitSending (it counts too).
+        """
+        _check_size("amount", amount)
+        if amount > self.client_guarantees:
+            raise FlowControlError(
+                f"channel {self._channel}: absolved {amount}, client holds "
+                f"{self.client_guarantees}",
+                code=ErrorCode.ABSOLVED_TOO_MUCH,
+            )
+        if self._send_bound is not None:
+            if amount > self._send_bound:
+                raise FlowControlError(
+                    f"channel {self._channel}: absolved {amount} beyond the client's "
+                    f"LimitSending ({self._send_bound} left)",
+                    code=ErrorCode.LIMIT_EXCEEDED,
+                )
+            self._send_bound -= amount
+        self._capacity -= amount
+
+    def on_apologise(self) -> None:
+        """The client saw AnnounceDropping: accept messages again.
+
+        Raises:
+            FlowControlError: UNEXPECTED_APOLOGY if the server was not dropping.
+        """
+        if not self._dropping:
+            raise FlowControlError(
+                f"channel {self._channel}: apology while not dropping",
+                code=ErrorCode.UNEXPECTED_APOLOGY,
+            )
+        self._dropping = False
+
+    def on_limit_sending(self, bound: int) -> None:
+        """The client promises to send at most ``bound`` more bytes.
+
+        Capacity the client can never use is given up at once.
+
+        Raises:
+            FlowControlError: LIMIT_LOOSENED if the bound is looser than before.
+        """
+        _check_size("bound", bound)
+        if self._send_bound is not None and bound > self._send_bound:
+            raise FlowControlError(
+                f"channel {self._channel}: LimitSending {bound} after {self._send_bound}",
+                code=ErrorCode.LIMIT_LOOSENED,
+            )
+        self._send_bound = bound
+        self._trim_to_bounds()
+
+    # -- closing --
+
+    def limit_receiving(self, bound: int) -> LimitReceiving:
+        """Promise to accept at most ``bound`` more bytes; zero closes the channel.
+
+        After accepting ``bound`` bytes every message is dropped, with the
+        same announcement as any drop. Issued guarantees above the bound are
+        revoked, as in LCMUX; that is only safe when no message is in flight
+        on the channel. To shrink without that risk, plead first.
+        """
+        _check_size("bound", bound)
+        if self._receive_bound is not None and bound > self._receive_bound:
+            raise ValueError(f"LimitReceiving may only tighten: {bound} > {self._receive_bound}")
+        self._receive_bound = bound
+        self._trim_to_bounds()
+        return LimitReceiving(channel=self._channel, bound=bound)
+
+    def _remaining(self) -> int | None:
+        return _tightest(self._receive_bound, self._send_bound)
+
+    def _trim_to_bounds(self) -> None:
+        # With at most `remaining` more bytes to accept, guarantees beyond it
+        # can never be used, and issuing them would break LimitReceiving ("this
+        # bound thus also gives an upper bound on how many more guarantees the
+        # server might issue"). Give up the capacity behind them. Keeping
+        # issuable <= remaining - guarantees is also what stops the issuance
+        # before an announcement from paying off a message dropped for the bound.
+        remaining = self._remaining()
+        if remaining is None:
+            return
+        excess = max(0, self.client_guarantees - remaining)
+        self._capacity -= excess
+        excess = max(0, self._issuable - (remaining - self.client_guarantees))
+        self._capacity -= excess
+        self._issuable -= excess
+
+
+# --- client ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _InDoubt(Generic[T]):
+    """A sent message not yet known to be buffered."""
+
+    message: T
+    size: int
+    #: Optimistic bytes of this message that no guarantee has paid yet.
+    unconfirmed: int
+    #: Whether sending it counted against our LimitSending / the LimitReceiving.
+    charged_send_bound: bool
+    charged_receive_bound: bool
+
+
+class ClientChannel(Generic[T]):
+    """The sending end of one logical channel: guarantees and messages in doubt.
+
+    The producer library keeps one per stream. It sends within its
+    guarantees, or optimistically beyond them; it answers Plead with Absolve,
+    and AnnounceDropping with Apologise plus the messages to send again.
+
+    Args:
+        channel: the logical channel number, copied into every frame.
+    """
+
+    def __init__(self, channel: int) -> None:
+        self._channel = channel
+        self._guarantees = 0
+        self._in_doubt: deque[_InDoubt[T]] = deque()
+        self._unconfirmed_bytes = 0
+        # Remaining bytes under our own LimitSending and under the server's
+        # LimitReceiving, counted from when we sent / received it.
+        self._send_bound: int | None = None
+        self._receive_bound: int | None = None
+
+    # -- read-only view --
+
+    @property
+    def channel(self) -> int:
+        return self._channel
+
+    @property
+    def guarantees(self) -> int:
+        """Guarantees available (negative while in optimistic debt)."""
+        return self._guarantees
+
+    @property
+    def in_doubt(self) -> list[T]:
+        """Sent messages not yet known to be buffered, in send order."""
+        return [entry.message for entry in self._in_doubt]
+
+    @property
+    def unconfirmed_bytes(self) -> int:
+        return self._unconfirmed_bytes
+
+    @property
+    def send_bound(self) -> int | None:
+        return self._send_bound
+
+    @property
+    def receive_bound(self) -> int | None:
+        return self._receive_bound
+
+    @property
+    def closed(self) -> bool:
+        """True once a bound reached zero: nothing may be sent any more."""
+        return _tightest(self._send_bound, self._receive_bound) == 0
+
+    def statistics(self) -> ClientChannelStatistics:
+        return ClientChannelStatistics(
+            guarantees=self._guarantees,
+            queued_messages=len(self._in_doubt),
+            queued_bytes=sum(entry.size for entry in self._in_doubt),
+            unconfirmed_bytes=self._unconfirmed_bytes,
+        )
+
+    # -- sending --
+
+    def _within_bounds(self, size: int) -> bool:
+        remaining = _tightest(self._send_bound, self._receive_bound)
+        return remaining is None or size <= remaining
+
+    def can_send(self, size: int) -> bool:
+        """Whether a message of ``size`` bytes is covered by guarantees and bounds."""
+        return 0 <= size <= self._guarantees and self._within_bounds(size)
+
+    def send(self, message: T, size: int, *, optimistic: bool = False) -> Sent:
+        """Account for sending ``message``; the caller puts it on the wire.
+
+        Raises:
+            ValueError: the message exceeds the guarantees (and ``optimistic``
+                is false), or exceeds a LimitSending or LimitReceiving bound.
+        """
+        _check_size("size", size)
+        if not self._within_bounds(size):
+            raise ValueError(f"channel {self._channel}: {size} bytes exceed a limit")
+        if not optimistic and size > self._guarantees:
+            raise ValueError(
+                f"channel {self._channel}: {size} bytes exceed {self._guarantees} guarantees"
+            )
+        debt_before = max(0, -self._guarantees)
+        self._guarantees -= size
+        optimistic_bytes = max(0, -self._guarantees) - debt_before
+        self._unconfirmed_bytes += optimistic_bytes
+        if self._send_bound is not None:
+            self._send_bound -= size
+        if self._receive_bound is not None:
+            self._receive_bound -= size
+        # Once anything is in doubt, everything after it is too: if that
+        # message is dropped, the server drops all later ones until the apology.
+        queued = bool(self._in_doubt) or optimistic_bytes > 0
+        if queued:
+            self._in_doubt.append(
+                _InDoubt(
+                    message=message,
+                    size=size,
+                    unconfirmed=optimistic_bytes,
+                    charged_send_bound=self._send_bound is not None,
+                    charged_receive_bound=self._receive_bound is not None,
+                )
+            )
+        return Sent(size=size, optimistic_bytes=optimistic_bytes, confirmed=not queued)
+
+    def limit_sending(self, bound: int) -> LimitSending:
+        """Promise to send at most ``bound`` more bytes; zero closes the channel.
+
+        The bound counts from here, retransmissions included: a message in
+        doubt now that turns out dropped is sent again under this bound. So
+        a client that wants to resend what is in doubt limits to at least
+        ``statistics().queued_bytes``.
+        """
+        _check_size("bound", bound)
+        if self._send_bound is not None and bound > self._send_bound:
+            raise ValueError(f"LimitSending may only tighten: {bound} > {self._send_bound}")
+        self._send_bound = bound
+        for entry in self._in_doubt:
+            # The server counts what it accepts after this bound arrives; a
+            # message sent before it and dropped was never counted, and its
+            # retransmission will be charged afresh.
+            entry.charged_send_bound = False
+        self._clamp_guarantees()
+        return LimitSending(channel=self._channel, bound=bound)
+
+    # -- frames from the server --
+
+    def on_issue_guarantees(self, amount: int) -> list[T]:
+        """Add guarantees; return the messages they prove were buffered.
+
+        The guarantees pay optimistic bytes in send order (see the module
+        docstring for why that identifies buffered messages).
+        """
+        if amount < 0:
+            raise FlowControlError(
+                f"channel {self._channel}: negative guarantees", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        payment = amount
+        confirmed: list[T] = []
+        while self._in_doubt:
+            head = self._in_doubt[0]
+            paid = min(payment, head.unconfirmed)
+            head.unconfirmed -= paid
+            self._unconfirmed_bytes -= paid
+            payment -= paid
+            if head.unconfirmed > 0:
+                break
+            confirmed.append(self._in_doubt.popleft().message)
+        self._guarantees += amount
+        self._clamp_guarantees()
+        return confirmed
+
+    def on_plead(self, target: int) -> Absolve | None:
+        """Absolve down to ``target`` guarantees, or ignore if already below."""
+        if self._guarantees <= target:
+            return None
+        amount = self._guarantees - target
+        self._guarantees = target
+        if self._send_bound is not None:
+            # LCMUX: the bound shrinks "when the client provides absolution".
+            self._send_bound -= amount
+        return Absolve(channel=self._channel, amount=amount)
+
+    def on_announce_dropping(self) -> tuple[list[T], Apologise]:
+        """Every message still in doubt was dropped: take them back.
+
+        Returns the dropped messages in send order, which the caller sends
+        again, after the Apologise and before any new message.
+        """
+        dropped = [entry.message for entry in self._in_doubt]
+        for entry in self._in_doubt:
+            self._guarantees += entry.size
+            if entry.charged_send_bound and self._send_bound is not None:
+                self._send_bound += entry.size
+            if entry.charged_receive_bound and self._receive_bound is not None:
+                self._receive_bound += entry.size
+        self._in_doubt.clear()
+        self._unconfirmed_bytes = 0
+        self._clamp_guarantees()
+        return dropped, Apologise(channel=self._channel)
+
+    def on_limit_receiving(self, bound: int) -> None:
+        """The server will accept at most ``bound`` more bytes."""
+        if bound < 0:
+            raise FlowControlError(
+                f"channel {self._channel}: negative bound", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        # The server counts from when it sent the bound, so messages we sent
+        # before it arrived may count against it too: the bound is an upper
+        # estimate of what the server will still accept. It replaces our count
+        # under an earlier bound (it is at least as tight on the server's
+        # side), and it is not checked for loosening, since that count also
+        # charges messages in doubt which may yet turn out dropped. As for
+        # LimitSending, a retransmission is charged against the new bound.
+        self._receive_bound = bound
+        for entry in self._in_doubt:
+            entry.charged_receive_bound = False
+        self._clamp_guarantees()
+
+    def _clamp_guarantees(self) -> None:
+        # Guarantees beyond what we may still send are worth nothing; the
+        # server gives up the same capacity when it learns of the bound.
+        remaining = _tightest(self._send_bound, self._receive_bound)
+        if remaining is not None and self._guarantees > remaining:
+            self._guarantees = remaining
