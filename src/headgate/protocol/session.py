@@ -1,0 +1,807 @@
+"""One end of a headgate connection: bytes in, events and bytes out.
+
+A connection carries two LCMUX sessions, one per direction. Each end is the
+LCMUX *client* for the channels it sends on and the LCMUX *server* for the
+channels it receives on, so one class serves the producer, the gateway and a
+tail subscriber alike; only the opening handshake and the layout of data
+messages depend on the :class:`Role`.
+
+What travels where (``h`` is a stream handle that the *sending* end created)::
+
+    channel 0        BindStream     binds the sender's next stream handle
+    channel 1        BindSchema     binds the sender's next schema handle
+    channel 2 + h    Batch          records for stream h (producer -> gateway)
+                     TailRecords    records for stream h (gateway -> subscriber)
+    SendGlobal       Hello, Welcome, Ack, Error, FreeHandle, Release, Ping, ...
+
+Like h11 and h2 the session never performs I/O: feed it bytes with
+:meth:`Session.receive_data`, act on the events it returns, and write out
+whatever :meth:`Session.data_to_send` hands back. A peer's violation raises a
+:class:`~headgate.protocol.errors.ProtocolError` whose ``code`` is what the
+peer should be told (:meth:`Session.fail` queues exactly that).
+
+Retransmission is transparent: when the peer announces that it dropped
+messages on a channel, the session apologises and sends those messages again,
+in order and before anything new on that channel, within guarantees (or
+optimistically, if the session was created with ``optimistic=True``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from headgate.protocol import messages as m
+from headgate.protocol.channel import ClientChannel, MessageDropped, ServerChannel
+from headgate.protocol.codec import FrameDecoder, encode_frame_into
+from headgate.protocol.errors import ErrorCode, FlowControlError, ProtocolError
+from headgate.protocol.frames import (
+    Absolve,
+    AnnounceDropping,
+    Apologise,
+    Frame,
+    IssueGuarantees,
+    LimitReceiving,
+    LimitSending,
+    Plead,
+    SendChannel,
+    SendGlobal,
+)
+from headgate.protocol.handles import HandleSpace, UnboundReference
+from headgate.protocol.records import validate_records
+
+__all__ = [
+    "Absolved",
+    "AckReceived",
+    "BatchDropped",
+    "BatchReceived",
+    "Event",
+    "GuaranteesReceived",
+    "HandleDeleted",
+    "HelloReceived",
+    "MessageReceived",
+    "MessagesDropped",
+    "Role",
+    "SchemaBound",
+    "Session",
+    "StreamBound",
+    "TailReceived",
+    "WelcomeReceived",
+]
+
+
+class Role(Enum):
+    """Which end of a connection a session is."""
+
+    #: Opens the connection with Hello; sends batches, receives tail records.
+    PRODUCER = "producer"
+    #: Answers Hello with Welcome; receives batches, sends tail records.
+    GATEWAY = "gateway"
+
+
+# --- events ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HelloReceived:
+    """The peer opened the session (gateway side)."""
+
+    #: The peer's opening message.
+    hello: m.Hello
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WelcomeReceived:
+    """The gateway accepted the session (producer side)."""
+
+    #: The gateway's answer to Hello.
+    welcome: m.Welcome
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamBound:
+    """The peer bound one of its stream handles; its data channel now exists."""
+
+    #: The peer's handle for the stream.
+    handle: int
+    #: The stream name.
+    stream: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SchemaBound:
+    """The peer bound one of its schema handles."""
+
+    #: The peer's handle for the schema.
+    handle: int
+    #: The bind message (schema name and text).
+    schema: m.BindSchema
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchReceived:
+    """A batch of records is buffered on a stream's channel (gateway side).
+
+    It stays in the channel's buffer, holding its guarantees and a reference
+    to its stream handle, until :meth:`Session.process` takes it out.
+    """
+
+    #: The peer's stream handle.
+    handle: int
+    #: The stream name the handle is bound to.
+    stream: str
+    #: The sequence number of the first record.
+    first_sequence: int
+    #: How many records the batch holds.
+    record_count: int
+    #: The records block (validated), a view into the received bytes.
+    records: memoryview
+    #: What the batch costs in guarantees.
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BatchDropped:
+    """A batch was dropped whole (gateway side); the producer will resend it."""
+
+    #: The peer's stream handle.
+    handle: int
+    #: The batch's cost in guarantees.
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TailReceived:
+    """Records of a stream that the gateway delivers live (subscriber side)."""
+
+    #: The gateway's stream handle.
+    handle: int
+    #: The stream name.
+    stream: str
+    #: The sequence number of the first record.
+    first_sequence: int
+    #: The log position of the frame holding the records.
+    position: int
+    #: The records block (validated).
+    records: memoryview
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GuaranteesReceived:
+    """Guarantees arrived on one of our sending channels."""
+
+    #: The logical channel.
+    channel: int
+    #: Our stream handle, or None for the bind channels.
+    handle: int | None
+    #: How many bytes were granted.
+    amount: int
+    #: Our guarantees on that channel now (negative while in optimistic debt).
+    guarantees: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessagesDropped:
+    """The peer dropped messages of ours; they are queued for resending."""
+
+    #: The logical channel.
+    channel: int
+    #: Our stream handle, or None for the bind channels.
+    handle: int | None
+    #: How many messages were dropped.
+    count: int
+    #: Their total cost.
+    size: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Absolved:
+    """The peer gave up guarantees on a channel we receive on; its buffer shrank."""
+
+    #: The logical channel.
+    channel: int
+    #: The peer's stream handle, or None for the bind channels.
+    handle: int | None
+    #: How many bytes the peer absolved.
+    amount: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AckReceived:
+    """The gateway made batches durable (producer side)."""
+
+    #: The cumulative acknowledgement.
+    ack: m.Ack
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HandleDeleted:
+    """A binding is gone on our side: both peers freed it and nothing uses it."""
+
+    #: The handle type.
+    handle_type: m.HandleType
+    #: The handle.
+    handle: int
+    #: Whether we created the handle.
+    ours: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MessageReceived:
+    """Any other global message (Error, Release, Goodbye, Pong, Fetch, ...)."""
+
+    #: The message.
+    message: m.GlobalMessage
+
+
+Event = (
+    HelloReceived
+    | WelcomeReceived
+    | StreamBound
+    | SchemaBound
+    | BatchReceived
+    | BatchDropped
+    | TailReceived
+    | GuaranteesReceived
+    | MessagesDropped
+    | Absolved
+    | AckReceived
+    | HandleDeleted
+    | MessageReceived
+)
+
+
+def _identity_cost(payload_length: int) -> int:
+    return payload_length
+
+
+# A buffered inbound data message is remembered by its handle only: the
+# records themselves belong to the receive buffer and to the log, not here.
+_Inbound = int
+_Binding = str | m.BindSchema
+
+
+class Session:
+    """The protocol state of one end of one connection.
+
+    Args:
+        role: which end this is.
+        max_message_size: the largest frame payload accepted from the peer.
+        data_cost: what a data channel message of a given payload length costs
+            in guarantees. Both ends must use the same function; headgate
+            charges a batch the log space it will take (``headgate.costs``).
+        optimistic: resend dropped messages optimistically rather than
+            waiting for guarantees (the producer's ``optimistic`` policy).
+    """
+
+    def __init__(
+        self,
+        role: Role,
+        *,
+        max_message_size: int = 1 << 20,
+        data_cost: Callable[[int], int] = _identity_cost,
+        optimistic: bool = False,
+    ) -> None:
+        self.role = role
+        self._decoder = FrameDecoder(max_payload=max_message_size)
+        self._data_cost = data_cost
+        self._optimistic = optimistic
+        self._out = bytearray()
+        self._opened = False  # whether the peer's Hello / Welcome arrived
+        self._closed = False
+        # Receiving side (we are the LCMUX server).
+        self._bind_in: ServerChannel[_Binding] = ServerChannel(m.STREAM_CHANNEL)
+        self._schema_in: ServerChannel[_Binding] = ServerChannel(m.SCHEMA_CHANNEL)
+        self.streams: HandleSpace[_Binding] = HandleSpace(
+            m.HandleType.STREAM, bind_channel=self._bind_in
+        )
+        self.schemas: HandleSpace[_Binding] = HandleSpace(
+            m.HandleType.SCHEMA, bind_channel=self._schema_in
+        )
+        self._inbound: dict[int, ServerChannel[_Inbound]] = {}
+        # Sending side (we are the LCMUX client).
+        self._outbound: dict[int, ClientChannel[bytes]] = {
+            m.STREAM_CHANNEL: ClientChannel(m.STREAM_CHANNEL),
+            m.SCHEMA_CHANNEL: ClientChannel(m.SCHEMA_CHANNEL),
+        }
+        self._resend: dict[int, deque[bytes]] = {}
+        # Handles of the peer's below these numbers have been announced.
+        self._announced_streams = 0
+        self._announced_schemas = 0
+        # Events of the receive_data call in progress.
+        self._events: list[Event] = []
+
+    # -- plumbing -------------------------------------------------------------
+
+    def data_to_send(self) -> bytes:
+        """Everything queued for the peer since the last call."""
+        if not self._out:
+            return b""
+        data = bytes(self._out)
+        self._out.clear()
+        return data
+
+    @property
+    def pending_output(self) -> int:
+        """Bytes queued for the peer and not yet taken by :meth:`data_to_send`."""
+        return len(self._out)
+
+    @property
+    def opened(self) -> bool:
+        """Whether the peer's opening message (Hello or Welcome) has arrived."""
+        return self._opened
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`fail` or a Goodbye ended the session."""
+        return self._closed
+
+    def _emit(self, frame: Frame) -> None:
+        encode_frame_into(frame, self._out)
+
+    def send_global(self, message: m.GlobalMessage) -> None:
+        """Queue a control message; it needs no guarantees and is never buffered."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        self._emit(SendGlobal(payload=m.encode_message(message)))
+
+    def fail(self, error: ProtocolError) -> bytes:
+        """Queue the Error that ``error`` owes the peer; return all pending output.
+
+        After this the session accepts nothing more; the caller closes the
+        connection once the bytes are written.
+        """
+        if not self._closed:
+            text = str(error.args[0]) if error.args else ""
+            # The text is for people; cut it to what the message allows.
+            text = text.encode()[: m.MAX_TEXT_BYTES].decode("utf-8", "ignore")
+            self._emit(SendGlobal(payload=m.encode_message(m.Error(code=error.code, text=text))))
+            self._closed = True
+        return self.data_to_send()
+
+    # -- receiving ------------------------------------------------------------
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
+        """Feed bytes from the peer; return what happened, in order.
+
+        Raises:
+            ProtocolError: the peer broke the protocol; ``code`` says how.
+        """
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        events: list[Event] = []
+        self._events = events
+        for frame in self._decoder.feed(data):
+            self._dispatch(frame, events)
+        self._bind_pending(events)
+        return events
+
+    def _dispatch(self, frame: Frame, events: list[Event]) -> None:
+        if not self._opened and not isinstance(frame, SendGlobal):
+            expected = "Hello" if self.role is Role.GATEWAY else "Welcome"
+            raise ProtocolError(
+                f"the session must open with {expected}, got {type(frame).__name__}",
+                code=ErrorCode.BAD_HELLO,
+            )
+        match frame:
+            case SendChannel(channel=channel, payload=payload):
+                self._on_channel_message(channel, payload, events)
+            case SendGlobal(payload=payload):
+                self._on_global(m.decode_global(payload), events)
+            case Absolve(channel=channel, amount=amount):
+                self._inbound_channel(channel, Absolve).on_absolve(amount)
+                events.append(
+                    Absolved(channel=channel, handle=m.handle_of_channel(channel), amount=amount)
+                )
+            case Apologise(channel=channel):
+                self._inbound_channel(channel, Apologise).on_apologise()
+            case LimitSending(channel=channel, bound=bound):
+                self._inbound_channel(channel, LimitSending).on_limit_sending(bound)
+            case IssueGuarantees(channel=channel, amount=amount):
+                self._on_guarantees(channel, amount, events)
+            case Plead(channel=channel, target=target):
+                out = self._outbound_channel(channel, Plead)
+                if out is not None:
+                    absolve = out.on_plead(target)
+                    if absolve is not None:
+                        self._emit(absolve)
+            case LimitReceiving(channel=channel, bound=bound):
+                out = self._outbound_channel(channel, LimitReceiving)
+                if out is not None:
+                    out.on_limit_receiving(bound)
+            case AnnounceDropping(channel=channel):
+                self._on_announce_dropping(channel, events)
+
+    def _inbound_channel(
+        self, channel: int, kind: type
+    ) -> ServerChannel[_Binding] | ServerChannel[_Inbound]:
+        if channel == m.STREAM_CHANNEL:
+            return self._bind_in
+        if channel == m.SCHEMA_CHANNEL:
+            return self._schema_in
+        state = self._inbound.get(channel)
+        handle = m.handle_of_channel(channel)
+        if state is None and handle is not None and handle >= self._announced_streams:
+            # A frame about a stream whose bind may still wait in the buffer.
+            self._bind_pending(self._events)
+            state = self._inbound.get(channel)
+        if state is None:
+            raise FlowControlError(
+                f"{kind.__name__} on channel {channel}, which carries no stream of yours",
+                code=ErrorCode.UNEXPECTED_FRAME,
+            )
+        return state
+
+    def _outbound_channel(self, channel: int, kind: type) -> ClientChannel[bytes] | None:
+        state = self._outbound.get(channel)
+        if state is not None:
+            return state
+        handle = m.handle_of_channel(channel)
+        if handle is not None and handle < self.streams.ours.next_handle:
+            # A stream we freed: the peer's frame crossed our FreeHandle.
+            return None
+        raise FlowControlError(
+            f"{kind.__name__} for channel {channel}, on which we never sent",
+            code=ErrorCode.UNEXPECTED_FRAME,
+        )
+
+    def _on_channel_message(
+        self, channel: int, payload: bytes | bytearray | memoryview, events: list[Event]
+    ) -> None:
+        if channel == m.STREAM_CHANNEL:
+            bind = m.decode_bind_stream(payload)
+            self._receive_bind(self._bind_in, bind.stream, len(payload), events)
+            return
+        if channel == m.SCHEMA_CHANNEL:
+            schema = m.decode_bind_schema(payload)
+            self._receive_bind(self._schema_in, schema, len(payload), events)
+            return
+        handle = m.handle_of_channel(channel)
+        assert handle is not None  # channels 0 and 1 were handled above
+        reference = self.streams.theirs.on_reference(handle)
+        if isinstance(reference, UnboundReference):
+            # Its bind was dropped and announced; the peer will resend both.
+            return
+        state = self._inbound.get(channel)
+        if state is None:
+            self._bind_pending(events)
+            state = self._inbound[channel]
+        size = self._data_cost(len(payload))
+        try:
+            if self.role is Role.GATEWAY:
+                first, count, records = m.decode_batch(payload)
+                validate_records(records)
+            else:
+                first, position, count, records = m.decode_tail_records(payload)
+                validate_records(records)
+            outcome = state.receive(handle, size)
+        except BaseException:
+            self.streams.theirs.release(handle)
+            raise
+        stream = reference.value
+        assert isinstance(stream, str)
+        if isinstance(outcome, MessageDropped):
+            self.streams.theirs.release(handle)
+            for frame in outcome.frames:
+                self._emit(frame)
+            events.append(BatchDropped(handle=handle, size=size))
+            return
+        if self.role is Role.GATEWAY:
+            events.append(
+                BatchReceived(
+                    handle=handle,
+                    stream=stream,
+                    first_sequence=first,
+                    record_count=count,
+                    records=records,
+                    size=size,
+                )
+            )
+        else:
+            events.append(
+                TailReceived(
+                    handle=handle,
+                    stream=stream,
+                    first_sequence=first,
+                    position=position,
+                    records=records,
+                )
+            )
+
+    def _receive_bind(
+        self, channel: ServerChannel[_Binding], value: _Binding, size: int, events: list[Event]
+    ) -> None:
+        outcome = channel.receive(value, size)
+        if isinstance(outcome, MessageDropped):
+            for frame in outcome.frames:
+                self._emit(frame)
+
+    def _bind_pending(self, events: list[Event]) -> None:
+        # Bind messages wait in their channel's buffer until a reference needs
+        # them (the handle table binds them then) or the received chunk ends;
+        # either way they bind in order. Announce whatever became bound.
+        theirs = self.streams.theirs
+        theirs.bind_pending()
+        for handle in range(self._announced_streams, theirs.next_handle):
+            if handle in theirs:
+                stream = theirs.dereference(handle)
+                assert isinstance(stream, str)
+                self._inbound[m.data_channel(handle)] = ServerChannel(m.data_channel(handle))
+                events.append(StreamBound(handle=handle, stream=stream))
+        self._announced_streams = theirs.next_handle
+        schemas = self.schemas.theirs
+        schemas.bind_pending()
+        for handle in range(self._announced_schemas, schemas.next_handle):
+            if handle in schemas:
+                schema = schemas.dereference(handle)
+                assert isinstance(schema, m.BindSchema)
+                events.append(SchemaBound(handle=handle, schema=schema))
+        self._announced_schemas = schemas.next_handle
+
+    def _on_global(self, message: m.GlobalMessage, events: list[Event]) -> None:
+        if not self._opened:
+            expected = m.Hello if self.role is Role.GATEWAY else m.Welcome
+            if not isinstance(message, expected):
+                raise ProtocolError(
+                    f"the session must open with {expected.__name__}, got {type(message).__name__}",
+                    code=ErrorCode.BAD_HELLO,
+                )
+            if message.version != m.PROTOCOL_VERSION:
+                raise ProtocolError(
+                    f"protocol version {message.version} is not supported "
+                    f"(this end speaks {m.PROTOCOL_VERSION})",
+                    code=ErrorCode.BAD_HELLO,
+                )
+            self._opened = True
+            if isinstance(message, m.Hello):
+                events.append(HelloReceived(hello=message))
+            else:
+                events.append(WelcomeReceived(welcome=message))
+            return
+        match message:
+            case m.Hello() | m.Welcome():
+                raise ProtocolError(
+                    f"{type(message).__name__} after the session opened",
+                    code=ErrorCode.BAD_HELLO,
+                )
+            case m.FreeHandle():
+                self._on_free_handle(message, events)
+            case m.Ping(nonce=nonce):
+                self.send_global(m.Pong(nonce=nonce))
+            case m.Ack():
+                events.append(AckReceived(ack=message))
+            case _:
+                events.append(MessageReceived(message=message))
+
+    def _on_free_handle(self, message: m.FreeHandle, events: list[Event]) -> None:
+        space = self.streams if message.handle_type is m.HandleType.STREAM else self.schemas
+        outcome = space.on_free_handle(message)
+        if isinstance(outcome, UnboundReference):
+            return
+        if outcome.reply is not None:
+            self.send_global(outcome.reply)
+        if outcome.deleted:
+            self._deleted(message.handle_type, message.handle, ours=not message.mine, events=events)
+
+    def _deleted(
+        self, handle_type: m.HandleType, handle: int, *, ours: bool, events: list[Event]
+    ) -> None:
+        if handle_type is m.HandleType.STREAM:
+            if ours:
+                self._outbound.pop(m.data_channel(handle), None)
+                self._resend.pop(m.data_channel(handle), None)
+            else:
+                self._inbound.pop(m.data_channel(handle), None)
+        events.append(HandleDeleted(handle_type=handle_type, handle=handle, ours=ours))
+
+    def _on_guarantees(self, channel: int, amount: int, events: list[Event]) -> None:
+        out = self._outbound_channel(channel, IssueGuarantees)
+        if out is None:
+            return
+        for _ in out.on_issue_guarantees(amount):
+            pass  # confirmed as buffered; nothing more to do with them
+        self._flush_resend(channel)
+        events.append(
+            GuaranteesReceived(
+                channel=channel,
+                handle=m.handle_of_channel(channel),
+                amount=amount,
+                guarantees=out.guarantees,
+            )
+        )
+
+    def _on_announce_dropping(self, channel: int, events: list[Event]) -> None:
+        out = self._outbound_channel(channel, AnnounceDropping)
+        if out is None:
+            return
+        dropped, apology = out.on_announce_dropping()
+        self._emit(apology)
+        if channel == m.STREAM_CHANNEL or channel == m.SCHEMA_CHANNEL:
+            # Binds are only ever sent within guarantees (see bind_stream), so
+            # a correct gateway never drops one.
+            raise FlowControlError(
+                f"the peer dropped a bind on channel {channel} that guarantees covered",
+                code=ErrorCode.UNEXPECTED_FRAME,
+            )
+        queue = self._resend.setdefault(channel, deque())
+        # Dropped messages go first, before anything still waiting, in order.
+        queue.extendleft(reversed(dropped))
+        events.append(
+            MessagesDropped(
+                channel=channel,
+                handle=m.handle_of_channel(channel),
+                count=len(dropped),
+                size=sum(self._data_cost(len(p)) for p in dropped),
+            )
+        )
+        self._flush_resend(channel)
+
+    def _flush_resend(self, channel: int) -> None:
+        queue = self._resend.get(channel)
+        out = self._outbound.get(channel)
+        while queue and out is not None:
+            payload = queue[0]
+            size = self._data_cost(len(payload))
+            if not out.can_send(size) and not self._optimistic:
+                return
+            queue.popleft()
+            out.send(payload, size, optimistic=self._optimistic)
+            self._emit(SendChannel(channel=channel, payload=payload))
+
+    # -- receiving side controls (we are the LCMUX server) ---------------------
+
+    def inbound(self, channel: int) -> ServerChannel[_Binding] | ServerChannel[_Inbound]:
+        """The state of a channel we receive on (for decisions and metrics)."""
+        return self._inbound_channel(channel, IssueGuarantees)
+
+    def grant(self, channel: int, amount: int) -> None:
+        """Grow a receiving channel's buffer by ``amount`` and issue all issuable."""
+        state = self._inbound_channel(channel, IssueGuarantees)
+        state.grow(amount)
+        self.issue(channel)
+
+    def issue(self, channel: int, amount: int | None = None) -> int:
+        """Issue guarantees on a receiving channel (all issuable by default)."""
+        frame = self._inbound_channel(channel, IssueGuarantees).issue(amount)
+        if frame is None:
+            return 0
+        self._emit(frame)
+        return frame.amount
+
+    def plead(self, channel: int, target: int) -> None:
+        """Ask the peer to absolve guarantees on a channel down to ``target``."""
+        self._emit(self._inbound_channel(channel, Plead).plead(target))
+
+    def process(self, handle: int, *, reissue: bool = True) -> int:
+        """The oldest buffered batch of the peer's stream ``handle`` is done.
+
+        Its space becomes issuable again (or, without ``reissue``, the buffer
+        shrinks by as much); its reference to the handle is released. Returns
+        the batch's size.
+        """
+        state = self._inbound.get(m.data_channel(handle))
+        if state is None:
+            raise ValueError(f"stream handle {handle} has no channel")
+        buffered_handle, size = state.process(reissue=reissue)
+        released = self.streams.theirs.release(buffered_handle)
+        if released.deleted:
+            self._inbound.pop(m.data_channel(handle), None)
+        return size
+
+    def free_theirs(self, handle: int) -> None:
+        """Propose to free one of the peer's stream handles (three-step free)."""
+        self.send_global(self.streams.theirs.free(handle))
+
+    # -- sending side (we are the LCMUX client) --------------------------------
+
+    def outbound(self, channel: int) -> ClientChannel[bytes]:
+        """The state of a channel we send on."""
+        state = self._outbound.get(channel)
+        if state is None:
+            raise ValueError(f"we do not send on channel {channel}")
+        return state
+
+    def bind_stream(self, stream: str) -> int | None:
+        """Bind our next stream handle to ``stream``; None if guarantees lack.
+
+        Binds go out only within guarantees, so a handle we use is certain to
+        be bound by the peer and needs no optimistic bookkeeping (the gateway
+        grants bind guarantees as soon as the session opens). Wait for
+        :class:`GuaranteesReceived` on channel 0 and try again.
+        """
+        payload = m.encode_message(m.BindStream(stream=stream))
+        out = self._outbound[m.STREAM_CHANNEL]
+        if not out.can_send(len(payload)):
+            return None
+        out.send(payload, len(payload))
+        handle = self.streams.ours.bind(stream, size=len(payload))
+        self._outbound[m.data_channel(handle)] = ClientChannel(m.data_channel(handle))
+        self._emit(SendChannel(channel=m.STREAM_CHANNEL, payload=payload))
+        return handle
+
+    def free_stream(self, handle: int) -> None:
+        """Propose to free one of our stream handles; we never use it again.
+
+        Raises:
+            ValueError: messages on its channel are still in doubt or waiting
+                to be resent; they would be lost.
+        """
+        channel = m.data_channel(handle)
+        out = self._outbound.get(channel)
+        if out is not None and (out.in_doubt or self._resend.get(channel)):
+            raise ValueError(f"stream handle {handle} still has messages in doubt")
+        self.send_global(self.streams.ours.free(handle))
+
+    def batch_cost(self, records_length: int) -> int:
+        """What a batch with a records block of this length costs in guarantees."""
+        return self._data_cost(m.BATCH_HEADER_SIZE + records_length)
+
+    def can_send_batch(self, handle: int, records_length: int) -> bool:
+        """Whether a batch of that size fits our guarantees and nothing waits before it."""
+        channel = m.data_channel(handle)
+        if self._resend.get(channel):
+            return False
+        return self._outbound[channel].can_send(self.batch_cost(records_length))
+
+    def send_batch(
+        self,
+        handle: int,
+        first_sequence: int,
+        records: bytes | bytearray | memoryview,
+        *,
+        optimistic: bool = False,
+    ) -> bool:
+        """Send a batch on our stream ``handle``; False if guarantees lack.
+
+        With ``optimistic`` the batch goes out even beyond our guarantees; if
+        the peer drops it, the session resends it transparently.
+        """
+        self.streams.ours.use(handle)
+        channel = m.data_channel(handle)
+        out = self._outbound[channel]
+        payload = m.encode_batch_header(first_sequence) + bytes(records)
+        size = self._data_cost(len(payload))
+        queue = self._resend.get(channel)
+        if queue or not out.can_send(size):
+            if not optimistic:
+                return False
+            if queue:
+                # Order per channel: anything waiting to be resent goes first.
+                queue.append(payload)
+                self._flush_resend(channel)
+                return True
+        out.send(payload, size, optimistic=optimistic)
+        self._emit(SendChannel(channel=channel, payload=payload))
+        return True
+
+    def send_tail(
+        self,
+        handle: int,
+        *,
+        first_sequence: int,
+        position: int,
+        records: bytes | bytearray | memoryview,
+    ) -> bool:
+        """Deliver records to a subscriber on our stream ``handle`` (gateway side).
+
+        Only within the subscriber's guarantees: a tail subscriber never slows
+        ingestion, so what does not fit is skipped by the caller, not queued.
+        """
+        self.streams.ours.use(handle)
+        channel = m.data_channel(handle)
+        out = self._outbound[channel]
+        payload = m.encode_tail_header(first_sequence, position) + bytes(records)
+        size = self._data_cost(len(payload))
+        if not out.can_send(size):
+            return False
+        out.send(payload, size)
+        self._emit(SendChannel(channel=channel, payload=payload))
+        return True
+
+    def in_doubt(self, handle: int) -> int:
+        """How many of our messages on stream ``handle`` may still be dropped."""
+        channel = m.data_channel(handle)
+        waiting = len(self._resend.get(channel, ()))
+        return len(self._outbound[channel].in_doubt) + waiting
