@@ -1,0 +1,97 @@
+"""The ``headgate`` command."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import click
+
+from headgate.config import ConfigError, load_gateway_config, parse_address, parse_size
+
+
+def _size(value: str | None, what: str) -> int | None:
+    return None if value is None else parse_size(value, what=what)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
+def main(verbose: int) -> None:
+    """headgate: flow-controlled ingestion into Spark.
+
+    Producers push records to a gateway over one connection each, on many
+    named streams. The gateway stores each stream in a durable log; a Spark
+    pipeline reads the logs and writes Parquet. A stream that Spark falls
+    behind on slows only its own producers.
+    """
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("-c", "--config", type=click.Path(path_type=Path), help="TOML configuration file.")
+@click.option("--listen", help="TCP address host:port (default 127.0.0.1:7878; port 0 = any).")
+@click.option("--unix-socket", type=click.Path(path_type=Path), help="Also listen on this path.")
+@click.option("--data-dir", type=click.Path(path_type=Path), help="Where stream logs live.")
+@click.option("--stream-capacity", help="Log capacity per stream, e.g. 64MiB.")
+@click.option("--term-length", help="Term file size, a power of two, e.g. 16MiB.")
+@click.option("--group-commit-ms", type=float, help="Group commit interval in milliseconds.")
+def serve(
+    config: Path | None,
+    listen: str | None,
+    unix_socket: Path | None,
+    data_dir: Path | None,
+    stream_capacity: str | None,
+    term_length: str | None,
+    group_commit_ms: float | None,
+) -> None:
+    """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
+
+    Settings come from the embedded defaults, then --config, then flags.
+    """
+    try:
+        cfg = load_gateway_config(
+            config,
+            listen=None if listen is None else parse_address(listen),
+            unix_socket=unix_socket,
+            data_dir=data_dir,
+            stream_capacity=_size(stream_capacity, "--stream-capacity"),
+            term_length=_size(term_length, "--term-length"),
+            group_commit_interval_ms=group_commit_ms,
+        )
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    asyncio.run(_serve(cfg))
+
+
+async def _serve(cfg: object) -> None:
+    from headgate.config import GatewayConfig
+    from headgate.gateway import Gateway
+    from headgate.log import LogError
+
+    assert isinstance(cfg, GatewayConfig)
+    gateway = Gateway(cfg)
+    try:
+        await gateway.start()
+    except (LogError, OSError) as exc:
+        click.echo(f"headgate serve: cannot start: {exc}", err=True)
+        sys.exit(1)
+    host, port = gateway.address
+    click.echo(f"listening on {host}:{port}", nl=True)
+    sys.stdout.flush()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await gateway.stop()
+    click.echo("gateway stopped cleanly", err=True)
+
+
+if __name__ == "__main__":
+    main()

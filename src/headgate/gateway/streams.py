@@ -1,0 +1,356 @@
+"""One stream inside the gateway: its log, its writers' credit, dedup and acks.
+
+A stream's log has a fixed capacity: the bytes between Spark's release
+position and the tail. That capacity is the budget the stream's writers share.
+Each writer (one connection's channel for the stream) holds part of it as the
+capacity of its LCMUX server channel; a batch sits in that channel's buffer
+from the moment it is appended until Spark releases the log space behind it.
+So the books are::
+
+    log free capacity  >=  reserve + sum over writers of (capacity - buffered)
+
+where ``reserve`` covers the padding that term rotations can cost. Space that
+Spark releases returns to the writers as guarantees (or, for a writer above
+its fair share, shrinks its buffer instead); space that no writer holds is
+granted to writers below their share. A writer above its share while another
+waits is pleaded down (the seed's Plead/Absolve), and a writer that has gone
+quiet keeps only a floor, so its share moves to those still writing.
+
+Nothing here touches a socket or the event loop; the caller passes ``now``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headgate.log import LogError, StreamLog, frame_cost
+from headgate.protocol import messages as m
+from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.session import Session
+
+log = logging.getLogger("headgate.gateway")
+
+#: A writer that sent nothing for this long keeps only a floor of credit
+#: when another writer of the same stream could use it.
+IDLE_AFTER_S = 1.0
+
+
+@dataclass(eq=False)
+class Writer:
+    """One connection writing one stream: its channel and its pending acks."""
+
+    #: The connection's protocol session.
+    session: Session
+    #: The connection's (the producer's) handle for the stream.
+    handle: int
+    #: The producer id from the connection's Hello.
+    producer_id: int
+    #: When the writer last sent a batch (seconds, the caller's clock).
+    last_active: float
+    #: (next_sequence, end_position) of appended batches not yet acked.
+    pending_acks: deque[tuple[int, int]] = field(default_factory=deque)
+    #: Whether the connection is still there.
+    alive: bool = True
+    #: The target of the last Plead sent, to avoid repeating it.
+    pleaded: int | None = None
+
+    @property
+    def channel(self) -> int:
+        return m.data_channel(self.handle)
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatistics:
+    """A snapshot of one stream, for metrics and ``headgate top``."""
+
+    name: str
+    capacity: int
+    free_capacity: int
+    tail_position: int
+    durable_position: int
+    release_position: int
+    writers: int
+    guarantees_outstanding: int
+    appended_batches: int
+    appended_records: int
+    duplicate_batches: int
+
+
+class Stream:
+    """The gateway's state for one stream. Create with :meth:`open`."""
+
+    def __init__(self, name: str, stream_log: StreamLog, state_file: Path, *, max_frame: int):
+        self.name = name
+        self.log = stream_log
+        self._state_file = state_file
+        # Each term rotation may waste up to one frame in padding.
+        self.reserve = (stream_log.capacity // stream_log.term_length + 2) * max_frame
+        self._floor = max_frame
+        self.writers: list[Writer] = []
+        #: producer id -> next sequence, over everything appended.
+        self.dedup: dict[int, int] = {}
+        #: producer id -> next sequence, over everything durable.
+        self._durable_dedup: dict[int, int] = {}
+        self._appends: deque[tuple[int, int, int]] = deque()  # (end, producer, next_seq)
+        # Batches in channel buffers, in log order: (end position, writer).
+        self._inflight: deque[tuple[int, Writer]] = deque()
+        self._pending_release: int | None = None
+        self.appended_batches = 0
+        self.appended_records = 0
+        self.duplicate_batches = 0
+
+    @classmethod
+    def open(
+        cls,
+        name: str,
+        data_dir: Path,
+        *,
+        capacity: int,
+        term_length: int,
+        max_message_size: int,
+    ) -> Stream:
+        """Open (or create) the stream's log and rebuild its dedup state.
+
+        Dedup state comes from two places: a snapshot written before history is
+        reclaimed (so resends of batches Spark already released are still
+        recognised), and the headers of every frame still in the log.
+        """
+        directory = data_dir / "streams" / name
+        stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
+        state_file = data_dir / "state" / f"{name}.producers.json"
+        stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
+        stream._recover_dedup()
+        return stream
+
+    def _recover_dedup(self) -> None:
+        try:
+            raw = json.loads(self._state_file.read_text())
+            snapshot = {int(k): int(v) for k, v in raw.items()}
+        except FileNotFoundError:
+            snapshot = {}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise LogError(f"producer state {self._state_file} is unreadable: {exc}") from exc
+        for header in self.log.scan_headers(self.log.release_position, verify=False):
+            end = header.first_sequence + header.record_count
+            if end > snapshot.get(header.producer_id, 0):
+                snapshot[header.producer_id] = end
+        self.dedup = dict(snapshot)
+        self._durable_dedup = dict(snapshot)
+
+    def _write_snapshot(self) -> None:
+        # Only durable state: a batch that a crash loses must be accepted again.
+        self._state_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self._state_file.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump({str(k): v for k, v in self._durable_dedup.items()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._state_file)
+
+    # -- writers --------------------------------------------------------------
+
+    def add_writer(self, writer: Writer) -> None:
+        self.writers.append(writer)
+
+    def remove_writer(self, writer: Writer) -> None:
+        """The connection is gone; its buffered batches stay in the log."""
+        writer.alive = False
+        with contextlib.suppress(ValueError):
+            self.writers.remove(writer)
+
+    def resume_sequence(self, producer_id: int) -> int:
+        """Where this producer's sequence numbers continue on this stream."""
+        return self.dedup.get(producer_id, 0)
+
+    # -- the books --------------------------------------------------------------
+
+    def outstanding(self) -> int:
+        """Space promised or issuable to writers, not yet filled."""
+        total = 0
+        for w in self.writers:
+            state = w.session.inbound(w.channel)
+            total += state.capacity - state.buffered_bytes
+        return total
+
+    def unassigned(self) -> int:
+        """Log space that no writer holds; never negative."""
+        return max(0, self.log.free_capacity - self.reserve - self.outstanding())
+
+    def guarantees_outstanding(self) -> int:
+        """Guarantees the writers hold (as the gateway knows them)."""
+        return sum(max(0, w.session.inbound(w.channel).client_guarantees) for w in self.writers)
+
+    # -- batches --------------------------------------------------------------
+
+    def append(
+        self,
+        writer: Writer,
+        first_sequence: int,
+        record_count: int,
+        records: memoryview,
+        *,
+        now: float,
+        timestamp_us: int,
+    ) -> bool:
+        """Store one batch that the writer's channel buffered; False for a duplicate.
+
+        Raises:
+            ProtocolError: the batch overlaps stored records without matching
+                them (a resend must repeat the original batches exactly).
+        """
+        writer.last_active = now
+        next_sequence = self.dedup.get(writer.producer_id, 0)
+        end_sequence = first_sequence + record_count
+        if first_sequence < next_sequence:
+            if end_sequence > next_sequence:
+                raise ProtocolError(
+                    f"stream {self.name}: batch {first_sequence}..{end_sequence} overlaps "
+                    f"stored records up to {next_sequence}",
+                    code=ErrorCode.MALFORMED_MESSAGE,
+                )
+            # Already stored: acknowledge it once the log is durable up to now.
+            self.duplicate_batches += 1
+            end = self.log.tail_position
+            writer.pending_acks.append((next_sequence, end))
+            self._inflight.append((end, writer))
+            self._process_released()
+            return False
+        result = self.log.append(
+            records,
+            producer_id=writer.producer_id,
+            first_sequence=first_sequence,
+            record_count=record_count,
+            timestamp_us=timestamp_us,
+        )
+        self.dedup[writer.producer_id] = end_sequence
+        self._appends.append((result.end_position, writer.producer_id, end_sequence))
+        writer.pending_acks.append((end_sequence, result.end_position))
+        self._inflight.append((result.end_position, writer))
+        self.appended_batches += 1
+        self.appended_records += record_count
+        return True
+
+    def on_durable(self) -> None:
+        """After a group commit: send the acks that durability now allows."""
+        durable = self.log.durable_position
+        while self._appends and self._appends[0][0] <= durable:
+            _, producer, next_sequence = self._appends.popleft()
+            self._durable_dedup[producer] = next_sequence
+        for w in self.writers:
+            acked = None
+            while w.pending_acks and w.pending_acks[0][1] <= durable:
+                acked = w.pending_acks.popleft()[0]
+            if acked is not None:
+                w.session.send_global(
+                    m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
+                )
+        if self._pending_release is not None:
+            self.release(self._pending_release)
+
+    # -- release and credit --------------------------------------------------------
+
+    def release(self, position: int) -> None:
+        """Spark committed everything before ``position``: free it, share it out.
+
+        A position beyond what is durable is remembered and applied as the
+        log becomes durable (Spark may read what is published before it is
+        fsynced).
+        """
+        durable = self.log.durable_position
+        if position > durable:
+            self._pending_release = position
+            position = durable
+        else:
+            self._pending_release = None
+        if position <= self.log.release_position:
+            return
+        # Frames being reclaimed must stay recognisable as duplicates.
+        self._write_snapshot()
+        self.log.release(position)
+        self._process_released()
+
+    def _process_released(self) -> None:
+        released = self.log.release_position
+        if self.log.release_position == self.log.tail_position:
+            released = self.log.tail_position
+        shares = self._shares(now=None)
+        while self._inflight and self._inflight[0][0] <= released:
+            _, writer = self._inflight.popleft()
+            if not writer.alive:
+                continue
+            state = writer.session.inbound(writer.channel)
+            # Above its share, a writer's buffer shrinks instead of re-issuing.
+            writer.session.process(
+                writer.handle, reissue=state.capacity <= shares.get(id(writer), 0)
+            )
+
+    def _shares(self, now: float | None) -> dict[int, int]:
+        """The fair share of each writer: equal among active, a floor for idle."""
+        total = max(0, self.log.capacity - self.reserve)
+        live = self.writers
+        if not live:
+            return {}
+        idle = []
+        if now is not None and len(live) > 1:
+            idle = [w for w in live if now - w.last_active > IDLE_AFTER_S]
+            if len(idle) == len(live):
+                idle = []
+        active = [w for w in live if w not in idle]
+        floor = min(self._floor, total // len(live))
+        share = (total - floor * len(idle)) // max(1, len(active))
+        out = {id(w): share for w in active}
+        out.update({id(w): floor for w in idle})
+        return out
+
+    def rebalance(self, now: float) -> None:
+        """Grant free space to writers below their share; plead those above it."""
+        shares = self._shares(now)
+        if not shares:
+            return
+        unassigned = self.unassigned()
+        starving = False
+        for w in self.writers:
+            state = w.session.inbound(w.channel)
+            want = shares[id(w)] - state.capacity
+            if want > 0:
+                grant = min(want, unassigned)
+                if grant:
+                    state.grow(grant)
+                    unassigned -= grant
+                if grant < want:
+                    starving = True
+        for w in self.writers:
+            state = w.session.inbound(w.channel)
+            excess = state.capacity - shares[id(w)]
+            if starving and excess > 0 and state.client_guarantees > 0:
+                target = max(0, state.client_guarantees - excess)
+                if w.pleaded != target:
+                    w.session.plead(w.channel, target)
+                    w.pleaded = target
+            elif excess <= 0:
+                w.pleaded = None
+            w.session.issue(w.channel)
+
+    def statistics(self) -> StreamStatistics:
+        return StreamStatistics(
+            name=self.name,
+            capacity=self.log.capacity,
+            free_capacity=self.log.free_capacity,
+            tail_position=self.log.tail_position,
+            durable_position=self.log.durable_position,
+            release_position=self.log.release_position,
+            writers=len(self.writers),
+            guarantees_outstanding=self.guarantees_outstanding(),
+            appended_batches=self.appended_batches,
+            appended_records=self.appended_records,
+            duplicate_batches=self.duplicate_batches,
+        )
+
+    def close(self) -> None:
+        self.log.close()

@@ -1,0 +1,300 @@
+"""The gateway against raw protocol peers on loopback.
+
+These peers drive a sans-IO producer session by hand over a real socket, so a
+test can send exactly the frames it wants, including wrong ones. The producer
+library has its own tests (tests/client).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from headgate.config import GatewayConfig
+from headgate.costs import batch_cost
+from headgate.gateway import Gateway
+from headgate.log import LogReader
+from headgate.protocol import messages as m
+from headgate.protocol.codec import FrameDecoder, encode_frame
+from headgate.protocol.errors import ErrorCode
+from headgate.protocol.frames import Absolve, Apologise, SendChannel, SendGlobal
+from headgate.protocol.records import decode_records, encode_records
+from headgate.protocol.session import (
+    AckReceived,
+    Event,
+    GuaranteesReceived,
+    MessageReceived,
+    Role,
+    Session,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(tmp_path: Path, **kw: object) -> GatewayConfig:
+    base: dict[str, object] = dict(
+        listen=("127.0.0.1", 0),
+        data_dir=tmp_path / "data",
+        stream_capacity=256 * 1024,
+        term_length=64 * 1024,
+        max_message_size=16 * 1024,
+        group_commit_interval_ms=1.0,
+    )
+    base.update(kw)
+    return GatewayConfig(**base)  # type: ignore[arg-type]
+
+
+class RawPeer:
+    """A producer session over a socket, pumped by hand."""
+
+    def __init__(self, producer_id: int = 1) -> None:
+        self.session = Session(Role.PRODUCER, data_cost=batch_cost)
+        self.producer_id = producer_id
+        self.events: list[Event] = []
+        self.reader: asyncio.StreamReader
+        self.writer: asyncio.StreamWriter
+        self.closed = False
+
+    async def connect(self, address: tuple[str, int]) -> None:
+        self.reader, self.writer = await asyncio.open_connection(*address)
+        self.session.send_global(m.Hello(producer_id=self.producer_id, client_name="raw"))
+        await self.send()
+        await self.until(lambda: self.session.opened)
+
+    async def send(self, raw: bytes = b"") -> None:
+        self.writer.write(self.session.data_to_send() + raw)
+        await self.writer.drain()
+
+    async def pump(self, timeout: float = 0.05) -> None:
+        try:
+            data = await asyncio.wait_for(self.reader.read(1 << 16), timeout)
+        except TimeoutError:
+            return
+        if not data:
+            self.closed = True
+            return
+        self.events += self.session.receive_data(data)
+        await self.send()
+
+    async def until(self, condition: object, timeout: float = 10.0) -> None:
+        assert callable(condition)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not condition():
+            assert loop.time() < deadline, "timed out waiting"
+            assert not self.closed, f"connection closed; events: {self.events[-3:]}"
+            await self.pump()
+
+    def acked(self, handle: int) -> int:
+        acks = [e.ack for e in self.events if isinstance(e, AckReceived) and e.ack.handle == handle]
+        return acks[-1].next_sequence if acks else -1
+
+    def errors(self) -> list[m.Error]:
+        return [
+            e.message
+            for e in self.events
+            if isinstance(e, MessageReceived) and isinstance(e.message, m.Error)
+        ]
+
+    async def bind(self, stream: str) -> int:
+        handle = self.session.bind_stream(stream)
+        assert handle is not None
+        await self.send()
+        await self.until(lambda: self.acked(handle) >= 0)
+        return handle
+
+    async def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(ConnectionError):
+            await self.writer.wait_closed()
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    gw = Gateway(config(tmp_path))
+    await gw.start()
+    yield gw
+    await gw.stop()
+
+
+def stored(data_dir: Path, stream: str) -> list[tuple[int, int, list[bytes]]]:
+    reader = LogReader.open(data_dir / "streams" / stream)
+    try:
+        frames = reader.read(reader.start_position(), reader.published_position())
+        out = []
+        for f in frames:
+            values, _ = decode_records(f.payload).to_lists()
+            out.append((f.producer_id, f.first_sequence, values))
+        return out
+    finally:
+        reader.close()
+
+
+async def test_batches_are_stored_acked_when_durable_and_credit_comes_from_log_space(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    peer = RawPeer()
+    await peer.connect(gateway.address)
+    h = await peer.bind("ticks")
+    await peer.until(lambda: peer.session.outbound(m.data_channel(h)).guarantees > 0)
+    stream = gateway.streams["ticks"]
+    # Guarantees never exceed what the log can take beyond the padding reserve.
+    assert peer.session.outbound(2).guarantees <= stream.log.free_capacity - stream.reserve
+    for i in range(10):
+        assert peer.session.send_batch(h, i * 2, encode_records([b"v%d" % i, b"w%d" % i]))
+    await peer.send()
+    await peer.until(lambda: peer.acked(h) == 20)
+    assert stream.log.durable_position >= stream.log.tail_position - 0
+    got = stored(tmp_path / "data", "ticks")
+    assert [s for _, s, _ in got] == list(range(0, 20, 2))
+    assert got[0] == (1, 0, [b"v0", b"w0"])
+    await peer.close()
+
+
+async def test_a_full_stream_waits_while_another_on_the_same_connection_flows(
+    tmp_path: Path,
+) -> None:
+    gw = Gateway(config(tmp_path))
+    await gw.start()
+    try:
+        peer = RawPeer()
+        await peer.connect(gw.address)
+        a = await peer.bind("a")
+        b = await peer.bind("b")
+        block = encode_records([b"x" * 1000] * 8)
+        sent_a = 0
+        await peer.until(lambda: peer.session.outbound(m.data_channel(a)).guarantees > 0)
+        while peer.session.send_batch(a, sent_a * 8, block):
+            sent_a += 1
+        assert 0 < sent_a < 64, "A's credit is bounded by its log's capacity"
+        await peer.send()
+        # Nothing releases A. B still flows, many times A's capacity over time.
+        sent_b = 0
+        for _ in range(200):
+            await peer.until(lambda: peer.session.can_send_batch(b, len(block)))
+            while peer.session.send_batch(b, sent_b * 8, block):
+                sent_b += 1
+            await peer.send()
+            await peer.until(lambda n=sent_b: peer.acked(b) == n * 8)
+            # B's consumer keeps up: release everything durable.
+            gw.release("b", gw.streams["b"].log.durable_position)
+            if sent_b > 3 * sent_a:
+                break
+        assert sent_b > 3 * sent_a
+        assert not peer.session.can_send_batch(a, len(block)), "A must still be waiting"
+        # Spark releases A: A resumes.
+        await peer.until(lambda: peer.acked(a) == sent_a * 8)
+        gw.release("a", gw.streams["a"].log.durable_position)
+        await peer.until(lambda: peer.session.can_send_batch(a, len(block)))
+        await peer.close()
+    finally:
+        await gw.stop()
+
+
+async def test_resent_batches_are_not_stored_twice_even_across_a_restart(tmp_path: Path) -> None:
+    cfg = config(tmp_path)
+    gw = Gateway(cfg)
+    await gw.start()
+    peer = RawPeer(producer_id=42)
+    await peer.connect(gw.address)
+    h = await peer.bind("s")
+    await peer.until(lambda: peer.session.outbound(2).guarantees > 0)
+    for i in range(5):
+        peer.session.send_batch(h, i, encode_records([b"%d" % i]))
+    await peer.send()
+    await peer.until(lambda: peer.acked(h) == 5)
+    await peer.close()
+    await gw.stop()
+
+    gw = Gateway(cfg)  # a restart on the same data
+    await gw.start()
+    try:
+        again = RawPeer(producer_id=42)
+        await again.connect(gw.address)
+        h = await again.bind("s")
+        assert again.acked(h) == 5, "the initial ack says where the sequence resumes"
+        await again.until(lambda: again.session.outbound(2).guarantees > 0)
+        # A resend of everything (say the acks were lost), then one new batch.
+        for i in range(6):
+            again.session.send_batch(h, i, encode_records([b"%d" % i]))
+        await again.send()
+        await again.until(lambda: again.acked(h) == 6)
+        seqs = [s for _, s, _ in stored(tmp_path / "data", "s")]
+        assert seqs == [0, 1, 2, 3, 4, 5]
+        assert gw.streams["s"].duplicate_batches == 5
+        await again.close()
+    finally:
+        await gw.stop()
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"),
+    [
+        (encode_frame(Absolve(channel=2, amount=10**9)), ErrorCode.ABSOLVED_TOO_MUCH),
+        (encode_frame(Apologise(channel=2)), ErrorCode.UNEXPECTED_APOLOGY),
+        (
+            encode_frame(SendChannel(channel=2, payload=m.encode_batch_header(0) + b"junk")),
+            ErrorCode.MALFORMED_MESSAGE,
+        ),
+        (encode_frame(SendChannel(channel=40, payload=b"x" * 20)), ErrorCode.UNKNOWN_HANDLE),
+        (b"\x8f" + b"\xff" * 8, ErrorCode.FRAME_TOO_LARGE),
+    ],
+)
+async def test_a_misbehaving_client_gets_its_error_and_others_are_undisturbed(
+    gateway: Gateway, tmp_path: Path, raw: bytes, code: ErrorCode
+) -> None:
+    good = RawPeer(producer_id=1)
+    await good.connect(gateway.address)
+    hg = await good.bind("good")
+    bad = RawPeer(producer_id=2)
+    await bad.connect(gateway.address)
+    await bad.bind("bad")
+    await bad.send(raw)
+    await bad.until(lambda: bad.closed)
+    assert [e.code for e in bad.errors()] == [code]
+    # The good client on the same gateway keeps working and loses nothing.
+    await good.until(lambda: good.session.outbound(m.data_channel(hg)).guarantees > 0)
+    for i in range(20):
+        assert good.session.send_batch(hg, i, encode_records([b"ok"]))
+    await good.send()
+    await good.until(lambda: good.acked(hg) == 20)
+    assert len(stored(tmp_path / "data", "good")) == 20
+    await good.close()
+
+
+async def test_a_peer_that_sends_no_hello_is_told_so(gateway: Gateway) -> None:
+    reader, writer = await asyncio.open_connection(*gateway.address)
+    writer.write(encode_frame(Apologise(channel=0)))
+    data = await asyncio.wait_for(reader.read(), 5)
+    frames = FrameDecoder(max_payload=1 << 16).feed(data)
+    assert len(frames) == 1 and isinstance(frames[0], SendGlobal)
+    error = m.decode_global(frames[0].payload)
+    assert isinstance(error, m.Error) and error.code is ErrorCode.BAD_HELLO
+    writer.close()
+
+
+async def test_two_writers_of_one_stream_share_its_capacity(gateway: Gateway) -> None:
+    first = RawPeer(producer_id=1)
+    await first.connect(gateway.address)
+    h1 = await first.bind("shared")
+    await first.until(lambda: first.session.outbound(m.data_channel(h1)).guarantees > 0)
+    alone = first.session.outbound(m.data_channel(h1)).guarantees
+    second = RawPeer(producer_id=2)
+    await second.connect(gateway.address)
+    h2 = await second.bind("shared")
+    # The first writer is pleaded down; the second gets the absolved space.
+    await first.until(lambda: first.session.outbound(m.data_channel(h1)).guarantees < alone)
+    await second.until(lambda: second.session.outbound(m.data_channel(h2)).guarantees > alone // 3)
+    g1 = first.session.outbound(m.data_channel(h1)).guarantees
+    g2 = second.session.outbound(m.data_channel(h2)).guarantees
+    stream = gateway.streams["shared"]
+    assert g1 + g2 <= stream.log.free_capacity - stream.reserve
+    assert abs(g1 - g2) <= alone // 10
+    events = [e for e in second.events if isinstance(e, GuaranteesReceived)]
+    assert events
+    await first.close()
+    await second.close()
