@@ -1,0 +1,239 @@
+"""Recovery: reopening a log after its writer stopped, cleanly or not.
+
+The writer may have been killed at any instruction, or the machine may have
+lost power. Recovery finds the last committed, intact frame, cuts off what
+follows, and leaves the log ready to continue exactly there. The rules (and
+why each is safe) are in LOG.md, "Recovery"; in short:
+
+1. The durable/release pair in the metadata page is believed only if its
+   checksum holds, and then only as a lower bound for the tail.
+2. The scan starts at the first byte of the term holding the durable position
+   (a term start is always a frame boundary) and checks every frame's
+   checksum until the first one that is not whole and intact: that is the tail.
+3. A tail below the durable position means history that was reported durable
+   is damaged: :class:`LogCorruptError`, naming the file and offset.
+4. Everything after the tail is zeroed (in the tail's term) or deleted (later
+   terms), made durable, and only then are the positions rewritten.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from headgate.log.errors import LogCorruptError
+from headgate.log.frame import FRAME_ALIGNMENT, HEADER_LENGTH
+from headgate.log.metadata import POSITIONS_OFFSET, MetadataPage
+from headgate.log.position import (
+    MAX_POSITION,
+    normalize_position,
+    term_id_of,
+    term_offset_of,
+    term_start,
+)
+from headgate.log.scanner import FrameProblem, FrameScanner
+from headgate.log.term import TermFile, fsync_directory, list_term_files, term_file_name
+
+_ZERO_CHUNK: Final = bytes(64 * 1024)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecoveryReport:
+    """What recovery found when a log was reopened, for the operator's log."""
+
+    #: Where appends continue.
+    tail: int
+    #: The release position recovery settled on.
+    release: int
+    #: Where the frame-by-frame check started (the durable position's term).
+    scanned_from: int
+    #: Whether the stored durable/release pair passed its checksum.
+    positions_trusted: bool
+    #: Why the frame at the tail was not accepted, if it was not simply empty:
+    #: a torn or half-written frame that was cut off.
+    cut: str | None
+    #: Bytes after the tail that were not zero and were zeroed: a frame the
+    #: writer had begun but not committed, or the remains of one cut off.
+    zeroed_bytes: int
+
+
+@dataclass(slots=True)
+class RecoveredLog:
+    """The state a writer continues from."""
+
+    #: Open, full-size term files from the release position's term to the tail's term.
+    terms: dict[int, TermFile]
+    #: The next append position; every frame before it is whole, intact and durable.
+    tail: int
+    #: The release position (space before it is free).
+    release: int
+    #: What recovery found.
+    report: RecoveryReport
+
+
+class LogRecovery:
+    """Recovers one log directory whose writer lock the caller holds."""
+
+    def __init__(self, directory: Path, meta: MetadataPage) -> None:
+        self._directory = directory
+        self._meta = meta
+        self._term_length = meta.settings.term_length
+        self._shift = self._term_length.bit_length() - 1
+        self._files = list_term_files(directory)
+        self._open: dict[int, TermFile] = {}
+        self._created = False
+        self._extended = False
+
+    def run(self) -> RecoveredLog:
+        """Recover; on any error every file this opened is closed again."""
+        try:
+            return self._run()
+        except BaseException:
+            for term in self._open.values():
+                term.close()
+            raise
+
+    def _run(self) -> RecoveredLog:
+        shift = self._shift
+        stored = self._meta.stored_positions()
+        if stored is not None:
+            durable, release = stored
+            self._check_stored(durable, release)
+        elif self._files:
+            # The pair is torn or damaged. The oldest term start is the only
+            # boundary left to trust; frames are then checked from there on.
+            durable = release = term_start(min(self._files), shift)
+        else:
+            raise LogCorruptError(
+                self._meta.path,
+                POSITIONS_OFFSET,
+                "durable/release positions fail their checksum and no term files exist",
+            )
+
+        first_term = term_id_of(release, shift)
+        for term_id in [t for t in self._files if t < first_term]:
+            # Released terms whose removal a crash interrupted.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._files.pop(term_id))
+
+        scanner = FrameScanner(self._directory, self._term_length, self._lookup)
+        scan_from = max(term_start(term_id_of(durable, shift), shift), release)
+        tail, cut = self._find_tail(scanner, scan_from, durable)
+        tail_term = term_id_of(tail, shift)
+
+        # History between the release and the scan start was not rescanned
+        # (the durable hint is there for speed), but its files must be whole.
+        for term_id in range(first_term, tail_term):
+            term = self._lookup(term_id)
+            if term is None:
+                raise LogCorruptError(
+                    self._directory / term_file_name(term_id), 0, "term file is missing"
+                )
+            if term.size != self._term_length:
+                raise LogCorruptError(
+                    term.path,
+                    term.size,
+                    f"term file is truncated to {term.size} bytes of {self._term_length}",
+                )
+
+        zeroed = self._cut_after(tail, tail_term)
+        # Frames after the old durable position may still be only in the page
+        # cache (a killed process leaves them there); from here on they count
+        # as durable, so they go to disk first. Older terms already are, and
+        # after a clean close there is nothing to write at all.
+        if tail != durable or zeroed or self._extended:
+            for term_id in range(term_id_of(scan_from, shift), tail_term + 1):
+                self._open[term_id].sync()
+        if self._created:
+            fsync_directory(self._directory)
+        self._meta.store_published(tail)
+        if stored != (tail, release):
+            self._meta.store_positions(tail, release)
+            self._meta.sync()
+        report = RecoveryReport(
+            tail=tail,
+            release=release,
+            scanned_from=scan_from,
+            positions_trusted=stored is not None,
+            cut=cut,
+            zeroed_bytes=zeroed,
+        )
+        return RecoveredLog(terms=dict(self._open), tail=tail, release=release, report=report)
+
+    def _check_stored(self, durable: int, release: int) -> None:
+        term_length = self._term_length
+        if not (
+            0 <= release <= durable <= MAX_POSITION
+            and release % FRAME_ALIGNMENT == 0
+            and durable % FRAME_ALIGNMENT == 0
+            and normalize_position(release, term_length, HEADER_LENGTH) == release
+            and normalize_position(durable, term_length, HEADER_LENGTH) == durable
+        ):
+            raise LogCorruptError(
+                self._meta.path,
+                POSITIONS_OFFSET,
+                f"stored positions durable={durable} release={release} are impossible",
+            )
+
+    def _find_tail(self, scanner: FrameScanner, start: int, durable: int) -> tuple[int, str | None]:
+        try:
+            for _ in scanner.frames(start, MAX_POSITION):
+                pass
+        except FrameProblem as problem:
+            if problem.position < durable:
+                raise LogCorruptError(
+                    problem.path,
+                    problem.offset,
+                    f"{problem.reason}; positions up to {durable} were reported durable",
+                ) from None
+            committed_nothing = problem.reason.startswith("no frame committed")
+            return problem.position, None if committed_nothing else problem.reason
+        raise AssertionError("the scan ends at a problem")  # pragma: no cover
+
+    def _cut_after(self, tail: int, tail_term: int) -> int:
+        """Zero the tail's term after the tail, delete later terms, create the tail's term."""
+        for term_id in [t for t in self._files if t > tail_term]:
+            term = self._open.pop(term_id, None)
+            if term is not None:
+                term.close()
+            os.unlink(self._files.pop(term_id))
+        term = self._lookup(tail_term)
+        if term is None:
+            term = TermFile.create(self._directory, tail_term, self._term_length)
+            self._files[tail_term] = term.path
+            self._open[tail_term] = term
+            self._created = True
+            return 0
+        if term.size < self._term_length:
+            term.extend(self._term_length)
+            self._extended = True
+        zeroed = 0
+        view = term.view
+        chunk = len(_ZERO_CHUNK)
+        offset = term_offset_of(tail, self._term_length)
+        while offset < self._term_length:
+            end = min(offset + chunk, self._term_length)
+            if view[offset:end] != _ZERO_CHUNK[: end - offset]:
+                zeroed += end - offset - bytes(view[offset:end]).count(0)
+                view[offset:end] = _ZERO_CHUNK[: end - offset]
+            offset = end
+        return zeroed
+
+    def _lookup(self, term_id: int) -> TermFile | None:
+        term = self._open.get(term_id)
+        if term is not None:
+            return term
+        path = self._files.get(term_id)
+        if path is None:
+            return None
+        term = TermFile.open(path, term_id, writable=True)
+        if term.size > self._term_length:
+            term.close()
+            raise LogCorruptError(
+                path, self._term_length, f"term file is {term.size} bytes, longer than a term"
+            )
+        self._open[term_id] = term
+        return term

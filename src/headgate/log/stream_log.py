@@ -1,0 +1,752 @@
+"""StreamLog: the single writer of one stream's log.
+
+The gateway owns one ``StreamLog`` per stream. Its event-loop thread (the
+*owner*) appends batches as they arrive and releases space as Spark commits;
+a worker thread runs :meth:`StreamLog.sync`, the group commit, every few
+milliseconds; Spark executors in other processes read the same files through
+:class:`~headgate.log.reader.LogReader`.
+
+What is locked, exactly:
+
+* ``_sync_lock`` serialises group commits (and ``close``), so two ``sync``
+  calls never interleave their fsyncs and durable-position updates.
+* ``_lock`` guards the term table, the durable and release positions and the
+  durable/release pair in the metadata page. The owner takes it only to
+  create a term the preparer has not written yet, and to release; ``sync``
+  takes it twice, briefly, to snapshot what to fsync and to publish the new
+  durable position; the term preparer takes it to hand over a term. The
+  fsyncs themselves run with no lock held (and without the GIL), so appends
+  never wait for the disk.
+* Appends take no lock. They write a frame's bytes, then its commit word
+  (length and checksum), then the tail and the published position. ``sync``
+  reads the tail once (an int attribute read is atomic under the GIL); every
+  frame below that tail is already whole in the page cache, so the fsync
+  that follows covers it.
+
+Only the owner thread may call ``append``, ``release``, ``read`` and
+``scan_headers``; ``sync``, ``wait_durable`` and the position properties may be
+used from any thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Final
+
+from headgate.log.errors import LogCorruptError, LogError, LogFullError
+from headgate.log.frame import (
+    COMMIT,
+    DATA_FRAME,
+    FORMAT_VERSION,
+    FRAME_ALIGNMENT,
+    HEADER_BODY,
+    HEADER_LENGTH,
+    MAX_U32,
+    TYPE_OFFSET,
+    AppendResult,
+    FrameHeader,
+    LogFrame,
+    frame_cost,
+    padding_body,
+    padding_checksum,
+)
+from headgate.log.metadata import (
+    I64,
+    META_FILE_NAME,
+    PUBLISHED_POSITION_OFFSET,
+    MetadataPage,
+    Settings,
+)
+from headgate.log.position import (
+    MAX_TERM_LENGTH,
+    MIN_TERM_LENGTH,
+    normalize_position,
+    term_id_of,
+    term_offset_of,
+    term_start,
+)
+from headgate.log.preparer import MIN_PREPARED_TERM_LENGTH, TermPreparer
+from headgate.log.recovery import LogRecovery, RecoveryReport
+from headgate.log.scanner import FrameProblem, FrameScanner
+from headgate.log.term import TermFile, fsync_directory, list_term_files
+
+DEFAULT_TERM_LENGTH: Final = 16 * 1024 * 1024
+"""Term length of a new log when none is given."""
+
+DEFAULT_TERMS_PER_CAPACITY: Final = 4
+"""A new log's capacity, when none is given, is this many terms."""
+
+LOCK_FILE_NAME: Final = "writer.lock"
+
+_PADDING_BODY: Final = padding_body()
+_new_result = tuple.__new__  # skips NamedTuple.__new__'s Python frame on the hot path
+
+
+class StreamLog:
+    """The single writer of one stream's log: append, group commit, release, read back.
+
+    Open one with :meth:`open`. Appends go to memory-mapped term files and
+    never wait for the disk; :meth:`sync` makes them durable in groups;
+    :meth:`release` frees the space a consumer is done with. Positions are
+    byte offsets into the stream's whole history (see LOG.md).
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        lock_fd: int,
+        meta: MetadataPage,
+        terms: dict[int, TermFile],
+        tail: int,
+        release: int,
+    ) -> None:
+        settings = meta.settings
+        self._directory = directory
+        self._lock_fd = lock_fd
+        self._meta = meta
+        self._meta_buffer = meta.buffer
+        self._term_length = settings.term_length
+        self._shift = settings.term_length.bit_length() - 1
+        self._capacity = settings.capacity
+        self._terms = terms
+        self._tail = tail
+        self._release = release
+        self._durable = tail
+        self._directory_dirty = False
+        self._closed = False
+        self._recovery: RecoveryReport | None = None
+        # Whether the stored durable/release pair changed since the page was last fsynced.
+        self._meta_dirty = False
+        self._lock = threading.Lock()
+        self._durable_changed = threading.Condition(self._lock)
+        self._sync_lock = threading.Lock()
+        self._scanner = FrameScanner(directory, settings.term_length, self._terms.get)
+        active = terms[term_id_of(tail, self._shift)]
+        self._active = active
+        self._buffer = active.mapped
+        self._view = active.view
+        self._term_base = term_start(active.term_id, self._shift)
+        self._fast_end = 0
+        self._refresh_fast_end()
+        self._preparer = TermPreparer(directory, settings.term_length, self._install_prepared)
+        if active.term_id + 1 not in terms:
+            self._preparer.request(active.term_id + 1)
+
+    # --- opening and closing ------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        directory: str | os.PathLike[str],
+        *,
+        term_length: int | None = None,
+        capacity: int | None = None,
+        create: bool = True,
+    ) -> StreamLog:
+        """Open the log in ``directory``, creating it or recovering it as needed.
+
+        Args:
+            directory: One directory per stream; created if missing and ``create``.
+            term_length: Bytes per term file, a power of two from 4 KiB to
+                1 GiB (64 KiB or more outside tests). Default 16 MiB for a new
+                log; an existing log keeps its own, and a different value
+                given here is a :class:`LogError`.
+            capacity: Most bytes between the release position and the tail,
+                a multiple of 8 of at least a header. Default four terms. An
+                existing log keeps its stored capacity.
+            create: If false, a missing log is a :class:`LogError`.
+
+        Reopening after a crash cuts off a torn tail and continues exactly
+        after the last whole frame (see LOG.md, "Recovery"). A second writer
+        on the same directory, in any process, gets a :class:`LogError`.
+        """
+        path = Path(directory)
+        if not path.is_dir():
+            if not create:
+                raise LogError(f"no stream log at {path}")
+            path.mkdir(parents=True, exist_ok=True)
+        lock_fd = _lock_directory(path)
+        try:
+            return cls._open_locked(path, lock_fd, term_length, capacity, create)
+        except BaseException:
+            os.close(lock_fd)
+            raise
+
+    @classmethod
+    def _open_locked(
+        cls,
+        path: Path,
+        lock_fd: int,
+        term_length: int | None,
+        capacity: int | None,
+        create: bool,
+    ) -> StreamLog:
+        if term_length is not None:
+            _check_term_length(term_length)
+        if not (path / META_FILE_NAME).exists():
+            if list_term_files(path):
+                raise LogCorruptError(
+                    path / META_FILE_NAME, 0, "metadata file is missing but term files exist"
+                )
+            if not create:
+                raise LogError(f"no stream log at {path}")
+            length = DEFAULT_TERM_LENGTH if term_length is None else term_length
+            size = DEFAULT_TERMS_PER_CAPACITY * length if capacity is None else capacity
+            _check_capacity(size)
+            meta = MetadataPage.create(path, Settings(length, size), HEADER_LENGTH)
+            try:
+                # Written ahead like every later term, so that the first
+                # appends do not pay for block allocation either.
+                if length >= MIN_PREPARED_TERM_LENGTH:
+                    first = TermFile.prepare(path, 0, length)
+                    first.install()
+                else:
+                    first = TermFile.create(path, 0, length)
+            except BaseException:
+                meta.close()
+                raise
+            log = cls(path, lock_fd, meta, {0: first}, tail=0, release=0)
+            # Term 0's name reaches the disk with the first group commit. Should
+            # it be lost before that, recovery recreates it: nothing was durable.
+            log._directory_dirty = True
+            return log
+
+        meta = MetadataPage.open(path, HEADER_LENGTH, writable=True)
+        try:
+            stored = meta.settings
+            try:
+                _check_term_length(stored.term_length)
+                _check_capacity(stored.capacity)
+            except LogError as exc:
+                raise LogCorruptError(
+                    meta.path, 16, f"stored settings are invalid: {exc}"
+                ) from None
+            if term_length is not None and term_length != stored.term_length:
+                raise LogError(
+                    f"{path} has term_length {stored.term_length}, not {term_length}; "
+                    "the term length of an existing log cannot change"
+                )
+            recovered = LogRecovery(path, meta).run()
+        except BaseException:
+            meta.close()
+            raise
+        log = cls(path, lock_fd, meta, recovered.terms, recovered.tail, recovered.release)
+        log._recovery = recovered.report
+        return log
+
+    def close(self) -> None:
+        """Make everything appended durable, then close every file. Idempotent."""
+        with self._sync_lock:
+            if self._closed:
+                return
+            try:
+                self._sync_locked()
+                if self._meta_dirty:
+                    self._meta.sync()
+            finally:
+                with self._lock:
+                    self._closed = True
+                    # Sends every append down the slow path, which checks for close.
+                    self._fast_end = -1
+                    self._durable_changed.notify_all()
+                    for term in self._terms.values():
+                        term.close()
+                    self._terms.clear()
+                self._preparer.close()
+                self._meta.close()
+                os.close(self._lock_fd)
+
+    def __enter__(self) -> StreamLog:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # --- positions and capacity ---------------------------------------------
+
+    @property
+    def directory(self) -> Path:
+        """The log's directory."""
+        return self._directory
+
+    @property
+    def term_length(self) -> int:
+        """Bytes per term file."""
+        return self._term_length
+
+    @property
+    def recovery(self) -> RecoveryReport | None:
+        """What recovery found when this existing log was opened; ``None`` for a new log."""
+        return self._recovery
+
+    @property
+    def capacity(self) -> int:
+        """Most bytes the log holds between the release position and the tail."""
+        return self._capacity
+
+    @property
+    def max_payload(self) -> int:
+        """Largest payload an append can ever take: a whole term, or the capacity, less a header."""
+        return min(self._term_length, self._capacity) - HEADER_LENGTH
+
+    @property
+    def tail_position(self) -> int:
+        """Where the next frame goes (or the padding before it)."""
+        return self._tail
+
+    @property
+    def published_position(self) -> int:
+        """What readers in other processes may read: every frame before it is committed.
+
+        The writer publishes after every append, so this equals the tail; it is
+        a separate name because readers see it through the metadata page.
+        """
+        return self._tail
+
+    @property
+    def durable_position(self) -> int:
+        """Every frame before this position is on the device (fsynced)."""
+        return self._durable
+
+    @property
+    def release_position(self) -> int:
+        """The consumer is done with everything before this position."""
+        return self._release
+
+    @property
+    def free_capacity(self) -> int:
+        """``capacity - (tail_position - release_position)``: padding counts as used."""
+        return self._capacity - (self._tail - self._release)
+
+    def append_cost(self, payload_length: int) -> int:
+        """How far an append of ``payload_length`` bytes would move the tail right now.
+
+        ``frame_cost(payload_length)``, plus the rest of the term if the frame
+        does not fit in it (padding), plus the last few bytes of a term if the
+        frame would leave less than a header there (implicit padding).
+        """
+        cost = frame_cost(payload_length)
+        offset = self._tail - self._term_base
+        start = self._tail
+        if offset + cost > self._term_length:
+            start += self._term_length - offset
+        end = normalize_position(start + cost, self._term_length, HEADER_LENGTH)
+        return end - self._tail
+
+    # --- appending ------------------------------------------------------------
+
+    def append(
+        self,
+        payload: bytes | bytearray | memoryview,
+        *,
+        producer_id: int,
+        first_sequence: int,
+        record_count: int,
+        timestamp_us: int,
+    ) -> AppendResult:
+        """Append one batch as one frame; return where it went. Never waits for the disk.
+
+        Args:
+            payload: The batch bytes (a memoryview must be of bytes).
+            producer_id: Unsigned 64-bit id of the producer.
+            first_sequence: Unsigned 64-bit sequence number of the first record.
+            record_count: Unsigned 32-bit count of records in the batch.
+            timestamp_us: Signed 64-bit time of acceptance, microseconds.
+
+        Raises :class:`LogFullError` if :meth:`append_cost` exceeds
+        :attr:`free_capacity`, or if the payload exceeds :attr:`max_payload`.
+        When the frame does not fit in the rest of the term but padding does,
+        the padding is written even if the frame then does not fit, so that
+        the frame fits once the consumer releases up to the new term.
+        """
+        length = HEADER_LENGTH + len(payload)
+        position = self._tail
+        end = position + ((length + FRAME_ALIGNMENT - 1) & -FRAME_ALIGNMENT)
+        if end > self._fast_end:
+            return self._append_slowly(
+                payload, producer_id, first_sequence, record_count, timestamp_us
+            )
+        buffer = self._buffer
+        offset = position - self._term_base
+        # Everything but the commit word first; the commit word (length and
+        # checksum, one aligned 8-byte store) makes the frame visible.
+        try:
+            HEADER_BODY.pack_into(
+                buffer,
+                offset + TYPE_OFFSET,
+                DATA_FRAME,
+                0,
+                FORMAT_VERSION,
+                record_count,
+                producer_id,
+                first_sequence,
+                timestamp_us,
+            )
+        except struct.error as exc:
+            raise LogError(f"frame header field out of range: {exc}") from None
+        buffer[offset + HEADER_LENGTH : offset + length] = payload
+        COMMIT.pack_into(
+            buffer,
+            offset,
+            length,
+            zlib.crc32(
+                self._view[offset + TYPE_OFFSET : offset + length],
+                (position ^ (position >> 32)) & MAX_U32,
+            ),
+        )
+        self._tail = end
+        I64.pack_into(self._meta_buffer, PUBLISHED_POSITION_OFFSET, end)
+        return _new_result(AppendResult, (position, end))
+
+    def _append_slowly(
+        self,
+        payload: bytes | bytearray | memoryview,
+        producer_id: int,
+        first_sequence: int,
+        record_count: int,
+        timestamp_us: int,
+    ) -> AppendResult:
+        """Appends that rotate, leave implicit padding, end a term exactly, or do not fit."""
+        self._check_open()
+        payload_length = len(payload)
+        if payload_length > self.max_payload:
+            raise LogFullError(
+                f"a payload of {payload_length} bytes can never fit this log "
+                f"(max_payload is {self.max_payload})"
+            )
+        cost = frame_cost(payload_length)
+        term_length = self._term_length
+        if self._tail - self._term_base + cost > term_length:
+            padding = term_length - (self._tail - self._term_base)
+            if padding > self.free_capacity:
+                raise self._full(padding + cost)
+            self._pad_to_next_term()
+        end = normalize_position(self._tail + cost, term_length, HEADER_LENGTH)
+        if end - self._tail > self.free_capacity:
+            raise self._full(end - self._tail)
+        if term_offset_of(end, term_length) == 0:
+            # The frame ends the term. The next term must exist before the
+            # tail points into it (readers, sync and recovery rely on that),
+            # and before the frame commits, so that a failure to create it
+            # leaves no committed frame behind an append that raised.
+            self._ensure_term(term_id_of(end, self._shift))
+        position = self._tail
+        offset = position - self._term_base
+        length = HEADER_LENGTH + payload_length
+        buffer = self._buffer
+        try:
+            HEADER_BODY.pack_into(
+                buffer,
+                offset + TYPE_OFFSET,
+                DATA_FRAME,
+                0,
+                FORMAT_VERSION,
+                record_count,
+                producer_id,
+                first_sequence,
+                timestamp_us,
+            )
+        except struct.error as exc:
+            raise LogError(f"frame header field out of range: {exc}") from None
+        buffer[offset + HEADER_LENGTH : offset + length] = payload
+        checksum = zlib.crc32(
+            self._view[offset + TYPE_OFFSET : offset + length],
+            (position ^ (position >> 32)) & MAX_U32,
+        )
+        COMMIT.pack_into(buffer, offset, length, checksum)
+        self._advance_tail(end)
+        return AppendResult(position, end)
+
+    def _pad_to_next_term(self) -> None:
+        """Fill the rest of the active term with a padding frame and move to the next term."""
+        position = self._tail
+        offset = position - self._term_base
+        end = position + self._term_length - offset
+        self._ensure_term(term_id_of(end, self._shift))
+        buffer = self._buffer
+        buffer[offset + TYPE_OFFSET : offset + HEADER_LENGTH] = _PADDING_BODY
+        COMMIT.pack_into(
+            buffer, offset, self._term_length - offset, padding_checksum(_PADDING_BODY, position)
+        )
+        self._advance_tail(end)
+
+    def _ensure_term(self, term_id: int) -> None:
+        """Make term ``term_id`` exist: usually the preparer has written it already."""
+        if term_id in self._terms:
+            return
+        # Under the lock, so that a term the preparer finishes meanwhile
+        # cannot be renamed over this one.
+        with self._lock:
+            if term_id not in self._terms:
+                self._terms[term_id] = TermFile.create(self._directory, term_id, self._term_length)
+                self._directory_dirty = True
+
+    def _install_prepared(self, term: TermFile) -> bool:
+        """Take a term the preparer wrote ahead (called on its thread)."""
+        with self._lock:
+            if term.term_id in self._terms or self._closed:
+                return False
+            term.install()
+            self._terms[term.term_id] = term
+            self._directory_dirty = True
+            return True
+
+    def _advance_tail(self, end: int) -> None:
+        """Move the tail and the published position to ``end`` (frames before it are committed)."""
+        term_id = term_id_of(end, self._shift)
+        if term_id != self._active.term_id:
+            term = self._terms[term_id]
+            self._active = term
+            self._buffer = term.mapped
+            self._view = term.view
+            self._term_base = term_start(term_id, self._shift)
+            self._refresh_fast_end()
+            if term_id + 1 not in self._terms:
+                self._preparer.request(term_id + 1)
+        self._tail = end
+        I64.pack_into(self._meta_buffer, PUBLISHED_POSITION_OFFSET, end)
+
+    def _refresh_fast_end(self) -> None:
+        # A frame ending at or before this position fits the free capacity and
+        # leaves at least a header's room in the term: no rotation, no
+        # implicit padding, no new term. One comparison on the hot path.
+        self._fast_end = min(
+            self._term_base + self._term_length - HEADER_LENGTH, self._release + self._capacity
+        )
+
+    def _full(self, needed: int) -> LogFullError:
+        return LogFullError(
+            f"append needs {needed} bytes of log, {self.free_capacity} free "
+            f"(capacity {self._capacity}, tail {self._tail}, release {self._release})"
+        )
+
+    # --- durability -------------------------------------------------------------
+
+    def sync(self) -> int:
+        """Group commit: fsync what was appended, advance and store the durable position.
+
+        Safe to call from a worker thread while the owner appends (see the
+        module docstring for what is locked). Returns the new durable position.
+        One chore rides along, after the durable position is out: term files
+        that a release has freed are deleted, once that release is on disk.
+        """
+        with self._sync_lock:
+            self._check_open()
+            return self._sync_locked()
+
+    def _sync_locked(self) -> int:
+        with self._lock:
+            target = self._tail
+            durable = self._durable
+            directory_dirty = self._directory_dirty
+            self._directory_dirty = False
+            first = term_id_of(durable, self._shift)
+            last = term_id_of(target, self._shift)
+            dirty = [self._terms[t] for t in range(first, last + 1) if t in self._terms]
+        if target > durable or directory_dirty:
+            try:
+                for term in dirty:
+                    term.sync()
+                if directory_dirty:
+                    fsync_directory(self._directory)
+            except OSError as exc:
+                with self._lock:
+                    self._directory_dirty |= directory_dirty
+                raise LogError(f"group commit of {self._directory} failed: {exc}") from exc
+        with self._lock:
+            if target > self._durable:
+                self._durable = target
+                self._meta.store_positions(self._durable, self._release)
+                self._meta_dirty = True
+                self._durable_changed.notify_all()
+            release_term = term_id_of(self._release, self._shift)
+            freed = [t for t in self._terms if t < release_term]
+        if freed:
+            # The release that frees these terms must reach the disk before
+            # they leave it, or recovery would find history missing.
+            self._meta.sync()
+            self._meta_dirty = False
+            with self._lock:
+                doomed = [self._terms.pop(t) for t in freed]
+            for term in doomed:
+                term.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(term.path)
+        return self._durable
+
+    def wait_durable(self, position: int, timeout: float | None = None) -> bool:
+        """Block until ``position`` is durable; ``False`` on timeout or close.
+
+        This only waits: some thread must be calling :meth:`sync`.
+        """
+        with self._durable_changed:
+            self._durable_changed.wait_for(
+                lambda: self._durable >= position or self._closed, timeout
+            )
+            return self._durable >= position
+
+    # --- releasing ----------------------------------------------------------------
+
+    def release(self, position: int) -> None:
+        """Tell the log the consumer is done with everything before ``position``.
+
+        ``position`` must be a frame boundary (a frame's ``position`` or
+        ``end_position``, or the tail) from the release position to the
+        durable position. The space is free at once; term files wholly before
+        it are deleted at the next :meth:`sync`, after the new release
+        position is on disk.
+        """
+        self._check_open()
+        if not self._release <= position <= self._durable:
+            raise LogError(
+                f"cannot release to {position}: it must lie between the release position "
+                f"{self._release} and the durable position {self._durable}"
+            )
+        if position != self._tail and term_offset_of(position, self._term_length) != 0:
+            problem = self._scanner.check_frame(position)
+            if problem is not None:
+                raise LogError(
+                    f"cannot release to {position}: not a frame boundary ({problem.reason})"
+                )
+        with self._lock:
+            self._release = position
+            self._meta.store_positions(self._durable, position)
+            self._meta_dirty = True
+        self._refresh_fast_end()
+
+    # --- reading back ---------------------------------------------------------------
+
+    def read(
+        self, start: int, end: int | None = None, *, max_bytes: int | None = None
+    ) -> list[LogFrame]:
+        """The data frames from ``start`` up to ``end`` (default: the tail), padding skipped.
+
+        ``start`` must be a frame boundary at or after the release position.
+        With ``max_bytes``, frames stop before ``end_position - start`` of the
+        last one would exceed it, but at least one frame is returned if there
+        is any. Payloads are read-only views over the mapped terms.
+        """
+        self._check_open()
+        end = self._check_range(start, end)
+        frames: list[LogFrame] = []
+        try:
+            for position, next_position, term, offset, header in self._scanner.frames(start, end):
+                if frames and max_bytes is not None and next_position - start > max_bytes:
+                    break
+                frames.append(
+                    LogFrame(
+                        position,
+                        next_position,
+                        header[6],
+                        header[7],
+                        header[5],
+                        header[8],
+                        term.view[offset + HEADER_LENGTH : offset + header[0]].toreadonly(),
+                    )
+                )
+        except FrameProblem as problem:
+            raise _problem_error(problem, start) from None
+        except ValueError as exc:
+            raise LogError(f"end {end} is not a frame boundary: {exc}") from None
+        return frames
+
+    def scan_headers(
+        self, start: int, end: int | None = None, *, verify: bool = True
+    ) -> Iterator[FrameHeader]:
+        """Headers of the data frames from ``start`` to ``end`` (default: the tail).
+
+        For rebuilding per-producer state (last sequence per producer) after
+        a restart. With ``verify`` false, payload checksums are skipped and
+        the cost is a few header fields per frame.
+        """
+        self._check_open()
+        end = self._check_range(start, end)
+        try:
+            for position, next_position, _, _, header in self._scanner.frames(
+                start, end, verify=verify
+            ):
+                yield FrameHeader(
+                    position, next_position, header[6], header[7], header[5], header[8]
+                )
+        except FrameProblem as problem:
+            raise _problem_error(problem, start) from None
+        except ValueError as exc:
+            raise LogError(f"end {end} is not a frame boundary: {exc}") from None
+
+    def _check_range(self, start: int, end: int | None) -> int:
+        tail = self._tail
+        if end is None:
+            end = tail
+        if not self._release <= start <= end <= tail:
+            raise LogError(
+                f"cannot read [{start}, {end}): need release position {self._release} "
+                f"<= start <= end <= tail {tail}"
+            )
+        if normalize_position(start, self._term_length, HEADER_LENGTH) != start:
+            raise LogError(f"cannot read from {start}: not a frame boundary")
+        return end
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LogError(f"the stream log at {self._directory} is closed")
+
+    def __repr__(self) -> str:
+        return (
+            f"<StreamLog {self._directory} release={self._release} durable={self._durable} "
+            f"tail={self._tail} capacity={self._capacity}>"
+        )
+
+
+def _problem_error(problem: FrameProblem, start: int) -> LogError:
+    if problem.position == start:
+        return LogError(
+            f"no intact frame at position {start}: not a frame boundary, or damaged "
+            f"({problem.path} at byte offset {problem.offset}: {problem.reason})"
+        )
+    return LogCorruptError(problem.path, problem.offset, problem.reason)
+
+
+def _lock_directory(path: Path) -> int:
+    fd = os.open(path / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise LogError(f"the stream log at {path} is already open by another writer") from None
+        raise
+    return fd
+
+
+def _check_term_length(term_length: int) -> None:
+    if (
+        term_length < MIN_TERM_LENGTH
+        or term_length > MAX_TERM_LENGTH
+        or term_length & (term_length - 1)
+    ):
+        raise LogError(
+            f"term_length must be a power of two from {MIN_TERM_LENGTH} to "
+            f"{MAX_TERM_LENGTH}, got {term_length}"
+        )
+
+
+def _check_capacity(capacity: int) -> None:
+    if capacity < HEADER_LENGTH or capacity % FRAME_ALIGNMENT:
+        raise LogError(
+            f"capacity must be a multiple of {FRAME_ALIGNMENT} of at least {HEADER_LENGTH}, "
+            f"got {capacity}"
+        )

@@ -1,0 +1,220 @@
+"""Term files: fixed-size, memory-mapped pieces of a stream's history.
+
+A term file is named after its term id (``000000000000002a.term``, sixteen hex
+digits, so names sort by id) and is exactly ``term_length`` bytes long. The
+writer creates it under a temporary name, reserves its blocks, and renames it
+into place, so a reader never meets a half-sized term; only a crash at an
+unlucky moment can leave one, and recovery deals with it.
+
+Blocks are reserved with ``posix_fallocate`` because writing through a mapping
+into a sparse file on a full disk kills the process with SIGBUS. With the
+blocks reserved, a full disk shows up as a :class:`LogError` when a term is
+created, where the gateway can refuse appends instead of dying.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import mmap
+import os
+from pathlib import Path
+
+from headgate.log.errors import LogError
+
+TERM_SUFFIX = ".term"
+_CREATING_SUFFIX = ".term.creating"
+_PREPARING_SUFFIX = ".term.preparing"
+_ZERO_FILL_CHUNK = bytes(1024 * 1024)
+
+
+def term_file_name(term_id: int) -> str:
+    """The file name of term ``term_id``."""
+    return f"{term_id:016x}{TERM_SUFFIX}"
+
+
+def parse_term_file_name(name: str) -> int | None:
+    """The term id a file name stands for, or ``None`` if it is not a term file name."""
+    stem = name.removesuffix(TERM_SUFFIX)
+    if len(name) != 16 + len(TERM_SUFFIX) or stem == name:
+        return None
+    try:
+        return int(stem, 16)
+    except ValueError:
+        return None
+
+
+def list_term_files(directory: Path) -> dict[int, Path]:
+    """Every term file in ``directory`` by id; leftovers of interrupted creations are removed."""
+    found: dict[int, Path] = {}
+    for entry in os.scandir(directory):
+        if entry.name.endswith((_CREATING_SUFFIX, _PREPARING_SUFFIX)):
+            # Creation was interrupted before the rename: the file never held data.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+            continue
+        term_id = parse_term_file_name(entry.name)
+        if term_id is not None:
+            found[term_id] = Path(entry.path)
+    return found
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make creations, renames and removals of files in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TermFile:
+    """One open, mapped term file.
+
+    ``size`` is the file's length; it equals the term length except while
+    recovery looks at a term a crash left short. Bytes past ``size`` read as
+    "nothing committed".
+    """
+
+    __slots__ = ("buffer", "fd", "path", "size", "term_id", "view", "writable")
+
+    def __init__(self, term_id: int, path: Path, fd: int, size: int, writable: bool) -> None:
+        self.term_id = term_id
+        self.path = path
+        self.fd = fd
+        self.size = size
+        self.writable = writable
+        self.buffer: mmap.mmap | None = None
+        self.view = memoryview(b"")
+        if size:
+            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+            self.buffer = mmap.mmap(fd, size, access=access)
+            self.view = memoryview(self.buffer)
+
+    @classmethod
+    def create(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
+        """Create term ``term_id`` full of zeros, with its blocks reserved, and map it.
+
+        Quick (no data is written), but the first store to each page of the
+        new term then costs the file system an extent conversion; see
+        :meth:`prepare` for the term the writer will need next.
+        """
+        term = cls._new(directory, term_id, term_length, _CREATING_SUFFIX, zero_fill=False)
+        term.install()
+        return term
+
+    @classmethod
+    def prepare(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
+        """Create term ``term_id`` under a temporary name, zeros written and fsynced.
+
+        Slow (it writes the whole term), so a helper thread does it ahead of
+        need (:mod:`headgate.log.preparer`), with the GIL released in every write. Afterwards the
+        term's blocks are allocated and written and its pages are cached and
+        clean, so the writer's first store to a page is a cheap fault, not an
+        allocation (measured: about 4x cheaper per small frame on ext4).
+        :meth:`install` gives it its real name; :meth:`discard` throws it away.
+        """
+        return cls._new(directory, term_id, term_length, _PREPARING_SUFFIX, zero_fill=True)
+
+    @classmethod
+    def _new(
+        cls, directory: Path, term_id: int, term_length: int, suffix: str, *, zero_fill: bool
+    ) -> TermFile:
+        temp = directory / f"{term_id:016x}{suffix}"
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise LogError(f"cannot create term file {temp}: {exc.strerror}") from exc
+        try:
+            reserve(fd, term_length, temp)
+            if zero_fill:
+                for offset in range(0, term_length, len(_ZERO_FILL_CHUNK)):
+                    os.pwrite(fd, _ZERO_FILL_CHUNK[: term_length - offset], offset)
+                os.fdatasync(fd)
+            return cls(term_id, temp, fd, term_length, writable=True)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+
+    def install(self) -> None:
+        """Give a created or prepared term its real name (atomically, by rename)."""
+        final = self.path.parent / term_file_name(self.term_id)
+        os.rename(self.path, final)
+        self.path = final
+
+    def discard(self) -> None:
+        """Close and remove a prepared term that is not needed after all."""
+        self.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    @classmethod
+    def open(cls, path: Path, term_id: int, *, writable: bool) -> TermFile:
+        """Open and map an existing term file at whatever size it has."""
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC
+        fd = os.open(path, flags)
+        try:
+            size = os.fstat(fd).st_size
+            return cls(term_id, path, fd, size, writable)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    @property
+    def mapped(self) -> mmap.mmap:
+        """The mapping of a full term (the writer's active term always has one)."""
+        if self.buffer is None:
+            raise LogError(f"term file {self.path} is not mapped")
+        return self.buffer
+
+    def extend(self, term_length: int) -> None:
+        """Grow a short term (left by a crash) to its full length; the new bytes are zero."""
+        if self.size >= term_length:
+            return
+        self._unmap()
+        reserve(self.fd, term_length, self.path)
+        self.size = term_length
+        self.buffer = mmap.mmap(self.fd, term_length, access=mmap.ACCESS_WRITE)
+        self.view = memoryview(self.buffer)
+
+    def sync(self) -> None:
+        """Write the term's dirty pages to the device and wait for them.
+
+        On Linux the page cache is shared by ``write`` and ``MAP_SHARED``
+        mappings, so ``fdatasync`` on the file descriptor writes back pages
+        dirtied through the map; unlike ``mmap.flush`` it releases the GIL
+        while it waits, so the owner thread keeps appending.
+        """
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        """Unmap and close. Payload views handed out keep the mapping alive until dropped."""
+        self._unmap()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def _unmap(self) -> None:
+        self.view.release()
+        self.view = memoryview(b"")
+        if self.buffer is not None:
+            # A LogFrame payload still exported from this map makes close()
+            # raise BufferError; dropping our reference lets the map go when
+            # the last view does.
+            with contextlib.suppress(BufferError):
+                self.buffer.close()
+            self.buffer = None
+
+
+def reserve(fd: int, length: int, path: Path) -> None:
+    """Make the file ``length`` bytes long with every block allocated (zeros)."""
+    try:
+        os.posix_fallocate(fd, 0, length)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise LogError(f"cannot reserve {length} bytes for {path}: {exc.strerror}") from exc
+        # A file system without fallocate: a sparse file still works, at the
+        # cost of SIGBUS instead of an error when the disk fills up.
+        os.ftruncate(fd, length)
