@@ -1,0 +1,34 @@
+"""Why a producer could not deliver records."""
+
+from __future__ import annotations
+
+from headgate.protocol.errors import ErrorCode
+
+__all__ = ["ProducerError", "StreamRefused"]
+
+
+class ProducerError(Exception):
+    """Records could not be delivered; the message says to whom and why.
+
+    Raised by every pending and later ``send``, ``send_many`` and ``flush`` once
+    the producer gave up (gateway unreachable past ``reconnect_timeout``, the
+    session refused, a protocol violation) or was closed.
+    """
+
+
+class StreamRefused(ProducerError):
+    """The gateway refused one stream; the producer's other streams go on.
+
+    The refused stream's unacknowledged records are lost; its later sends,
+    ``send_many`` calls and ``flush(stream)`` raise this again.
+    """
+
+    def __init__(self, stream: str, code: ErrorCode, text: str) -> None:
+        detail = f": {text}" if text else ""
+        super().__init__(f"the gateway refused stream {stream!r} ({code.name}){detail}")
+        #: The refused stream.
+        self.stream = stream
+        #: The gateway's reason, as an error code.
+        self.code = code
+        #: The gateway's explanation, for people.
+        self.text = text

@@ -1,0 +1,1274 @@
+"""The asyncio producer: records in, durable acknowledgements out.
+
+A :class:`Producer` keeps one connection to a gateway and any number of
+streams on it. Each stream has an *open batch* (plain lists that
+:meth:`Producer.send` appends to), a queue of sealed batches waiting for
+credit, and the batches sent but not yet acknowledged. Nothing is per record
+except a list append: the records block is encoded when a batch is sealed,
+and durability is tracked per batch.
+
+Sending is driven by :meth:`Producer._pump`, called whenever something could
+let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
+transport draining). It visits only the streams marked as having work, one
+batch per stream per round, so a stream without credit never holds up another,
+and it hands the socket one write per round.
+
+Every batch stays in memory until the gateway acknowledges it durable. After a
+lost connection the producer reconnects with the same producer id, binds its
+streams again, learns from each stream's initial Ack where the gateway's copy
+ends, forgets what that covers and resends the rest with the same sequence
+numbers, which the gateway deduplicates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import random
+import secrets
+from collections import deque
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from headgate.client.errors import ProducerError, StreamRefused
+from headgate.config import parse_address
+from headgate.costs import batch_cost
+from headgate.protocol import messages as m
+from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.records import encode_arrow, encode_records
+from headgate.protocol.session import (
+    AckReceived,
+    GuaranteesReceived,
+    MessageReceived,
+    MessagesDropped,
+    Role,
+    Session,
+    WelcomeReceived,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+__all__ = [
+    "BatchResult",
+    "Delivery",
+    "Policy",
+    "Producer",
+    "ProducerStatistics",
+    "StreamStatistics",
+]
+
+#: ``"wait"`` sends only within guarantees; ``"optimistic"`` sends at once and
+#: lets the session resend what the gateway drops.
+Policy = Literal["wait", "optimistic"]
+
+# Records-block size accounting (see headgate.protocol.records): a block
+# without keys is exactly 12 bytes plus 4 + len(value) per record. With keys
+# each record also needs a key offset, a bitmap bit and its key bytes, and
+# the sections are padded to 4 bytes; these constants over-estimate that.
+_BLOCK_BASE = 12
+_KEYED_BLOCK_BASE = 32
+_RECORD_OVERHEAD = 4
+_KEYED_RECORD_OVERHEAD = 9
+
+_BACKOFF_START = 0.05
+_BACKOFF_MAX = 2.0
+_MIN_ATTEMPT = 0.5
+
+# Codes after which talking to the same gateway again can succeed; any other
+# unscoped Error means this producer cannot be served as it is.
+_RETRYABLE = frozenset(
+    {
+        ErrorCode.RESOURCE_EXHAUSTED,
+        ErrorCode.STORAGE_UNAVAILABLE,
+        ErrorCode.TIMEOUT,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.INTERNAL,
+    }
+)
+
+
+# --- results and statistics ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class BatchResult:
+    """Records of one :meth:`Producer.send_many` call, durable in the stream log."""
+
+    #: The stream.
+    stream: str
+    #: The sequence number of the first record (records are numbered per stream
+    #: and producer id; the rest follow consecutively).
+    first_sequence: int
+    #: How many records.
+    record_count: int
+    #: The log's durable end position when the last of them was acknowledged.
+    durable_position: int
+
+
+class Delivery:
+    """The pending durability of one :meth:`Producer.send_many` call.
+
+    Await it for a :class:`BatchResult`; it raises :class:`StreamRefused` or
+    :class:`ProducerError` if the records cannot be delivered.
+    """
+
+    __slots__ = ("_count", "_error", "_first", "_pending", "_result", "_waiters", "stream")
+
+    def __init__(self, stream: str) -> None:
+        #: The stream the records were sent on.
+        self.stream = stream
+        self._pending = 0
+        self._count = 0
+        self._first: int | None = None
+        self._result: BatchResult | None = None
+        self._error: BaseException | None = None
+        # Futures exist only while someone awaits, so an unawaited failed
+        # delivery never leaves "exception was never retrieved" behind.
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def done(self) -> bool:
+        """Whether the records are durable or lost."""
+        return self._result is not None or self._error is not None
+
+    def result(self) -> BatchResult:
+        """The result; raises the failure, or ``asyncio.InvalidStateError`` if pending."""
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise asyncio.InvalidStateError("the records are not acknowledged yet")
+        return self._result
+
+    def __await__(self) -> Generator[Any, None, BatchResult]:
+        if not self.done():
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                yield from waiter.__await__()
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        return self.result()
+
+    def __repr__(self) -> str:
+        state = "done" if self._result else "failed" if self._error else "pending"
+        return f"<Delivery {self.stream!r} {self._count} records {state}>"
+
+    # -- producer side --
+
+    def _add(self, count: int) -> None:
+        self._pending += 1
+        self._count += count
+
+    def _numbered(self, first_sequence: int) -> None:
+        if self._first is None:
+            self._first = first_sequence
+
+    def _acked(self, durable_position: int) -> None:
+        self._pending -= 1
+        if self._pending == 0 and not self.done():
+            first = self._first if self._first is not None else 0
+            self._result = BatchResult(self.stream, first, self._count, durable_position)
+            self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.done():
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._waiters.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamStatistics:
+    """A snapshot of one stream of a producer."""
+
+    #: The stream name.
+    stream: str
+    #: Records sent to the gateway at least once.
+    records_sent: int
+    #: Records the gateway acknowledged durable.
+    records_acked: int
+    #: Records-block bytes sent at least once.
+    bytes_sent: int
+    #: Records-block bytes acknowledged.
+    bytes_acked: int
+    #: Records in the open batch, not sealed yet.
+    open_records: int
+    #: Sealed batches waiting for credit or a connection.
+    batches_queued: int
+    #: Batches sent and not yet acknowledged.
+    batches_in_flight: int
+    #: Bytes of sealed batches not yet acknowledged (bounded by max_buffered_bytes).
+    buffered_bytes: int
+    #: Batches the gateway dropped (optimistic policy) and the session resent.
+    batches_dropped: int
+    #: The sequence number the next batch gets; None before the first initial Ack.
+    next_sequence: int | None
+    #: Our guarantees on the stream's channel; None while the stream is not bound.
+    guarantees: int | None
+    #: Why the gateway refused the stream, or None.
+    refused: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerStatistics:
+    """A snapshot of a producer and its streams."""
+
+    #: The producer id the gateway deduplicates by.
+    producer_id: int
+    #: The gateway's address.
+    address: tuple[str, int]
+    #: The sending policy.
+    policy: Policy
+    #: Whether a session with the gateway is open now.
+    connected: bool
+    #: How many times the connection was lost after being open.
+    reconnects: int
+    #: The last connection problem, or None.
+    last_error: str | None
+    #: Why the producer gave up, or None while it is working.
+    failure: str | None
+    #: One snapshot per stream used so far.
+    streams: Mapping[str, StreamStatistics]
+
+
+# --- internal state -------------------------------------------------------------
+
+
+class _Batch:
+    """One sealed batch: its records block and where its records go in the sequence."""
+
+    __slots__ = ("block", "count", "delivery", "first_sequence")
+
+    def __init__(self, block: bytes, count: int, delivery: Delivery | None) -> None:
+        self.block = block
+        self.count = count
+        self.delivery = delivery
+        # Numbered at first transmission, once the gateway said where the
+        # stream's sequence resumes; kept for every resend after that.
+        self.first_sequence = -1
+
+
+class _Stream:
+    __slots__ = (
+        "acked_batches",
+        "batches_dropped",
+        "buffered",
+        "bytes_acked",
+        "bytes_sent",
+        "failure",
+        "flush_waiters",
+        "handle",
+        "keys",
+        "linger",
+        "name",
+        "next_sequence",
+        "open_bytes",
+        "queue",
+        "ready",
+        "records_acked",
+        "records_sent",
+        "refusal_reported",
+        "scheduled",
+        "sealed_batches",
+        "space_waiters",
+        "unacked",
+        "values",
+    )
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # The open batch.
+        self.values: list[bytes] = []
+        self.keys: list[bytes | None] | None = None
+        self.open_bytes = _BLOCK_BASE
+        self.linger: asyncio.TimerHandle | None = None
+        # Sealed batches: waiting to be sent on this connection, then sent.
+        self.queue: deque[_Batch] = deque()
+        self.unacked: deque[_Batch] = deque()
+        self.buffered = 0
+        self.sealed_batches = 0
+        self.acked_batches = 0
+        self.next_sequence: int | None = None
+        # Per connection: our handle, and whether its initial Ack arrived.
+        self.handle: int | None = None
+        self.ready = False
+        self.scheduled = False
+        self.failure: ProducerError | None = None
+        self.refusal_reported = False
+        self.flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self.space_waiters: list[asyncio.Future[None]] = []
+        self.records_sent = 0
+        self.records_acked = 0
+        self.bytes_sent = 0
+        self.bytes_acked = 0
+        self.batches_dropped = 0
+
+
+class _ConnectionFailed(Exception):
+    """A connection attempt failed in a way worth retrying."""
+
+
+class _Fatal(Exception):
+    """A connection attempt failed in a way retrying cannot fix."""
+
+    def __init__(self, error: ProducerError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection and its protocol session; the producer does the thinking."""
+
+    def __init__(self, producer: Producer, session: Session) -> None:
+        self.producer = producer
+        self.session = session
+        loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.opened: asyncio.Future[None] = loop.create_future()
+        self.closed: asyncio.Future[str] = loop.create_future()
+        self.welcome: m.Welcome | None = None
+        self.paused = False
+        self.handles: dict[int, _Stream] = {}
+        self.bind_blocked: list[_Stream] = []
+        self.reason: str | None = None
+        self.fatal: ProducerError | None = None
+        self.last_read = loop.time()
+        self.last_write = self.last_read
+        self.keepalive: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        # Whole batches go to the transport; the default 64 KiB high-water
+        # mark would pause writing after every one of them.
+        high = max(1 << 20, 4 * self.producer._max_batch_bytes)
+        transport.set_write_buffer_limits(high=high, low=high // 4)
+        transport.write(self.session.data_to_send())
+
+    def data_received(self, data: bytes) -> None:
+        self.producer._on_data(self, data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.producer._on_lost(self, exc)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self.producer._pump()
+
+    def close(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _as_bytes(value: object, what: str) -> bytes:
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"a record {what} must be bytes, not {type(value).__name__}")
+
+
+# --- the producer -------------------------------------------------------------
+
+
+class Producer:
+    """Sends records on named streams to one gateway, with per-stream flow control.
+
+    Args:
+        address: the gateway, ``"host:port"`` or ``(host, port)``.
+        producer_id: identity the gateway deduplicates by, below 2**63; reuse
+            it to resume after a crash. Random if None.
+        policy: ``"wait"`` sends a batch only within guarantees; ``"optimistic"``
+            sends at once and resends what the gateway drops.
+        linger_ms: an open batch is sealed this long after its first record,
+            full or not.
+        max_batch_bytes: the largest records block per batch (also bounded by
+            the gateway's max_message_size).
+        max_buffered_bytes: per stream, the sealed but unacknowledged bytes
+            beyond which ``send`` waits.
+        client_name: shown in the gateway's logs and dashboards.
+        reconnect_timeout: how long to keep trying to reach the gateway
+            (from the moment the connection is lost, or ``connect`` starts)
+            before every pending and later call raises :class:`ProducerError`.
+
+    Use it as ``async with Producer(...) as p:``; leaving the block normally
+    flushes and closes, leaving it by an exception aborts.
+    """
+
+    def __init__(
+        self,
+        address: str | tuple[str, int],
+        *,
+        producer_id: int | None = None,
+        policy: Policy = "wait",
+        linger_ms: float = 5.0,
+        max_batch_bytes: int = 256 * 1024,
+        max_buffered_bytes: int = 64 * 1024 * 1024,
+        client_name: str = "headgate-python",
+        reconnect_timeout: float = 30.0,
+    ) -> None:
+        if policy not in ("wait", "optimistic"):
+            raise ValueError(f"policy must be 'wait' or 'optimistic', not {policy!r}")
+        if producer_id is None:
+            producer_id = secrets.randbits(63)
+        if not 0 <= producer_id < 1 << 63:
+            # Spark reads producer ids as a signed 64-bit long.
+            raise ValueError(f"producer_id must be in [0, 2**63), got {producer_id}")
+        if linger_ms < 0:
+            raise ValueError(f"linger_ms must not be negative, got {linger_ms}")
+        if max_batch_bytes < 64:
+            raise ValueError(f"max_batch_bytes is too small: {max_batch_bytes}")
+        if max_buffered_bytes < 1:
+            raise ValueError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
+        if reconnect_timeout < 0:
+            raise ValueError(f"reconnect_timeout must not be negative, got {reconnect_timeout}")
+        self._address = (
+            parse_address(address, what="gateway address")
+            if isinstance(address, str)
+            else (address[0], int(address[1]))
+        )
+        #: The producer id the gateway deduplicates by.
+        self.producer_id = producer_id
+        self._policy: Policy = policy
+        self._optimistic = policy == "optimistic"
+        self._linger = linger_ms / 1000.0
+        self._max_batch_bytes = max_batch_bytes
+        # The records-block limit: max_batch_bytes until Welcome says less.
+        self._limit = max_batch_bytes
+        self._max_buffered = max_buffered_bytes
+        self._client_name = client_name
+        self._reconnect_timeout = reconnect_timeout
+        self._streams: dict[str, _Stream] = {}
+        self._dirty: deque[_Stream] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: asyncio.Task[None] | None = None
+        self._conn: _Connection | None = None
+        self._connect_waiters: list[asyncio.Future[None]] = []
+        self._failure: ProducerError | None = None
+        self._closed = False
+        self._reconnects = 0
+        self._last_error: str | None = None
+        self._nonce = 0
+
+    # -- lifecycle --------------------------------------------------------------
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """The gateway's address."""
+        return self._address
+
+    @property
+    def connected(self) -> bool:
+        """Whether a session with the gateway is open now."""
+        return self._conn is not None
+
+    async def connect(self) -> None:
+        """Open the session (retrying within ``reconnect_timeout``); idempotent.
+
+        Raises:
+            ProducerError: the gateway could not be reached or refused us.
+        """
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise ProducerError("the producer is closed")
+        if self._conn is not None:
+            return
+        loop = asyncio.get_running_loop()
+        if self._runner is None:
+            self._loop = loop
+            self._runner = loop.create_task(self._run(), name="headgate-producer")
+        waiter: asyncio.Future[None] = loop.create_future()
+        self._connect_waiters.append(waiter)
+        await waiter
+
+    async def close(self) -> None:
+        """Flush every stream, say Goodbye and close; idempotent.
+
+        Raises what :meth:`flush` raises, after closing: in particular the
+        :class:`ProducerError` of a producer that gave up, so that records
+        it could not deliver are never lost silently. :meth:`abort` is the
+        quiet way out once that was handled.
+        """
+        if self._closed:
+            return
+        try:
+            if self._runner is not None:
+                await self.flush()
+        finally:
+            await self._shutdown(goodbye=True)
+
+    async def abort(self) -> None:
+        """Close at once; unacknowledged records are lost (their waiters raise)."""
+        if not self._closed:
+            await self._shutdown(goodbye=False)
+
+    async def __aenter__(self) -> Producer:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            await self.abort()
+
+    async def _shutdown(self, *, goodbye: bool) -> None:
+        self._closed = True
+        conn = self._conn
+        if conn is not None and conn.transport is not None and not conn.transport.is_closing():
+            if goodbye:
+                conn.session.send_global(m.Goodbye(code=ErrorCode.NONE))
+                conn.transport.write(conn.session.data_to_send())
+            conn.close("the producer closed")
+        runner = self._runner
+        if runner is not None and not runner.done():
+            runner.cancel()
+            try:
+                await runner
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+        self._fail(ProducerError("the producer is closed"))
+
+    # -- sending ------------------------------------------------------------------
+
+    async def send(self, stream: str, value: bytes, key: bytes | None = None) -> None:
+        """Append one record to ``stream``; await the result.
+
+        Completes at once while the stream's buffer allows, and waits only
+        when the stream's sealed but unacknowledged bytes exceed
+        ``max_buffered_bytes``. Durability is :meth:`flush`'s business.
+
+        Raises:
+            StreamRefused: the gateway refused this stream.
+            ProducerError: the producer gave up or is closed.
+            ValueError: the record alone exceeds the batch size limit.
+        """
+        # The fast path: the stream exists and is healthy, there are no keys
+        # in the open batch, and the record fits. Everything else (and every
+        # check that needs to wait or raise) is in _send_slow.
+        s = self._streams.get(stream)
+        if (
+            s is not None
+            and key is None
+            and s.keys is None
+            and s.failure is None
+            and type(value) is bytes
+        ):
+            size = s.open_bytes + len(value) + _RECORD_OVERHEAD
+            if size <= self._limit:
+                values = s.values
+                if not values:
+                    self._arm_linger(s)
+                values.append(value)
+                s.open_bytes = size
+                return
+        await self._send_slow(stream, value, key)
+
+    def _append_nowait(self, stream: str, value: bytes) -> bool:
+        """send()'s fast path for a keyless record, without a coroutine; False to use send().
+
+        For callers that feed many records from inside the loop (the sync
+        wrapper's drainer), where a coroutine per record is most of the cost.
+        """
+        s = self._streams.get(stream)
+        if s is None or s.keys is not None or s.failure is not None or type(value) is not bytes:
+            return False
+        size = s.open_bytes + len(value) + _RECORD_OVERHEAD
+        if size > self._limit:
+            return False
+        values = s.values
+        if not values:
+            self._arm_linger(s)
+        values.append(value)
+        s.open_bytes = size
+        return True
+
+    async def _send_slow(self, stream: str, value: object, key: object) -> None:
+        s = await self._stream_for_send(stream)
+        data = value if type(value) is bytes else _as_bytes(value, "value")
+        key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
+        if self._append(s, data, key_data):
+            await self._after_seal(s)
+        elif s.handle is None:
+            self._pump()  # bind now, so the initial Ack is back before the batch is sealed
+
+    def _append(self, s: _Stream, value: bytes, key: bytes | None) -> bool:
+        """Add a record to the open batch; True if a full batch was sealed first."""
+        if key is None and s.keys is None:
+            cost, extra = len(value) + _RECORD_OVERHEAD, 0
+        else:
+            cost = len(value) + (0 if key is None else len(key)) + _KEYED_RECORD_OVERHEAD
+            extra = 0 if s.keys is not None else self._keyed_extra(len(s.values))
+        if (_BLOCK_BASE if key is None else _KEYED_BLOCK_BASE) + cost > self._limit:
+            raise ValueError(
+                f"a record of {len(value) + len(key or b'')} bytes does not fit in a "
+                f"batch of at most {self._limit} bytes (max_batch_bytes or the "
+                "gateway's max_message_size)"
+            )
+        sealed = False
+        if s.open_bytes + cost + extra > self._limit:
+            self._seal(s)
+            sealed = True
+            extra = 0 if key is None else self._keyed_extra(0)
+        values = s.values
+        if not values:
+            self._arm_linger(s)
+        keys = s.keys
+        if keys is None and key is not None:
+            keys = s.keys = [None] * len(values)
+        if keys is not None:
+            keys.append(key)
+        values.append(value)
+        s.open_bytes += cost + extra
+        return sealed
+
+    @staticmethod
+    def _keyed_extra(count: int) -> int:
+        # Switching an open batch to the keyed layout adds the key sections'
+        # fixed part and each earlier record's share of them.
+        return _KEYED_BLOCK_BASE - _BLOCK_BASE + (_KEYED_RECORD_OVERHEAD - _RECORD_OVERHEAD) * count
+
+    async def _after_seal(self, s: _Stream) -> None:
+        self._pump()
+        if s.buffered > self._max_buffered:
+            await self._wait_space(s)
+        else:
+            # A caller that never suspends would starve the reader of acks
+            # and guarantees; one yield per sealed batch keeps them flowing.
+            await asyncio.sleep(0)
+
+    async def send_many(
+        self,
+        stream: str,
+        values: Sequence[bytes] | pa.Array | pa.ChunkedArray | pa.RecordBatch | pa.Table,
+        keys: Sequence[bytes | None] | pa.Array | pa.ChunkedArray | None = None,
+    ) -> Delivery:
+        """Send many records at once; await the returned :class:`Delivery` for durability.
+
+        ``values`` is a list of bytes, a pyarrow binary/string array, or a
+        RecordBatch/Table with a ``value`` column and an optional ``key``
+        column. Arrow input is encoded without a Python loop per record. The
+        records are split into batches of at most ``max_batch_bytes`` and
+        queued in one go, after anything sent before on the stream; then
+        this waits while the stream's buffer is over ``max_buffered_bytes``.
+        """
+        s = await self._stream_for_send(stream)
+        blocks = self._encode_many(values, keys)
+        self._seal(s)
+        delivery = Delivery(stream)
+        for block, count in blocks:
+            self._enqueue(s, block, count, delivery)
+        if not blocks:
+            delivery._result = BatchResult(stream, s.next_sequence or 0, 0, 0)
+        self._pump()
+        if s.buffered > self._max_buffered:
+            await self._wait_space(s)
+        return delivery
+
+    def _encode_many(self, values: object, keys: object) -> list[tuple[bytes, int]]:
+        if isinstance(values, list | tuple):
+            return self._encode_lists(values, cast("Sequence[bytes | None] | None", keys))
+        import pyarrow as pa
+
+        if isinstance(values, pa.RecordBatch | pa.Table):
+            if keys is not None:
+                raise ValueError("pass keys as the 'key' column of the RecordBatch, not keys=")
+            names = values.schema.names
+            if "value" not in names:
+                raise ValueError(f"a RecordBatch needs a 'value' column; it has {names}")
+            keys = values.column("key") if "key" in names else None
+            values = values.column("value")
+        if isinstance(values, pa.ChunkedArray):
+            values = values.combine_chunks()
+        if isinstance(keys, pa.ChunkedArray):
+            keys = keys.combine_chunks()
+        if not isinstance(values, pa.Array):
+            raise TypeError(
+                "values must be a list of bytes or a pyarrow Array, RecordBatch or Table, "
+                f"not {type(values).__name__}"
+            )
+        if keys is not None and not isinstance(keys, pa.Array):
+            keys = pa.array(keys, type=pa.binary())
+        return self._encode_arrow(values, keys)
+
+    def _encode_lists(
+        self, values: Sequence[bytes], keys: Sequence[bytes | None] | None
+    ) -> list[tuple[bytes, int]]:
+        if keys is not None and len(keys) != len(values):
+            raise ValueError(f"{len(keys)} keys for {len(values)} values")
+        if keys is None:
+            costs = [len(v) + _RECORD_OVERHEAD for v in values]
+            budget = self._limit - _BLOCK_BASE
+        else:
+            costs = [
+                len(v) + (0 if k is None else len(k)) + _KEYED_RECORD_OVERHEAD
+                for v, k in zip(values, keys, strict=True)
+            ]
+            budget = self._limit - _KEYED_BLOCK_BASE
+        cumulative = list(accumulate(costs))
+        blocks: list[tuple[bytes, int]] = []
+        start = 0
+        while start < len(values):
+            before = cumulative[start - 1] if start else 0
+            end = bisect.bisect_right(cumulative, before + budget, lo=start)
+            if end == start:
+                raise ValueError(f"record {start} does not fit in a batch of {self._limit} bytes")
+            chunk_keys = None if keys is None else list(keys[start:end])
+            blocks.append((encode_records(list(values[start:end]), chunk_keys), end - start))
+            start = end
+        return blocks
+
+    def _encode_arrow(self, values: pa.Array, keys: pa.Array | None) -> list[tuple[bytes, int]]:
+        import numpy as np
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        count = len(values)
+        if keys is not None and len(keys) != count:
+            raise ValueError(f"{len(keys)} keys for {count} values")
+        if count == 0:
+            return []
+        if not pa.types.is_binary(values.type):
+            # encode_arrow accepts these too; lengths are measured on the same bytes.
+            values = values.cast(pa.binary())
+        costs = pc.binary_length(values).to_numpy(zero_copy_only=False).astype(np.int64)
+        if keys is None:
+            costs += _RECORD_OVERHEAD
+            budget = self._limit - _BLOCK_BASE
+        else:
+            if not pa.types.is_binary(keys.type):
+                keys = keys.cast(pa.binary())
+            key_lengths = pc.fill_null(pc.binary_length(keys), 0)
+            costs += key_lengths.to_numpy(zero_copy_only=False).astype(np.int64)
+            costs += _KEYED_RECORD_OVERHEAD
+            budget = self._limit - _KEYED_BLOCK_BASE
+        cumulative = np.cumsum(costs)
+        blocks: list[tuple[bytes, int]] = []
+        start = 0
+        while start < count:
+            before = int(cumulative[start - 1]) if start else 0
+            end = int(np.searchsorted(cumulative, before + budget, side="right"))
+            if end <= start:
+                raise ValueError(f"record {start} does not fit in a batch of {self._limit} bytes")
+            length = end - start
+            chunk_keys = None if keys is None else keys.slice(start, length)
+            blocks.append((encode_arrow(values.slice(start, length), chunk_keys), length))
+            start = end
+        return blocks
+
+    async def flush(self, stream: str | None = None) -> None:
+        """Seal open batches and wait until everything sent so far is durable.
+
+        With ``stream``, only that stream. Without, every stream; a stream the
+        gateway refused raises its :class:`StreamRefused` once, after the
+        other streams are flushed.
+
+        Raises:
+            StreamRefused: the stream (or, without ``stream``, one of them) was refused.
+            ProducerError: the producer gave up or is closed.
+        """
+        if stream is not None:
+            s = self._streams.get(stream)
+            if s is None:
+                if self._failure is not None:
+                    raise self._failure
+                return
+            self._seal(s)
+            self._pump()
+            s.refusal_reported = True
+            await self._wait_acked(s)
+            return
+        if self._failure is not None:
+            raise self._failure
+        states = list(self._streams.values())
+        for s in states:
+            self._seal(s)
+        self._pump()
+        for s in states:
+            if s.failure is None:
+                await self._wait_acked(s)
+        for s in states:
+            if s.failure is not None and not s.refusal_reported:
+                s.refusal_reported = True
+                raise s.failure
+
+    async def _wait_acked(self, s: _Stream) -> None:
+        if s.failure is not None:
+            raise s.failure
+        target = s.sealed_batches
+        if s.acked_batches >= target:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        s.flush_waiters.append((target, waiter))
+        await waiter
+
+    async def _wait_space(self, s: _Stream) -> None:
+        while s.buffered > self._max_buffered and s.failure is None:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            s.space_waiters.append(waiter)
+            await waiter
+        if s.failure is not None:
+            s.refusal_reported = True
+            raise s.failure
+
+    async def _stream_for_send(self, name: str) -> _Stream:
+        if self._failure is not None:
+            raise self._failure
+        s = self._streams.get(name)
+        if s is None:
+            if not isinstance(name, str):
+                raise TypeError(f"a stream name must be a str, not {type(name).__name__}")
+            # The gateway would refuse a bad name only after a round trip;
+            # the encoder knows the rules now.
+            m.encode_message(m.BindStream(stream=name))
+            s = self._streams[name] = _Stream(name)
+            self._mark(s)
+        if s.failure is not None:
+            s.refusal_reported = True
+            raise s.failure
+        if self._conn is None and self._runner is None:
+            await self.connect()
+        return s
+
+    # -- batches ------------------------------------------------------------------
+
+    def _arm_linger(self, s: _Stream) -> None:
+        loop = self._loop
+        assert loop is not None
+        s.linger = loop.call_later(self._linger, self._linger_expired, s)
+
+    def _linger_expired(self, s: _Stream) -> None:
+        s.linger = None
+        if s.values:
+            self._seal(s)
+            self._pump()
+
+    def _seal(self, s: _Stream) -> None:
+        values = s.values
+        if not values:
+            return
+        block = encode_records(values, s.keys)
+        s.values = []
+        s.keys = None
+        s.open_bytes = _BLOCK_BASE
+        if s.linger is not None:
+            s.linger.cancel()
+            s.linger = None
+        self._enqueue(s, block, len(values), None)
+
+    def _enqueue(self, s: _Stream, block: bytes, count: int, delivery: Delivery | None) -> None:
+        s.queue.append(_Batch(block, count, delivery))
+        if delivery is not None:
+            delivery._add(count)
+        s.sealed_batches += 1
+        s.buffered += len(block)
+        self._mark(s)
+
+    def _mark(self, s: _Stream) -> None:
+        if not s.scheduled:
+            s.scheduled = True
+            self._dirty.append(s)
+
+    def _pump(self) -> None:
+        """Bind streams and send batches that may go now; write once."""
+        conn = self._conn
+        if conn is None:
+            return
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            return
+        session = conn.session
+        dirty = self._dirty
+        optimistic = self._optimistic
+        chunk = max(1 << 20, 4 * self._max_batch_bytes)
+        while dirty and not conn.paused:
+            s = dirty.popleft()
+            s.scheduled = False
+            if s.failure is not None:
+                continue
+            handle = s.handle
+            if handle is None:
+                if s.queue or s.values:
+                    handle = session.bind_stream(s.name)
+                    if handle is None:
+                        conn.bind_blocked.append(s)
+                    else:
+                        s.handle = handle
+                        conn.handles[handle] = s
+                # Batches wait for the stream's initial Ack in any case.
+                continue
+            queue = s.queue
+            if not s.ready or not queue:
+                continue
+            batch = queue[0]
+            if batch.first_sequence < 0:
+                assert s.next_sequence is not None
+                batch.first_sequence = s.next_sequence
+                s.next_sequence += batch.count
+                if batch.delivery is not None:
+                    batch.delivery._numbered(batch.first_sequence)
+            # can_send_batch first: a refused send_batch would still have
+            # copied the whole batch.
+            if not optimistic and not session.can_send_batch(handle, len(batch.block)):
+                continue  # no credit: GuaranteesReceived marks the stream again
+            session.send_batch(handle, batch.first_sequence, batch.block, optimistic=optimistic)
+            queue.popleft()
+            s.unacked.append(batch)
+            s.records_sent += batch.count
+            s.bytes_sent += len(batch.block)
+            if queue:
+                self._mark(s)  # back of the line: one batch per stream per round
+            if session.pending_output >= chunk:
+                self._write(conn)
+        self._write(conn)
+
+    def _write(self, conn: _Connection) -> None:
+        data = conn.session.data_to_send()
+        if data and conn.transport is not None and not conn.transport.is_closing():
+            conn.transport.write(data)
+            assert self._loop is not None
+            conn.last_write = self._loop.time()
+
+    # -- connection management -------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._reconnect_timeout
+        delay = _BACKOFF_START
+        while True:
+            try:
+                conn = await self._open(deadline)
+            except _Fatal as exc:
+                self._fail(exc.error)
+                return
+            except (OSError, TimeoutError, _ConnectionFailed) as exc:
+                self._last_error = _describe(exc)
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    host, port = self._address
+                    self._fail(
+                        ProducerError(
+                            f"gave up on the gateway at {host}:{port} after trying for "
+                            f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
+                        )
+                    )
+                    return
+                await asyncio.sleep(min(delay * random.uniform(0.8, 1.2), remaining))
+                delay = min(delay * 2, _BACKOFF_MAX)
+                continue
+            delay = _BACKOFF_START
+            reason = await conn.closed
+            if conn.fatal is not None:
+                self._fail(conn.fatal)
+                return
+            if self._closed:
+                return
+            self._last_error = reason
+            self._reconnects += 1
+            deadline = loop.time() + self._reconnect_timeout
+
+    async def _open(self, deadline: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        session = Session(Role.PRODUCER, data_cost=batch_cost, optimistic=self._optimistic)
+        session.send_global(
+            m.Hello(
+                producer_id=self.producer_id,
+                client_name=self._client_name,
+                flags=m.HelloFlags.OPTIMISTIC if self._optimistic else m.HelloFlags.NONE,
+            )
+        )
+        host, port = self._address
+        transport: asyncio.Transport | None = None
+        try:
+            # The attempt right at the deadline still gets a fair chance, so
+            # that its error (say, refused) is what the give-up reports.
+            async with asyncio.timeout(max(_MIN_ATTEMPT, deadline - loop.time())):
+                transport, conn = await loop.create_connection(
+                    lambda: _Connection(self, session), host, port
+                )
+                await conn.opened
+        except BaseException:
+            if transport is not None:
+                transport.abort()
+            raise
+        return conn
+
+    def _on_data(self, conn: _Connection, data: bytes) -> None:
+        loop = self._loop
+        assert loop is not None
+        conn.last_read = loop.time()
+        if conn.closed.done() or conn.session.closed:
+            return
+        try:
+            events = conn.session.receive_data(data)
+        except ProtocolError as exc:
+            if conn.transport is not None:
+                conn.transport.write(conn.session.fail(exc))
+            conn.fatal = ProducerError(
+                f"the gateway at {self._address[0]}:{self._address[1]} broke the protocol: {exc}"
+            )
+            conn.close(str(conn.fatal))
+            return
+        for event in events:
+            if isinstance(event, AckReceived):
+                self._on_ack(conn, event.ack)
+            elif isinstance(event, GuaranteesReceived):
+                if event.handle is None:
+                    for blocked in conn.bind_blocked:
+                        self._mark(blocked)
+                    conn.bind_blocked.clear()
+                else:
+                    granted = conn.handles.get(event.handle)
+                    if granted is not None:
+                        self._mark(granted)
+            elif isinstance(event, MessageReceived):
+                self._on_message(conn, event.message)
+            elif isinstance(event, WelcomeReceived):
+                self._attach(conn, event.welcome)
+            elif isinstance(event, MessagesDropped) and event.handle is not None:
+                dropped = conn.handles.get(event.handle)
+                if dropped is not None:
+                    dropped.batches_dropped += event.count
+        self._pump()
+
+    def _on_message(self, conn: _Connection, message: m.GlobalMessage) -> None:
+        if isinstance(message, m.Error):
+            scope = message.scope
+            if scope is not None:
+                if scope.handle_type is m.HandleType.STREAM:
+                    s = conn.handles.get(scope.handle)
+                    if s is not None:
+                        self._refuse(s, StreamRefused(s.name, message.code, message.text))
+                return
+            host, port = self._address
+            text = f"the gateway at {host}:{port} refused the session ({message.code.name})"
+            if message.text:
+                text += f": {message.text}"
+            if message.code not in _RETRYABLE:
+                conn.fatal = ProducerError(text)
+            conn.close(text)
+        elif isinstance(message, m.Goodbye):
+            text = f"the gateway said goodbye ({message.code.name})"
+            if message.text:
+                text += f": {message.text}"
+            conn.close(text)
+
+    def _attach(self, conn: _Connection, welcome: m.Welcome) -> None:
+        loop = self._loop
+        assert loop is not None
+        conn.welcome = welcome
+        self._conn = conn
+        self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
+        if welcome.idle_timeout_ms > 0:
+            interval = max(0.05, welcome.idle_timeout_ms / 3000.0)
+            conn.keepalive = loop.call_later(interval, self._keepalive, conn, interval)
+        for s in self._streams.values():
+            if s.failure is None and (s.queue or s.values):
+                self._mark(s)
+        if not conn.opened.done():
+            conn.opened.set_result(None)
+        for waiter in self._connect_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._connect_waiters.clear()
+
+    def _keepalive(self, conn: _Connection, interval: float) -> None:
+        loop = self._loop
+        assert loop is not None and conn.welcome is not None
+        if self._conn is not conn:
+            return
+        now = loop.time()
+        idle_timeout = conn.welcome.idle_timeout_ms / 1000.0
+        if now - conn.last_read > idle_timeout:
+            conn.close(f"no word from the gateway for {idle_timeout:g} s")
+            if conn.transport is not None:
+                conn.transport.abort()
+            return
+        if now - conn.last_write >= interval or now - conn.last_read >= interval:
+            self._nonce = (self._nonce + 1) & ((1 << 64) - 1)
+            conn.session.send_global(m.Ping(nonce=self._nonce))
+            self._write(conn)
+        conn.keepalive = loop.call_later(interval, self._keepalive, conn, interval)
+
+    def _on_lost(self, conn: _Connection, exc: Exception | None) -> None:
+        if conn.reason is not None:
+            reason = conn.reason
+        elif exc is not None:
+            reason = f"connection lost: {_describe(exc)}"
+        else:
+            reason = "the gateway closed the connection"
+        if self._conn is conn:
+            self._detach(conn)
+        if not conn.opened.done():
+            if conn.fatal is not None:
+                conn.opened.set_exception(_Fatal(conn.fatal))
+            else:
+                conn.opened.set_exception(_ConnectionFailed(reason))
+            # Retrieved here so that an attempt nobody awaits any more
+            # (timed out) leaves no "never retrieved" warning.
+            conn.opened.exception()
+        if not conn.closed.done():
+            conn.closed.set_result(reason)
+
+    def _detach(self, conn: _Connection) -> None:
+        self._conn = None
+        if conn.keepalive is not None:
+            conn.keepalive.cancel()
+        for s in self._streams.values():
+            if s.unacked:
+                # Not known durable: resent first, in order, on the next connection.
+                s.queue.extendleft(reversed(s.unacked))
+                s.unacked.clear()
+            s.handle = None
+            s.ready = False
+        conn.handles.clear()
+        conn.bind_blocked.clear()
+
+    # -- acknowledgements and failures ------------------------------------------------
+
+    def _on_ack(self, conn: _Connection, ack: m.Ack) -> None:
+        s = conn.handles.get(ack.handle)
+        if s is None or s.failure is not None:
+            return
+        next_sequence = ack.next_sequence
+        if not s.ready:
+            # The stream's initial Ack: where the gateway's copy of our
+            # sequence ends. Batches below it were stored before (a lost
+            # ack, or an earlier run with this producer id).
+            s.ready = True
+            queue = s.queue
+            while queue and 0 <= queue[0].first_sequence < next_sequence:
+                self._acked(s, queue.popleft(), ack.durable_position)
+            if s.next_sequence is None or s.next_sequence < next_sequence:
+                s.next_sequence = next_sequence
+            self._mark(s)
+        else:
+            unacked = s.unacked
+            while unacked and unacked[0].first_sequence < next_sequence:
+                self._acked(s, unacked.popleft(), ack.durable_position)
+        self._wake(s)
+
+    def _acked(self, s: _Stream, batch: _Batch, durable_position: int) -> None:
+        size = len(batch.block)
+        s.acked_batches += 1
+        s.records_acked += batch.count
+        s.bytes_acked += size
+        s.buffered -= size
+        if batch.delivery is not None:
+            batch.delivery._acked(durable_position)
+
+    def _wake(self, s: _Stream) -> None:
+        if s.flush_waiters:
+            acked = s.acked_batches
+            remaining = []
+            for target, waiter in s.flush_waiters:
+                if target <= acked:
+                    if not waiter.done():
+                        waiter.set_result(None)
+                else:
+                    remaining.append((target, waiter))
+            s.flush_waiters = remaining
+        if s.space_waiters and s.buffered <= self._max_buffered:
+            for waiter in s.space_waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            s.space_waiters.clear()
+
+    def _refuse(self, s: _Stream, error: ProducerError) -> None:
+        """Stream ``s`` can deliver nothing more: fail everything waiting on it."""
+        if s.failure is not None:
+            return
+        s.failure = error
+        if s.linger is not None:
+            s.linger.cancel()
+            s.linger = None
+        s.values = []
+        s.keys = None
+        s.open_bytes = _BLOCK_BASE
+        for batch in (*s.unacked, *s.queue):
+            if batch.delivery is not None:
+                batch.delivery._fail(error)
+        s.unacked.clear()
+        s.queue.clear()
+        s.buffered = 0
+        for _, waiter in s.flush_waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        s.flush_waiters.clear()
+        for waiter in s.space_waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        s.space_waiters.clear()
+
+    def _fail(self, error: ProducerError) -> None:
+        """The producer can deliver nothing more."""
+        if self._failure is None:
+            self._failure = error
+        for s in self._streams.values():
+            self._refuse(s, error)
+        for waiter in self._connect_waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+        self._connect_waiters.clear()
+
+    # -- statistics ---------------------------------------------------------------
+
+    def statistics(self) -> ProducerStatistics:
+        """A snapshot of the producer and each of its streams."""
+        conn = self._conn
+        streams: dict[str, StreamStatistics] = {}
+        for name, s in self._streams.items():
+            guarantees = None
+            if conn is not None and s.handle is not None:
+                guarantees = conn.session.outbound(m.data_channel(s.handle)).guarantees
+            refused = None
+            if isinstance(s.failure, StreamRefused):
+                refused = str(s.failure)
+            streams[name] = StreamStatistics(
+                stream=name,
+                records_sent=s.records_sent,
+                records_acked=s.records_acked,
+                bytes_sent=s.bytes_sent,
+                bytes_acked=s.bytes_acked,
+                open_records=len(s.values),
+                batches_queued=len(s.queue),
+                batches_in_flight=len(s.unacked),
+                buffered_bytes=s.buffered,
+                batches_dropped=s.batches_dropped,
+                next_sequence=s.next_sequence,
+                guarantees=guarantees,
+                refused=refused,
+            )
+        return ProducerStatistics(
+            producer_id=self.producer_id,
+            address=self._address,
+            policy=self._policy,
+            connected=conn is not None,
+            reconnects=self._reconnects,
+            last_error=self._last_error,
+            failure=str(self._failure) if self._failure is not None else None,
+            streams=streams,
+        )

@@ -1,0 +1,1 @@
+"""Tests of the producer library against a real gateway."""
