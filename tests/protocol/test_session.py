@@ -365,3 +365,12 @@ def test_the_gateway_survives_any_byte_string_with_only_protocol_errors() -> Non
             gateway.receive_data(bytes(data))
         except ProtocolError as exc:
             assert exc.code is not ErrorCode.NONE
+
+
+def test_a_producer_accepts_a_refusal_in_place_of_welcome() -> None:
+    producer = Session(Role.PRODUCER)
+    producer.send_global(HELLO)
+    refusal = m.Error(code=ErrorCode.UNAUTHENTICATED, text="bad token")
+    events = producer.receive_data(encode_frame(SendGlobal(payload=m.encode_message(refusal))))
+    assert events == [MessageReceived(message=refusal)]
+    assert producer.closed and not producer.opened

@@ -165,8 +165,13 @@ class Stream:
             self.writers.remove(writer)
 
     def resume_sequence(self, producer_id: int) -> int:
-        """Where this producer's sequence numbers continue on this stream."""
-        return self.dedup.get(producer_id, 0)
+        """Where this producer's sequence numbers continue on this stream.
+
+        Only durable batches count: a batch appended but not yet fsynced may
+        still be lost, so the producer must keep it and resend it (the resend
+        is then recognised as a duplicate and acknowledged once durable).
+        """
+        return self._durable_dedup.get(producer_id, 0)
 
     # -- the books --------------------------------------------------------------
 

@@ -541,6 +541,15 @@ class Session:
         self._announced_schemas = schemas.next_handle
 
     def _on_global(self, message: m.GlobalMessage, events: list[Event]) -> None:
+        if (
+            not self._opened
+            and self.role is Role.PRODUCER
+            and isinstance(message, m.Error | m.Goodbye)
+        ):
+            # The gateway refused the session instead of welcoming it.
+            self._closed = True
+            events.append(MessageReceived(message=message))
+            return
         if not self._opened:
             expected = m.Hello if self.role is Role.GATEWAY else m.Welcome
             if not isinstance(message, expected):
