@@ -28,8 +28,8 @@ Every frame starts with a 40-byte header (little-endian)::
 *Frame Length* counts the header and the payload but not the alignment gap
 after it; the next frame starts at ``align(length, FRAME_ALIGNMENT)``. It is
 written last, after every other byte of the frame, together with the checksum
-as one 8-byte *commit word* (one aligned store: one ``struct.pack_into`` call
-instead of two on the hot path). A frame whose length is zero has not been
+as one 8-byte *commit word* (one aligned 8-byte slice assignment; never
+``pack_into``, which zero-fills its target first). A frame whose length is zero has not been
 committed yet, and nothing after it has either. Should the two halves of the
 commit word ever become visible separately, a reader sees a length with a
 stale checksum, which fails: torn, never wrong.

@@ -174,7 +174,10 @@ class MetadataPage:
 
     def store_published(self, position: int) -> None:
         """Store the published position (after the frames below it are committed)."""
-        I64.pack_into(self.buffer, PUBLISHED_POSITION_OFFSET, position)
+        # A slice store, not pack_into (which zero-fills first, visibly to readers).
+        self.buffer[PUBLISHED_POSITION_OFFSET : PUBLISHED_POSITION_OFFSET + I64.size] = I64.pack(
+            position
+        )
 
     def stored_positions(self) -> Positions | None:
         """The durable/release pair if its checksum holds, else ``None`` (one attempt)."""

@@ -45,6 +45,7 @@ class LogReader:
     def __init__(self, directory: Path, meta: MetadataPage) -> None:
         self._directory = directory
         self._meta = meta
+        self._published_seen = 0
         self._term_length = meta.settings.term_length
         self._shift = self._term_length.bit_length() - 1
         self._terms: dict[int, TermFile] = {}
@@ -79,7 +80,18 @@ class LogReader:
     def published_position(self) -> int:
         """Every frame before this position is committed; read fresh from the metadata page."""
         self._check_open()
-        return self._meta.published
+        return self._published()
+
+    def _published(self) -> int:
+        # The writer only moves the published position forward. A smaller value
+        # than one already seen can only be a store caught half-way (the writer
+        # stores it in one 8-byte copy, which x86-64 makes a single store, but
+        # nothing in Python promises that), so the larger value stands.
+        value = self._meta.published
+        if value < self._published_seen:
+            return self._published_seen
+        self._published_seen = value
+        return value
 
     def durable_position(self) -> int:
         """Every frame before this position is on the device.
@@ -108,7 +120,7 @@ class LogReader:
         over the mapped terms: copy what must outlive :meth:`close`.
         """
         self._check_open()
-        published = self._meta.published
+        published = self._published()
         if end is None:
             end = published
         release = self._meta.read_positions().release

@@ -91,6 +91,10 @@ _PADDING_BODY: Final = padding_body()
 _new_result = tuple.__new__  # skips NamedTuple.__new__'s Python frame on the hot path
 
 
+# The published position, stored with one 8-byte slice assignment (see _append).
+PUBLISHED_SLOT = slice(PUBLISHED_POSITION_OFFSET, PUBLISHED_POSITION_OFFSET + 8)
+
+
 class StreamLog:
     """The single writer of one stream's log: append, group commit, release, read back.
 
@@ -399,17 +403,15 @@ class StreamLog:
         except struct.error as exc:
             raise LogError(f"frame header field out of range: {exc}") from None
         buffer[offset + HEADER_LENGTH : offset + length] = payload
-        COMMIT.pack_into(
-            buffer,
-            offset,
-            length,
-            zlib.crc32(
-                self._view[offset + TYPE_OFFSET : offset + length],
-                (position ^ (position >> 32)) & MAX_U32,
-            ),
+        checksum = zlib.crc32(
+            self._view[offset + TYPE_OFFSET : offset + length],
+            (position ^ (position >> 32)) & MAX_U32,
         )
+        # One 8-byte slice store, never pack_into: pack_into zero-fills its
+        # target before writing, and a reader in another process could see that.
+        buffer[offset : offset + COMMIT.size] = COMMIT.pack(length, checksum)
         self._tail = end
-        I64.pack_into(self._meta_buffer, PUBLISHED_POSITION_OFFSET, end)
+        self._meta_buffer[PUBLISHED_SLOT] = I64.pack(end)
         return _new_result(AppendResult, (position, end))
 
     def _append_slowly(
@@ -467,7 +469,7 @@ class StreamLog:
             self._view[offset + TYPE_OFFSET : offset + length],
             (position ^ (position >> 32)) & MAX_U32,
         )
-        COMMIT.pack_into(buffer, offset, length, checksum)
+        buffer[offset : offset + COMMIT.size] = COMMIT.pack(length, checksum)
         self._advance_tail(end)
         return AppendResult(position, end)
 
@@ -479,9 +481,8 @@ class StreamLog:
         self._ensure_term(term_id_of(end, self._shift))
         buffer = self._buffer
         buffer[offset + TYPE_OFFSET : offset + HEADER_LENGTH] = _PADDING_BODY
-        COMMIT.pack_into(
-            buffer, offset, self._term_length - offset, padding_checksum(_PADDING_BODY, position)
-        )
+        commit = COMMIT.pack(self._term_length - offset, padding_checksum(_PADDING_BODY, position))
+        buffer[offset : offset + COMMIT.size] = commit
         self._advance_tail(end)
 
     def _ensure_term(self, term_id: int) -> None:
@@ -518,7 +519,7 @@ class StreamLog:
             if term_id + 1 not in self._terms:
                 self._preparer.request(term_id + 1)
         self._tail = end
-        I64.pack_into(self._meta_buffer, PUBLISHED_POSITION_OFFSET, end)
+        self._meta_buffer[PUBLISHED_SLOT] = I64.pack(end)
 
     def _refresh_fast_end(self) -> None:
         # A frame ending at or before this position fits the free capacity and
