@@ -312,6 +312,7 @@ class Bind:
     """A bind message on the creator's bind channel."""
 
     handle: int
+    attempt: int
     value: str
     size: int
 
@@ -364,6 +365,7 @@ class HandlePeers(RuleBasedStateMachine):
         self.creator_buffer: deque[int] = deque()
         self.keeper_buffer: deque[int] = deque()
         self.sizes: dict[int, int] = {}
+        self.attempts: dict[int, int] = {}
         self.binds_accepted = 0
         self.binds_dropped: set[int] = set()
         self.proposed_free: set[int] = set()
@@ -378,7 +380,8 @@ class HandlePeers(RuleBasedStateMachine):
         sent = self.bind_client.send(handle, size, optimistic=optimistic)
         if sent.confirmed:
             self.creator.confirm(handle)
-        self.to_keeper.append(Bind(handle, self.value_of(handle), size))
+        self.attempts[handle] = self.attempts.get(handle, -1) + 1
+        self.to_keeper.append(Bind(handle, self.attempts[handle], self.value_of(handle), size))
 
     # -- creator --
 
@@ -478,6 +481,8 @@ class HandlePeers(RuleBasedStateMachine):
                 self.binds_accepted += 1
                 self.binds_dropped.discard(item.handle)
             else:
+                if item.attempt == self.attempts[item.handle]:
+                    assert not self.creator.is_confirmed(item.handle), "confirmed, yet dropped"
                 self.binds_dropped.add(item.handle)
                 self.to_creator.extend(outcome.frames)
         elif isinstance(item, Reference):
@@ -504,7 +509,6 @@ class HandlePeers(RuleBasedStateMachine):
         item = self.to_creator.popleft()
         if isinstance(item, IssueGuarantees):
             for handle in self.bind_client.on_issue_guarantees(item.amount):
-                assert handle not in self.binds_dropped
                 self.creator.confirm(handle)
         elif isinstance(item, AnnounceDropping):
             lost, apology = self.bind_client.on_announce_dropping()

@@ -2,19 +2,26 @@
 
 Each test builds the diagram's first state through the protocol itself, checks
 it, then walks the diagram step by step and checks both sides after each step.
-The last two tests are LCMUX's diagrams for LimitSending and LimitReceiving.
+Then come LCMUX's diagrams for LimitSending and LimitReceiving, and last the
+rules the seed states in prose beside its diagrams, with each error a peer
+that breaks them is told.
 """
 
 from __future__ import annotations
 
+import pytest
+
 from headgate.protocol.channel import (
     AnnounceIssuance,
     ClientChannel,
+    ClientChannelStatistics,
     DropReason,
     MessageBuffered,
     MessageDropped,
     ServerChannel,
+    ServerChannelStatistics,
 )
+from headgate.protocol.errors import ErrorCode, FlowControlError
 from headgate.protocol.frames import (
     Absolve,
     AnnounceDropping,
@@ -298,7 +305,7 @@ def test_guarantees_for_buffered_optimistic_bytes_precede_the_drop_announcement(
     assert client.guarantees == -3
     assert client.in_doubt == ["three"]
 
-    lost, apology = client.on_announce_dropping()
+    lost, _ = client.on_announce_dropping()
     assert lost == ["three"]
     assert client.in_doubt == []
     assert client.guarantees == 0
@@ -368,3 +375,233 @@ def test_server_limits_receiving_to_two_bytes_and_blocks_off_three() -> None:
     assert_server(server, capacity=2, buffered=[2], issuable=0)
     assert client.guarantees == 0 == server.client_guarantees
     assert client.closed and server.closed
+
+
+# --- the rules the seed states beside its diagrams, and each error ------------------
+
+
+def test_a_message_that_almost_fits_is_dropped_whole() -> None:
+    # "if it can buffer all but one byte of a message, it must still drop the
+    # full message and all subsequent ones until the apology"
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    server.grow(4)
+    outcome = server.receive("five", 5)
+    assert isinstance(outcome, MessageDropped)
+    assert outcome.reason is DropReason.NO_SPACE
+    assert outcome.frames[-1] == AnnounceDropping(channel=CHANNEL)
+    assert server.buffered_bytes == 0 and server.capacity == 4
+
+
+def test_the_server_keeps_dropping_even_messages_that_fit_until_the_apology() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    server.grow(4)
+    server.receive("five", 5)
+    assert server.receive("one", 1) == MessageDropped(size=1, reason=DropReason.DROPPING, frames=())
+    server.on_apologise()
+    assert server.receive("one", 1) == MessageBuffered(size=1)
+
+
+def test_an_apology_when_not_dropping_is_unexpected_apology() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    with pytest.raises(FlowControlError) as caught:
+        server.on_apologise()
+    assert caught.value.code is ErrorCode.UNEXPECTED_APOLOGY
+    server.receive("one", 1)
+    server.on_apologise()
+    with pytest.raises(FlowControlError) as caught:
+        server.on_apologise()
+    assert caught.value.code is ErrorCode.UNEXPECTED_APOLOGY
+
+
+def test_absolving_more_than_the_client_holds_is_absolved_too_much() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 3)
+    server.grow(5)  # issuable, not the client's
+    with pytest.raises(FlowControlError) as caught:
+        server.on_absolve(4)
+    assert caught.value.code is ErrorCode.ABSOLVED_TOO_MUCH
+    server.on_absolve(3)
+    assert server.capacity == 5 and server.client_guarantees == 0
+
+
+def test_issue_zero_is_sent_only_when_asked_for() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    assert server.issue() is None
+    assert server.issue(0) == IssueGuarantees(channel=CHANNEL, amount=0)
+    server.grow(3)
+    assert server.issue(2) == IssueGuarantees(channel=CHANNEL, amount=2)
+    with pytest.raises(ValueError):
+        server.issue(2)
+    assert server.issue() == IssueGuarantees(channel=CHANNEL, amount=1)
+
+
+def test_processed_space_accumulates_until_issued() -> None:
+    # "The server need not communicate this immediately"
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 4)
+    send(server, client, "a", 1)
+    send(server, client, "b", 2)
+    server.process()
+    server.process()
+    assert server.issuable == 3 and client.guarantees == 1
+    with pytest.raises(RuntimeError):
+        server.process()
+
+
+def test_only_unpromised_free_space_can_be_shrunk_without_the_client() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 2)
+    server.grow(3)
+    with pytest.raises(ValueError):
+        server.shrink(4)
+    server.shrink(3)
+    assert server.capacity == 2 and server.client_guarantees == 2
+
+
+def test_control_frames_consume_neither_guarantees_nor_buffer_space() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 5)
+    server.plead(9)
+    assert client.on_plead(9) is None
+    server.receive("big", 6)  # starts dropping; the announcement is free
+    client.send("big", 6, optimistic=True)
+    _, apology = client.on_announce_dropping()
+    server.on_apologise()
+    assert apology == Apologise(channel=CHANNEL)
+    assert server.free == 5 and client.guarantees == 5 == server.client_guarantees
+
+
+def test_a_message_covered_by_guarantees_is_sent_and_not_queued() -> None:
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    client.on_issue_guarantees(3)
+    assert client.can_send(3) and not client.can_send(4)
+    with pytest.raises(ValueError):
+        client.send("four", 4)
+    sent = client.send("three", 3)
+    assert sent.confirmed and client.in_doubt == []
+
+
+def test_every_message_after_one_in_doubt_is_queued_too() -> None:
+    # If the first is dropped, the server drops all later ones until the apology.
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    client.on_issue_guarantees(2)
+    client.send("opt", 3, optimistic=True)
+    client.on_issue_guarantees(5)  # pays the one optimistic byte: dequeued
+    assert client.in_doubt == []
+    client.send("opt2", 5, optimistic=True)  # 4 covered, 1 optimistic
+    assert client.guarantees == -1
+    client.on_issue_guarantees(0)
+    sent = client.send("empty", 0, optimistic=True)
+    assert sent.optimistic_bytes == 0 and not sent.confirmed
+    assert client.in_doubt == ["opt2", "empty"]
+    assert client.statistics() == ClientChannelStatistics(
+        guarantees=-1, queued_messages=2, queued_bytes=5, unconfirmed_bytes=1
+    )
+    assert client.on_issue_guarantees(1) == ["opt2", "empty"]
+
+
+def test_limit_sending_may_only_tighten() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    client.limit_sending(4)
+    with pytest.raises(ValueError):
+        client.limit_sending(5)
+    server.on_limit_sending(4)
+    server.on_limit_sending(4)
+    with pytest.raises(FlowControlError) as caught:
+        server.on_limit_sending(5)
+    assert caught.value.code is ErrorCode.LIMIT_LOOSENED
+
+
+def test_a_message_beyond_the_clients_own_limit_is_limit_exceeded() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 10)
+    server.on_limit_sending(3)
+    with pytest.raises(FlowControlError) as caught:
+        server.receive("four", 4)
+    assert caught.value.code is ErrorCode.LIMIT_EXCEEDED
+    client.limit_sending(3)
+    with pytest.raises(ValueError):
+        client.send("four", 4, optimistic=True)
+
+
+def test_absolutions_count_against_the_sending_limit() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 10)
+    server.on_limit_sending(client.limit_sending(6).bound)
+    absolve = client.on_plead(4)
+    assert absolve == Absolve(channel=CHANNEL, amount=2)
+    assert client.send_bound == 4
+    server.on_absolve(absolve.amount)
+    assert server.send_bound == 4 and server.capacity == 4
+
+
+def test_limit_receiving_may_only_tighten_and_drops_beyond_the_bound() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 3)
+    server.grow(5)
+    client.on_limit_receiving(server.limit_receiving(5).bound)
+    with pytest.raises(ValueError):
+        server.limit_receiving(6)
+    assert server.issuable == 2  # never more guarantees than the bound allows
+    send(server, client, "three", 3)
+    assert client.receive_bound == server.receive_bound == 2
+    with pytest.raises(ValueError):
+        client.send("three", 3, optimistic=True)
+
+    # A message sent before the bound reached the client: beyond it, dropped.
+    outcome = server.receive("late", 3)
+    assert isinstance(outcome, MessageDropped)
+    assert outcome.reason is DropReason.RECEIVE_LIMIT
+    assert outcome.frames == (
+        IssueGuarantees(channel=CHANNEL, amount=2),
+        AnnounceDropping(channel=CHANNEL),
+    )
+    server.on_apologise()
+    client.on_issue_guarantees(2)
+    send(server, client, "two", 2)
+    assert server.closed and client.closed
+    assert server.receive("one", 1) == MessageDropped(
+        size=1, reason=DropReason.RECEIVE_LIMIT, frames=(AnnounceDropping(channel=CHANNEL),)
+    )
+
+
+def test_sizes_and_bounds_must_not_be_negative() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    for call in (
+        lambda: server.grow(-1),
+        lambda: server.issue(-1),
+        lambda: server.plead(-1),
+        lambda: server.receive("x", -1),
+        lambda: server.limit_receiving(-1),
+        lambda: client.send("x", -1),
+        lambda: client.limit_sending(-1),
+    ):
+        with pytest.raises(ValueError):
+            call()
+    with pytest.raises(ValueError):
+        server.on_limit_sending(-1)
+
+
+def test_statistics_snapshot_the_server_books() -> None:
+    server: ServerChannel[str] = ServerChannel(CHANNEL)
+    client: ClientChannel[str] = ClientChannel(CHANNEL)
+    give(server, client, 5)
+    server.grow(2)
+    send(server, client, "three", 3)
+    assert server.statistics() == ServerChannelStatistics(
+        capacity=7,
+        buffered_bytes=3,
+        buffered_messages=1,
+        issuable=2,
+        client_guarantees=2,
+        dropping=False,
+    )

@@ -89,6 +89,7 @@ __all__ = [
 
 
 def _check_size(name: str, value: int) -> None:
+    # Frames carry unsigned integers, so a negative value is a local bug.
     if value < 0:
         raise ValueError(f"{name} must not be negative, got {value}")
 
@@ -665,10 +666,7 @@ class ClientChannel(Generic[T]):
         The guarantees pay optimistic bytes in send order (see the module
         docstring for why that identifies buffered messages).
         """
-        if amount < 0:
-            raise FlowControlError(
-                f"channel {self._channel}: negative guarantees", code=ErrorCode.UNEXPECTED_FRAME
-            )
+        _check_size("amount", amount)
         payment = amount
         confirmed: list[T] = []
         while self._in_doubt:
@@ -715,10 +713,7 @@ class ClientChannel(Generic[T]):
 
     def on_limit_receiving(self, bound: int) -> None:
         """The server will accept at most ``bound`` more bytes."""
-        if bound < 0:
-            raise FlowControlError(
-                f"channel {self._channel}: negative bound", code=ErrorCode.UNEXPECTED_FRAME
-            )
+        _check_size("bound", bound)
         # The server counts from when it sent the bound, so messages we sent
         # before it arrived may count against it too: the bound is an upper
         # estimate of what the server will still accept. It replaces our count

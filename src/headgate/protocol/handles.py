@@ -14,7 +14,8 @@ buffered". The table owned by the binding side's receiver holds that channel
 (a :class:`~headgate.protocol.channel.ServerChannel`): it takes bind messages
 out of the buffer without reissuing their space, keeps the bytes charged
 while the binding lives, and grows the channel by as much once the binding is
-deleted. So the channel's capacity plus the bound bytes stay constant.
+deleted. So a bind costs its bytes from when it is sent until its binding is
+gone, and a guaranteed bind always finds room to be bound.
 
 A FreeHandle (:class:`~headgate.protocol.messages.FreeHandle`) is a control
 message: it belongs to no channel. Freeing takes three steps, because a peer
