@@ -111,7 +111,7 @@ def demo_gateway_config(data_dir: Path) -> GatewayConfig:
     )
 
 
-class _LoopThread:
+class BackgroundLoop:
     """An asyncio loop in a background thread, for the gateway or the producer."""
 
     def __init__(self, name: str) -> None:
@@ -156,7 +156,7 @@ def run_demo(data_dir: Path, seconds: float, console: Console) -> list[StreamSum
 
     data_dir = data_dir.resolve()
     console.print(f"[bold]headgate run[/]: data in {data_dir}")
-    gw_thread = _LoopThread("headgate-gateway")
+    gw_thread = BackgroundLoop("headgate-gateway")
     gateway = Gateway(demo_gateway_config(data_dir))
     gw_thread.run(gateway.start(), 30)
     host, port = gateway.address
@@ -184,7 +184,7 @@ def run_demo(data_dir: Path, seconds: float, console: Console) -> list[StreamSum
     )
     pipeline.start()
 
-    prod_thread = _LoopThread("headgate-producer")
+    prod_thread = BackgroundLoop("headgate-producer")
     # A small producer-side buffer, so that the application itself feels the
     # backpressure: send() waits as soon as a stream runs out of credit.
     producer = Producer(
@@ -242,7 +242,7 @@ def run_demo(data_dir: Path, seconds: float, console: Console) -> list[StreamSum
     return summaries
 
 
-def _gateway_stats(thread: _LoopThread, gateway: Gateway) -> list[StreamStatistics]:
+def _gateway_stats(thread: BackgroundLoop, gateway: Gateway) -> list[StreamStatistics]:
     async def snapshot() -> list[StreamStatistics]:
         return gateway.statistics()
 
