@@ -326,10 +326,10 @@ class Gateway:
         stream = self.streams.get(name)
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        try:
-            stream.release(position)
-        except LogError as exc:
-            raise ProtocolError(str(exc), code=ErrorCode.UNEXPECTED_FRAME) from None
+        stream.release(position)
+        # The next group commit stores the release and deletes the terms it
+        # frees, even if nothing is appended to this stream meanwhile.
+        self.mark_dirty(stream)
         stream.rebalance(time.monotonic())
         self._flush_writers(stream)
 

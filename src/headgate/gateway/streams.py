@@ -256,7 +256,11 @@ class Stream:
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
                 )
         if self._pending_release is not None:
-            self.release(self._pending_release)
+            pending, self._pending_release = self._pending_release, None
+            try:
+                self.release(pending)
+            except ProtocolError as exc:  # checked on arrival; only a bug lands here
+                log.error("dropping a pending release: %s", exc)
 
     # -- release and credit --------------------------------------------------------
 
@@ -265,25 +269,45 @@ class Stream:
 
         A position beyond what is durable is remembered and applied as the
         log becomes durable (Spark may read what is published before it is
-        fsynced).
+        fsynced). A position beyond the tail, or one that is not where a frame
+        ends, is refused: releasing it would discard data nobody has read.
+
+        Raises:
+            ProtocolError: the position is not one the consumer can have reached.
         """
         durable = self.log.durable_position
+        if position > self.log.tail_position:
+            raise ProtocolError(
+                f"stream {self.name}: cannot release to {position}, beyond the tail "
+                f"{self.log.tail_position}",
+                code=ErrorCode.UNEXPECTED_FRAME,
+            )
         if position > durable:
-            self._pending_release = position
+            if position != self.log.tail_position and not any(
+                end == position for end, _, _ in self._appends
+            ):
+                raise ProtocolError(
+                    f"stream {self.name}: cannot release to {position}, not the end of a frame",
+                    code=ErrorCode.UNEXPECTED_FRAME,
+                )
+            self._pending_release = max(position, self._pending_release or 0)
             position = durable
-        else:
+        elif self._pending_release is not None and self._pending_release <= position:
             self._pending_release = None
         if position <= self.log.release_position:
             return
         # Frames being reclaimed must stay recognisable as duplicates.
         self._write_snapshot()
-        self.log.release(position)
+        try:
+            self.log.release(position)
+        except LogError as exc:
+            raise ProtocolError(
+                f"stream {self.name}: {exc}", code=ErrorCode.UNEXPECTED_FRAME
+            ) from None
         self._process_released()
 
     def _process_released(self) -> None:
         released = self.log.release_position
-        if self.log.release_position == self.log.tail_position:
-            released = self.log.tail_position
         shares = self._shares(now=None)
         while self._inflight and self._inflight[0][0] <= released:
             _, writer = self._inflight.popleft()
