@@ -1,0 +1,1069 @@
+"""Benchmark: end-to-end ingestion through ``headgate serve`` beside a minimal receiver.
+
+    .venv/bin/python bench/ingest.py            # about 90 seconds
+    .venv/bin/python bench/ingest.py --quick    # about 30 seconds
+
+Everything runs on loopback. The gateway is a ``headgate serve`` subprocess
+(512 MiB per stream, 64 MiB terms, 2 ms group commit); producers run in
+worker processes (multiprocessing, spawn), each with its own producer id and
+stream. Every figure is *durable*: a run's clock starts at its first record
+and stops when ``flush()`` returns, that is when the gateway has acknowledged
+every record after an fsync.
+
+Workloads, for 100-byte and 1-KiB records:
+
+1. one producer process, one ``await producer.send()`` per record;
+2. one producer process, ``send_many`` with lists of 10,000 records (and, as
+   an extra row, the same with a pyarrow binary array);
+3. 2 and 4 producer processes at once, ``send()`` per record; the aggregate
+   rate is all records over the span from the first start to the last flush;
+4. latency at half load: half the rate of (1), paced in bursts every 1 ms;
+   every burst is closed by ``flush(stream)``, and a burst's latency is the
+   time from its first ``send()`` to the return of its ``flush()``, the
+   durable ack of its last record (so it is the worst latency of the burst);
+5. peak RSS of the gateway (VmHWM), and peak anonymous RSS sampled every 50 ms.
+
+Baseline, in the same run: ``--baseline-server`` (in this file) is an asyncio
+receiver of frames (4-byte length + payload) that appends each frame's
+payload to a file per connection, fsyncs every 2 ms in a worker thread and
+then sends each connection a cumulative ack (frames durable). Its client
+batches the same records into frames of up to 256 KiB (the producer's
+default batch size), each record a 4-byte length and its bytes, with the same
+per-record call (``await client.send(stream, value)``) and bulk call; it has
+no flow control beyond TCP's. The baseline's latency runs use the same rate
+as headgate's.
+
+No Release is sent: each run writes a fresh stream and at most 384 MiB of
+records, inside the stream's capacity, so credit never runs out. The machine
+may be shared, so throughput rounds interleave headgate and the baseline and
+the best round of each is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import cProfile
+import ctypes
+import io
+import multiprocessing
+import os
+import pstats
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from itertools import accumulate, chain
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import Any
+
+RECORD_SIZES = (100, 1024)
+#: Records per bulk call, and the pool of distinct records every run cycles through.
+CHUNK = 10_000
+#: The baseline's largest frame payload: the producer's default max_batch_bytes.
+FRAME_LIMIT = 256 * 1024
+COMMIT_INTERVAL_S = 0.002
+BURST_INTERVAL_S = 0.001
+STREAM_CAPACITY = "512MiB"
+TERM_LENGTH = "64MiB"  # the default; --term-length changes it
+#: Record bytes one run may write to one stream: well inside STREAM_CAPACITY
+#: with the log's framing (4 bytes per record, 40 per batch, term padding).
+PAYLOAD_CAP = 384 * 1024 * 1024
+PROCESS_COUNTS = (2, 4)
+START_TIMEOUT_S = 30.0
+RUN_GRACE_S = 30.0
+STOP_TIMEOUT_S = 15.0
+SAMPLE_INTERVAL_S = 0.05
+SERVER_LIFETIME_S = 900.0
+
+_LENGTH = struct.Struct(">I")
+_ACK = struct.Struct(">Q")
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+SendOne = Callable[[str, bytes], Awaitable[None]]
+SendMany = Callable[[str, Any], Awaitable[object]]
+Flush = Callable[[], Coroutine[Any, Any, None]]
+
+
+# --- the baseline receiver (runs in its own process) ---------------------------------
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        if written <= 0:
+            raise OSError(f"write returned {written}")
+        data = data[written:]
+
+
+def _fsync_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.fsync(fd)
+
+
+class _Receiver(asyncio.Protocol):
+    """One baseline connection: frames in, appended to a file, acked after fsync."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.buffer = bytearray()
+        self.frames = 0
+        self.synced = 0
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        offset = 0
+        end = len(buffer)
+        with memoryview(buffer) as view:
+            while end - offset >= 4:
+                (length,) = _LENGTH.unpack_from(view, offset)
+                stop = offset + 4 + length
+                if stop > end:
+                    break
+                _write_all(self.fd, view[offset + 4 : stop])
+                self.frames += 1
+                offset = stop
+        if offset:
+            del buffer[:offset]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
+class _BaselineServer:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.receivers: list[_Receiver] = []
+        self.accepted = 0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baseline-fsync")
+
+    def accept(self) -> _Receiver:
+        self.accepted += 1
+        receiver = _Receiver(self.directory / f"connection-{self.accepted}.bin")
+        self.receivers.append(receiver)
+        return receiver
+
+    def reap(self) -> None:
+        """Close and delete the files of connections that ended (never during an fsync)."""
+        for receiver in [r for r in self.receivers if r.lost]:
+            self.receivers.remove(receiver)
+            os.close(receiver.fd)
+            receiver.path.unlink(missing_ok=True)
+
+    async def commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SERVER_LIFETIME_S
+        while loop.time() < deadline:
+            await asyncio.sleep(COMMIT_INTERVAL_S)
+            self.reap()
+            dirty = [(r, r.frames) for r in self.receivers if r.frames > r.synced]
+            if not dirty:
+                continue
+            await loop.run_in_executor(self.executor, _fsync_all, [r.fd for r, _ in dirty])
+            for receiver, frames in dirty:
+                receiver.synced = frames
+                if not receiver.lost and receiver.transport is not None:
+                    receiver.transport.write(_ACK.pack(frames))
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.lost = True
+            if receiver.transport is not None:
+                receiver.transport.close()
+        self.executor.shutdown(wait=True)
+        self.reap()
+
+
+async def _serve_baseline(port: int, directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    server = _BaselineServer(directory)
+    loop = asyncio.get_running_loop()
+    tcp = await loop.create_server(server.accept, "127.0.0.1", port)
+    host, bound = tcp.sockets[0].getsockname()[:2]
+    print(f"listening on {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    commit = asyncio.create_task(server.commit_loop())
+    # Bounded, in case the benchmark that started us died without stopping us.
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), SERVER_LIFETIME_S)
+    commit.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await commit
+    tcp.close()
+    server.close()
+
+
+# --- the baseline client ---------------------------------------------------------------
+
+
+def _frame(values: Sequence[bytes]) -> bytes:
+    lengths = list(map(len, values))
+    total = sum(lengths) + 4 * len(lengths)
+    prefixes = map(_LENGTH.pack, lengths)
+    return b"".join(
+        chain((_LENGTH.pack(total),), chain.from_iterable(zip(prefixes, values, strict=True)))
+    )
+
+
+class BaselineClient(asyncio.Protocol):
+    """Batches records into length-prefixed frames; acks count durable frames."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.values: list[bytes] = []
+        self.open_bytes = 0
+        self.frames_sent = 0
+        self.acked = 0
+        self.inbox = bytearray()
+        self.waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+        self.paused = False
+        self.drained: asyncio.Future[None] | None = None
+        self.error: Exception | None = None
+
+    # -- asyncio.Protocol --
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        high = max(1 << 20, 4 * FRAME_LIMIT)  # as the producer sets it
+        transport.set_write_buffer_limits(high=high, low=high // 4)
+
+    def data_received(self, data: bytes) -> None:
+        inbox = self.inbox
+        inbox += data
+        whole = len(inbox) - len(inbox) % _ACK.size
+        if whole:
+            (self.acked,) = _ACK.unpack_from(inbox, whole - _ACK.size)
+            del inbox[:whole]
+            waiters = self.waiters
+            while waiters and waiters[0][0] <= self.acked:
+                waiter = waiters.popleft()[1]
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.error = ConnectionError(f"baseline connection lost: {exc}")
+        for _, waiter in self.waiters:
+            if not waiter.done():
+                waiter.set_exception(self.error)
+        self.waiters.clear()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
+
+    # -- the client API --
+
+    async def send(self, stream: str, value: bytes) -> None:
+        size = self.open_bytes + len(value) + 4
+        if size > FRAME_LIMIT and self.values:
+            self._seal()
+            await self._drain()
+            size = len(value) + 4
+        self.values.append(value)
+        self.open_bytes = size
+
+    async def send_many(self, stream: str, values: Sequence[bytes]) -> None:
+        self._seal()
+        cumulative = list(accumulate(len(v) + 4 for v in values))
+        start = 0
+        while start < len(values):
+            before = cumulative[start - 1] if start else 0
+            end = max(start + 1, bisect.bisect_right(cumulative, before + FRAME_LIMIT, lo=start))
+            self._write(_frame(values[start:end]))
+            start = end
+        await self._drain()
+
+    async def flush(self) -> None:
+        self._seal()
+        if self.error is not None:
+            raise self.error
+        target = self.frames_sent
+        if self.acked >= target:
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append((target, waiter))
+        await waiter
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def _seal(self) -> None:
+        if self.values:
+            values, self.values, self.open_bytes = self.values, [], 0
+            self._write(_frame(values))
+
+    def _write(self, frame: bytes) -> None:
+        if self.error is not None:
+            raise self.error
+        assert self.transport is not None
+        self.transport.write(frame)
+        self.frames_sent += 1
+
+    async def _drain(self) -> None:
+        if self.paused and self.error is None:
+            self.drained = asyncio.get_running_loop().create_future()
+            await self.drained
+
+
+# --- runs (inside a worker process) --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    system: str  # "headgate" or "baseline"
+    mode: str  # "send", "bulk", "arrow" or "paced"
+    size: int
+    port: int
+    stream: str
+    duration: float
+    max_records: int
+    rate: float = 0.0
+    profile: bool = False
+
+
+@dataclass
+class RunResult:
+    records: int = 0
+    start: float = 0.0
+    end: float = 0.0
+    latencies: list[float] = field(default_factory=list)
+    error: str | None = None
+    profile: str | None = None
+
+
+def _pool(size: int) -> list[bytes]:
+    """CHUNK distinct records of ``size`` random bytes."""
+    blob = os.urandom(size * CHUNK)
+    return [blob[i * size : (i + 1) * size] for i in range(CHUNK)]
+
+
+async def _drive_each(
+    send: SendOne, flush: Flush, stream: str, pool: list[bytes], duration: float, limit: int
+) -> tuple[int, float, float]:
+    start = time.monotonic()
+    deadline = start + duration
+    sent = 0
+    while sent < limit and time.monotonic() < deadline:
+        for value in pool:
+            await send(stream, value)
+        sent += len(pool)
+    await flush()
+    return sent, start, time.monotonic()
+
+
+async def _drive_bulk(
+    send_many: SendMany, flush: Flush, stream: str, chunk: Any, duration: float, limit: int
+) -> tuple[int, float, float]:
+    start = time.monotonic()
+    deadline = start + duration
+    sent = 0
+    while sent < limit and time.monotonic() < deadline:
+        await send_many(stream, chunk)
+        sent += len(chunk)
+    await flush()
+    return sent, start, time.monotonic()
+
+
+async def _timed(flush: Coroutine[Any, Any, None], began: float, out: list[float]) -> None:
+    await flush
+    out.append(time.monotonic() - began)
+
+
+async def _drive_paced(
+    send: SendOne, flush: Flush, spec: RunSpec, pool: list[bytes]
+) -> tuple[int, float, float, list[float]]:
+    """Send ``spec.rate`` records/s in bursts every BURST_INTERVAL_S, each closed by flush."""
+    latencies: list[float] = []
+    pending: list[asyncio.Task[None]] = []
+    stream, rate = spec.stream, spec.rate
+    most = max(1, int(rate * 5 * BURST_INTERVAL_S))  # catch up at most 5 intervals at once
+    start = time.monotonic()
+    deadline = start + spec.duration
+    sent = 0
+    index = 0
+    for tick in range(1, int(spec.duration / BURST_INTERVAL_S) + 2):
+        now = time.monotonic()
+        if now >= deadline or sent >= spec.max_records:
+            break
+        due = min(int(rate * (now - start)) - sent, most)
+        if due > 0:
+            for _ in range(due):
+                await send(stream, pool[index])
+                index = (index + 1) % len(pool)
+            sent += due
+            pending.append(asyncio.create_task(_timed(flush(), now, latencies)))
+        await asyncio.sleep(max(0.0, start + tick * BURST_INTERVAL_S - time.monotonic()))
+    await asyncio.gather(*pending)
+    return sent, start, time.monotonic(), latencies
+
+
+async def _drive(
+    spec: RunSpec,
+    pool: list[bytes],
+    send: SendOne,
+    send_many: SendMany,
+    flush: Flush,
+    flush_stream: Flush,
+) -> RunResult:
+    limit = min(spec.max_records, PAYLOAD_CAP // spec.size // CHUNK * CHUNK)
+    result = RunResult()
+    if spec.mode == "send":
+        result.records, result.start, result.end = await _drive_each(
+            send, flush, spec.stream, pool, spec.duration, limit
+        )
+    elif spec.mode in ("bulk", "arrow"):
+        chunk: Any = pool
+        if spec.mode == "arrow":
+            import pyarrow as pa
+
+            chunk = pa.array(pool, type=pa.binary())
+        result.records, result.start, result.end = await _drive_bulk(
+            send_many, flush, spec.stream, chunk, spec.duration, limit
+        )
+    else:
+        paced = replace(spec, max_records=limit)
+        result.records, result.start, result.end, result.latencies = await _drive_paced(
+            send, flush_stream, paced, pool
+        )
+    return result
+
+
+async def _go(conn: Connection) -> None:
+    """Say ready, then wait for the word to start."""
+    conn.send(("ready", None))
+
+    def wait() -> str:
+        if not conn.poll(2 * START_TIMEOUT_S):
+            raise TimeoutError("no word to start from the benchmark")
+        word: str = conn.recv()[0]
+        return word
+
+    if await asyncio.to_thread(wait) != "go":
+        raise RuntimeError("aborted by the benchmark")
+
+
+async def _profiled(spec: RunSpec, run: Coroutine[Any, Any, RunResult]) -> RunResult:
+    if not spec.profile:
+        return await run
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        result = await run
+    finally:
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
+    result.profile = text.getvalue()
+    return result
+
+
+async def _run_headgate(spec: RunSpec, conn: Connection, pool: list[bytes]) -> RunResult:
+    from headgate.client import Producer
+
+    producer = Producer(("127.0.0.1", spec.port), client_name="bench-ingest")
+    stream = spec.stream
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            await producer.connect()
+            await producer.send(stream, pool[0])  # binds the stream; not counted
+            await producer.flush()
+        await _go(conn)
+        async with asyncio.timeout(spec.duration + RUN_GRACE_S):
+            result = await _profiled(
+                spec,
+                _drive(
+                    spec,
+                    pool,
+                    producer.send,
+                    producer.send_many,
+                    producer.flush,
+                    lambda: producer.flush(stream),
+                ),
+            )
+        stats = producer.statistics().streams[stream]
+        if not stats.records_sent == stats.records_acked == result.records + 1:
+            result.error = (
+                f"{stats.records_sent} records sent, {stats.records_acked} acked, "
+                f"{result.records + 1} expected"
+            )
+        await producer.close()
+        return result
+    finally:
+        await producer.abort()
+
+
+async def _run_baseline(spec: RunSpec, conn: Connection, pool: list[bytes]) -> RunResult:
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(START_TIMEOUT_S):
+        transport, client = await loop.create_connection(BaselineClient, "127.0.0.1", spec.port)
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            await client.send(spec.stream, pool[0])  # a first round trip; not counted
+            await client.flush()
+        first = client.frames_sent
+        await _go(conn)
+        async with asyncio.timeout(spec.duration + RUN_GRACE_S):
+            result = await _profiled(
+                spec,
+                _drive(spec, pool, client.send, client.send_many, client.flush, client.flush),
+            )
+        if client.acked != client.frames_sent or client.frames_sent <= first:
+            result.error = f"{client.acked} of {client.frames_sent} frames acked"
+        return result
+    finally:
+        transport.close()
+
+
+async def _run(spec: RunSpec, conn: Connection) -> RunResult:
+    pool = _pool(spec.size)
+    try:
+        if spec.system == "headgate":
+            return await _run_headgate(spec, conn, pool)
+        return await _run_baseline(spec, conn, pool)
+    except Exception as exc:
+        return RunResult(error=f"{type(exc).__name__}: {exc}")
+
+
+def _worker(conn: Connection) -> None:
+    """A worker process: runs what the benchmark sends until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the benchmark stops us
+    with contextlib.suppress(EOFError, BrokenPipeError):  # the benchmark went away
+        for _ in range(10_000):
+            if not conn.poll(SERVER_LIFETIME_S):
+                return
+            command, spec = conn.recv()
+            if command != "run":
+                return
+            conn.send(("result", asyncio.run(_run(spec, conn))))
+
+
+# --- processes (the benchmark side) ------------------------------------------------
+
+
+def _stop_process(pid: int, wait: Callable[[float], object], what: str) -> None:
+    """SIGTERM, wait up to STOP_TIMEOUT_S, then SIGKILL."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+        try:
+            wait(STOP_TIMEOUT_S)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        print(f"# {what} (pid {pid}) ignored SIGTERM; killing it", file=sys.stderr)
+        os.kill(pid, signal.SIGKILL)
+        wait(STOP_TIMEOUT_S)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if the benchmark dies without stopping us."""
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
+class Server:
+    """A subprocess that prints ``listening on HOST:PORT`` when ready."""
+
+    def __init__(self, name: str, argv: list[str], log: Path) -> None:
+        self.name = name
+        self.log = log
+        with open(log, "wb") as err:
+            self.process = subprocess.Popen(
+                argv, stdout=subprocess.PIPE, stderr=err, preexec_fn=_die_with_parent
+            )
+        self.pid = self.process.pid
+        self.port = self._wait_listening()
+
+    def _wait_listening(self) -> int:
+        stdout = self.process.stdout
+        assert stdout is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        seen = b""
+        while b"\n" not in seen:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self.process.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} did not start: {seen!r} {self.log.read_text()[-2000:]}"
+                )
+            ready, _, _ = select.select([stdout], [], [], remaining)
+            if ready:
+                chunk = os.read(stdout.fileno(), 4096)
+                if not chunk:
+                    continue
+                seen += chunk
+        match = _LISTENING.search(seen.decode())
+        if match is None:
+            raise RuntimeError(f"{self.name} said {seen!r}, not 'listening on HOST:PORT'")
+        return int(match.group(2))
+
+    def status(self, key: str) -> int:
+        """A /proc/<pid>/status figure in kB (0 if gone)."""
+        try:
+            text = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return 0
+        match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+        return int(match.group(1)) if match else 0
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            _stop_process(self.pid, lambda t: self.process.wait(t), self.name)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+
+
+class Sampler(threading.Thread):
+    """Peak RssAnon of some servers, sampled every SAMPLE_INTERVAL_S."""
+
+    def __init__(self, servers: list[Server]) -> None:
+        super().__init__(daemon=True)
+        self.servers = servers
+        self.peak = {s.name: 0 for s in servers}
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        for _ in range(int(3600 / SAMPLE_INTERVAL_S)):
+            for server in self.servers:
+                self.peak[server.name] = max(self.peak[server.name], server.status("RssAnon"))
+            if self.halt.wait(SAMPLE_INTERVAL_S):
+                return
+
+
+class Workers:
+    """Worker processes (spawn) that run RunSpecs on command."""
+
+    def __init__(self, count: int) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.count = count
+        self.procs: list[BaseProcess] = []
+        self.pipes: list[Connection] = []
+        self.start()
+
+    def start(self) -> None:
+        for _ in range(self.count):
+            ours, theirs = self.context.Pipe()
+            proc = self.context.Process(target=_worker, args=(theirs,), daemon=True)
+            proc.start()
+            theirs.close()
+            self.procs.append(proc)
+            self.pipes.append(ours)
+
+    def stop(self) -> None:
+        for pipe in self.pipes:
+            with contextlib.suppress(OSError):
+                pipe.send(("exit", None))
+        for proc in self.procs:
+            proc.join(2.0)
+            if proc.is_alive() and proc.pid is not None:
+
+                def wait(timeout: float, proc: Any = proc) -> None:
+                    proc.join(timeout)
+                    if proc.is_alive():
+                        raise subprocess.TimeoutExpired("worker", timeout)
+
+                _stop_process(proc.pid, wait, "worker")
+        for pipe in self.pipes:
+            pipe.close()
+        self.procs.clear()
+        self.pipes.clear()
+
+    def run(self, specs: list[RunSpec]) -> list[RunResult]:
+        """Run specs[i] on worker i, all starting together; errors come back as results."""
+        pipes = self.pipes[: len(specs)]
+        results: list[RunResult | None] = [None] * len(specs)
+        for pipe, spec in zip(pipes, specs, strict=True):
+            pipe.send(("run", spec))
+        ready: list[int] = []
+        deadline = time.monotonic() + START_TIMEOUT_S + 10.0
+        try:
+            for index, pipe in enumerate(pipes):
+                if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("a worker was not ready in time")
+                kind, value = pipe.recv()
+                if kind == "ready":
+                    ready.append(index)
+                else:
+                    results[index] = value
+            word = "go" if len(ready) == len(specs) else "abort"
+            for index in ready:
+                pipes[index].send((word, None))
+            longest = max(s.duration for s in specs)
+            deadline = time.monotonic() + longest + RUN_GRACE_S + 10.0
+            for index in ready:
+                if not pipes[index].poll(max(0.0, deadline - time.monotonic())):
+                    raise TimeoutError("a worker did not finish in time")
+                kind, value = pipes[index].recv()
+                results[index] = value
+        except (TimeoutError, EOFError, OSError) as exc:
+            print(f"# workers failed ({exc}); restarting them", file=sys.stderr)
+            self.stop()
+            self.start()
+            return [RunResult(error=str(exc)) for _ in specs]
+        return [r if r is not None else RunResult(error="no result") for r in results]
+
+
+# --- the benchmark --------------------------------------------------------------------
+
+
+@dataclass
+class Figure:
+    """The best throughput seen for one (system, workload) over the rounds."""
+
+    records: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+
+    @property
+    def rate(self) -> float:
+        return self.records / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, results: list[RunResult]) -> None:
+        errors = [r.error for r in results if r.error]
+        if errors:
+            self.error = errors[0]
+            return
+        records = sum(r.records for r in results)
+        seconds = max(r.end for r in results) - min(r.start for r in results)
+        if seconds > 0 and records / seconds > self.rate:
+            self.records, self.seconds = records, seconds
+
+
+@dataclass
+class Latency:
+    rate: float = 0.0
+    achieved: float = 0.0
+    bursts: int = 0
+    p50: float = 0.0
+    p99: float = 0.0
+    worst: float = 0.0
+    error: str | None = None
+
+
+def _latency(result: RunResult, rate: float) -> Latency:
+    if result.error or not result.latencies:
+        return Latency(rate=rate, error=result.error or "no bursts")
+    ordered = sorted(result.latencies)
+
+    def pick(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return Latency(
+        rate=rate,
+        achieved=result.records / (result.end - result.start),
+        bursts=len(ordered),
+        p50=pick(0.50),
+        p99=pick(0.99),
+        worst=ordered[-1],
+    )
+
+
+def _machine() -> list[str]:
+    model = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    memory = "?"
+    with contextlib.suppress(OSError):
+        match = re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text())
+        if match:
+            memory = f"{int(match.group(1)) / 1024**2:.0f} GiB"
+    return [
+        f"nproc {len(os.sched_getaffinity(0))} ({model}), {memory} RAM, "
+        f"Python {sys.version.split()[0]}, {sys.platform}"
+    ]
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _rate(figure: Figure, size: int) -> str:
+    if figure.error:
+        return f"failed: {figure.error[:60]}"
+    return f"{figure.rate:,.0f} rec/s, {figure.rate * size / 1e6:,.1f} MB/s"
+
+
+def _ratio(ours: float, theirs: float) -> str:
+    return f"{ours / theirs:.2f}" if ours > 0 and theirs > 0 else "-"
+
+
+def _lat(lat: Latency) -> str:
+    if lat.error:
+        return f"failed: {lat.error[:60]}"
+    return f"{lat.p50 * 1e3:.2f} / {lat.p99 * 1e3:.2f} / {lat.worst * 1e3:.2f} ms"
+
+
+def _headgate_command() -> list[str]:
+    script = Path(sys.executable).parent / "headgate"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "headgate.cli"]
+
+
+def benchmark(args: argparse.Namespace) -> int:
+    quick: bool = args.quick
+    rounds = 1 if quick else 2
+    duration = 0.6 if quick else 2.5
+    latency_duration = 1.5 if quick else 4.0
+    load_start = _load()
+    started = time.monotonic()
+    base = Path(tempfile.mkdtemp(prefix="headgate-bench-ingest-"))
+    servers: list[Server] = []
+    workers: Workers | None = None
+    sampler: Sampler | None = None
+    figures: dict[tuple[str, str, int, int], Figure] = {}
+    latencies: dict[tuple[str, int], Latency] = {}
+    rss: dict[str, tuple[int, int]] = {}
+    profiles: list[tuple[str, str]] = []
+    log_bytes = 0
+    try:
+        workers = Workers(max(PROCESS_COUNTS))
+        gateway = Server(
+            "gateway",
+            [
+                *_headgate_command(),
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--data-dir",
+                str(base / "gateway"),
+                "--stream-capacity",
+                STREAM_CAPACITY,
+                "--term-length",
+                args.term_length,
+                "--group-commit-ms",
+                f"{COMMIT_INTERVAL_S * 1000:g}",
+            ],
+            base / "gateway.log",
+        )
+        servers.append(gateway)
+        baseline = Server(
+            "baseline",
+            [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--baseline-server",
+                "0",
+                str(base / "baseline"),
+            ],
+            base / "baseline.log",
+        )
+        servers.append(baseline)
+        sampler = Sampler(servers)
+        sampler.start()
+        ports = {"headgate": gateway.port, "baseline": baseline.port}
+        serial = iter(range(1_000_000))
+
+        def specs(system: str, mode: str, size: int, procs: int, **extra: Any) -> list[RunSpec]:
+            run = next(serial)
+            return [
+                RunSpec(
+                    system=system,
+                    mode=mode,
+                    size=size,
+                    port=ports[system],
+                    stream=f"{mode}-{size}-{run}-{i}",
+                    duration=extra.get("duration", duration),
+                    max_records=10**9,
+                    rate=extra.get("rate", 0.0),
+                    profile=extra.get("profile", False),
+                )
+                for i in range(procs)
+            ]
+
+        workloads = [("send", 1), ("bulk", 1), ("arrow", 1)] + [("send", n) for n in PROCESS_COUNTS]
+        for round_number in range(rounds):
+            for size in RECORD_SIZES:
+                for mode, procs in workloads:
+                    systems = ("headgate",) if mode == "arrow" else ("headgate", "baseline")
+                    for system in systems:
+                        results = workers.run(specs(system, mode, size, procs))
+                        key = (system, mode, size, procs)
+                        figure = figures.setdefault(key, Figure())
+                        figure.add(results)
+                        print(
+                            f"# round {round_number + 1}: {system} {mode} {size} B x{procs}: "
+                            f"{_rate(figure, size)}",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+        for size in RECORD_SIZES:
+            rate = figures[("headgate", "send", size, 1)].rate / 2
+            for system in ("headgate", "baseline"):
+                run = specs(system, "paced", size, 1, duration=latency_duration, rate=rate)
+                latencies[(system, size)] = _latency(workers.run(run)[0], rate)
+                print(
+                    f"# latency {system} {size} B at {rate:,.0f} rec/s: "
+                    f"{_lat(latencies[(system, size)])}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if args.profile:
+            for size in RECORD_SIZES:
+                for mode in ("send", "bulk"):
+                    result = workers.run(specs("headgate", mode, size, 1, profile=True))[0]
+                    profiles.append((f"{mode} {size} B", result.profile or str(result.error)))
+        for server in servers:
+            rss[server.name] = (server.status("VmHWM"), sampler.peak[server.name])
+        log_bytes = sum(
+            f.stat().st_size for f in (base / "gateway" / "streams").rglob("*.term") if f.is_file()
+        )
+    finally:
+        if sampler is not None:
+            sampler.halt.set()
+            sampler.join(2.0)
+        if workers is not None:
+            workers.stop()
+        for server in servers:
+            server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+    elapsed = time.monotonic() - started
+    _report(args, figures, latencies, rss, log_bytes, load_start, elapsed)
+    for name, text in profiles:
+        print(f"\n### cProfile, producer process, headgate {name}\n\n```\n{text.strip()}\n```")
+    return 0
+
+
+def _report(
+    args: argparse.Namespace,
+    figures: dict[tuple[str, str, int, int], Figure],
+    latencies: dict[tuple[str, int], Latency],
+    rss: dict[str, tuple[int, int]],
+    log_bytes: int,
+    load_start: str,
+    elapsed: float,
+) -> None:
+    command = " ".join([".venv/bin/python", "bench/ingest.py", *sys.argv[1:]])
+    print(f"## Ingest benchmark: `{command}`\n")
+    print(f"- machine: {_machine()[0]}")
+    print(f"- load average (1/5/15 min): {load_start} at start, {_load()} at end")
+    print(
+        f"- gateway: `headgate serve --stream-capacity {STREAM_CAPACITY} --term-length "
+        f"{args.term_length} --group-commit-ms {COMMIT_INTERVAL_S * 1000:g}`, loopback; "
+        f"{'1 round' if args.quick else '2 rounds'}, best shown; {elapsed:.0f} s in all"
+    )
+    print()
+    print("| # | measurement | record | headgate | baseline | ratio | target | met |")
+    print("|---|---|--:|---|---|--:|---|---|")
+
+    def verdict(ok: bool | None) -> str:
+        return "-" if ok is None else "yes" if ok else "**no**"
+
+    rows = [
+        ("1", "1 process, `send()` per record", "send", 1),
+        ("2", "1 process, `send_many` (lists of 10,000)", "bulk", 1),
+        ("2b", "1 process, `send_many` (pyarrow, 10,000)", "arrow", 1),
+        *[(f"3.{n}", f"{n} processes, `send()` per record", "send", n) for n in PROCESS_COUNTS],
+    ]
+    for size in RECORD_SIZES:
+        for number, label, mode, procs in rows:
+            ours = figures[("headgate", mode, size, procs)]
+            theirs = figures[("baseline", "bulk" if mode == "arrow" else mode, size, procs)]
+            target, ok = "", None
+            if mode == "send" and procs == 1 and size == 100:
+                target, ok = ">= 1M rec/s", ours.rate >= 1e6 and not ours.error
+            elif mode == "bulk":
+                target, ok = ">= 0.5x baseline", ours.rate >= 0.5 * theirs.rate > 0
+            base_cell = _rate(theirs, size) + (" (list bulk)" if mode == "arrow" else "")
+            print(
+                f"| {number} | {label} | {size} B | {_rate(ours, size)} | {base_cell} | "
+                f"{_ratio(ours.rate, theirs.rate)} | {target} | {verdict(ok)} |"
+            )
+        ours_lat, theirs_lat = latencies[("headgate", size)], latencies[("baseline", size)]
+        ok = None if ours_lat.error else ours_lat.p99 < 0.020
+        print(
+            f"| 4 | p50 / p99 / max, send() to durable ack, {ours_lat.rate:,.0f} rec/s "
+            f"(achieved {ours_lat.achieved:,.0f}; {ours_lat.bursts} bursts) | {size} B | "
+            f"{_lat(ours_lat)} | {_lat(theirs_lat)} | {_ratio(ours_lat.p99, theirs_lat.p99)} | "
+            f"p99 < 20 ms | {verdict(ok)} |"
+        )
+    hwm, anon = rss.get("gateway", (0, 0))
+    base_hwm, base_anon = rss.get("baseline", (0, 0))
+    print(
+        f"| 5 | peak RSS of the server process: VmHWM (sampled peak RssAnon) | all | "
+        f"{hwm / 1024:,.0f} MiB ({anon / 1024:,.0f} MiB) | "
+        f"{base_hwm / 1024:,.0f} MiB ({base_anon / 1024:,.0f} MiB) | "
+        f"{_ratio(hwm, base_hwm)} | | - |"
+    )
+    print()
+    print(
+        "ratio = headgate / baseline (throughput: higher is better; latency (p99) and RSS: "
+        "lower is better). MB/s counts record bytes (1 MB = 10^6 B). Each throughput run "
+        "sends for up to "
+        f"{0.6 if args.quick else 2.5:g} s (at most 384 MiB per stream) and stops the clock "
+        "when flush() returns (baseline: when the last frame's ack arrives). Latency: records "
+        "are sent with send() in bursts every 1 ms at half of row 1's headgate rate (the "
+        "baseline at the same rate); each burst ends with flush(stream), and its latency is "
+        "first send() to flush() returning, i.e. the durable ack of its last record. No "
+        "Release is sent: every run uses a new stream that its records fit into. VmHWM "
+        "includes the gateway's memory-mapped log pages (file-backed, reclaimable): at the "
+        f"end its term files, all still mapped, held {log_bytes / 1024**3:.1f} GiB; RssAnon "
+        "is its heap."
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="short runs, one round")
+    parser.add_argument(
+        "--term-length",
+        default=TERM_LENGTH,
+        help=f"the gateway's --term-length (default {TERM_LENGTH})",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile the producer side of headgate's single-process runs (cProfile)",
+    )
+    parser.add_argument(
+        "--baseline-server",
+        nargs=2,
+        metavar=("PORT", "DIR"),
+        help="internal: run the baseline receiver",
+    )
+    args = parser.parse_args()
+    if args.baseline_server:
+        port, directory = args.baseline_server
+        asyncio.run(_serve_baseline(int(port), Path(directory)))
+        return 0
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    return benchmark(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
