@@ -162,6 +162,8 @@ class GatewayConnection(asyncio.Protocol):
                 stream = gw.stream(name)
                 writer = Writer(
                     session=self.session,
+                    stream=name,
+                    flush=self.flush,
                     handle=handle,
                     producer_id=self.producer_id,
                     last_active=time.monotonic(),
@@ -201,10 +203,9 @@ class GatewayConnection(asyncio.Protocol):
             case HandleDeleted(handle=handle, ours=False):
                 if handle in self.writers:
                     writer = self.writers.pop(handle)
-                    for stream in gw.streams.values():
-                        if writer in stream.writers:
-                            stream.remove_writer(writer)
-                            stream.rebalance(time.monotonic())
+                    stream = gw.streams[writer.stream]
+                    stream.remove_writer(writer)
+                    stream.rebalance(time.monotonic())
             case MessageReceived(message=m.Release(stream=name, position=position)):
                 gw.release(name, position)
             case MessageReceived(message=m.Goodbye()):
@@ -213,10 +214,7 @@ class GatewayConnection(asyncio.Protocol):
                 pass
 
     def _rebalance_handle(self, handle: int) -> None:
-        writer = self.writers[handle]
-        for stream in self.gateway.streams.values():
-            if writer in stream.writers:
-                stream.rebalance(time.monotonic())
+        self.gateway.streams[self.writers[handle].stream].rebalance(time.monotonic())
 
 
 class Gateway:
@@ -331,23 +329,16 @@ class Gateway:
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)
         stream.rebalance(time.monotonic())
-        self._flush_writers(stream)
+        stream.flush_writers()
 
     def detach(self, conn: GatewayConnection) -> None:
         """A connection ended: its writers' unused credit goes back to the pool."""
         self.connections.pop(conn.conn_id, None)
         for writer in conn.writers.values():
-            for stream in self.streams.values():
-                if writer in stream.writers:
-                    stream.remove_writer(writer)
-                    stream.rebalance(time.monotonic())
-                    self._flush_writers(stream)
-
-    def _flush_writers(self, stream: Stream) -> None:
-        sessions = {id(w.session) for w in stream.writers}
-        for conn in self.connections.values():
-            if id(conn.session) in sessions:
-                conn.flush()
+            stream = self.streams[writer.stream]
+            stream.remove_writer(writer)
+            stream.rebalance(time.monotonic())
+            stream.flush_writers()
 
     def statistics(self) -> list[StreamStatistics]:
         return [s.statistics() for s in self.streams.values()]
@@ -367,7 +358,7 @@ class Gateway:
         for stream in streams:
             stream.on_durable()
             stream.rebalance(time.monotonic())
-            self._flush_writers(stream)
+            stream.flush_writers()
 
     async def _group_commit(self) -> None:
         interval = self.config.group_commit_interval_ms / 1000
@@ -389,4 +380,4 @@ class Gateway:
             for stream in self.streams.values():
                 if stream.writers:
                     stream.rebalance(now)
-                    self._flush_writers(stream)
+                    stream.flush_writers()

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +48,10 @@ class Writer:
 
     #: The connection's protocol session.
     session: Session
+    #: The stream's name.
+    stream: str
+    #: Writes out what the session has queued (the connection's flush).
+    flush: Callable[[], None]
     #: The connection's (the producer's) handle for the stream.
     handle: int
     #: The producer id from the connection's Hello.
@@ -365,6 +370,12 @@ class Stream:
             elif excess <= 0:
                 w.pleaded = None
             w.session.issue(w.channel)
+
+    def flush_writers(self) -> None:
+        """Write out what this stream's credit decisions queued, once per connection."""
+        flushes = {id(w.session): w.flush for w in self.writers}
+        for flush in flushes.values():
+            flush()
 
     def statistics(self) -> StreamStatistics:
         return StreamStatistics(
