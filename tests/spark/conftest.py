@@ -13,23 +13,15 @@ from collections.abc import Iterator
 import pytest
 from pyspark.sql import SparkSession
 
+from headgate.spark.pipeline import spark_session
+
 
 @pytest.fixture(scope="session")
 def spark() -> Iterator[SparkSession]:
     # Python workers must run this interpreter (the project's virtualenv),
-    # not whatever ``python3`` is first on the PATH.
+    # not whatever ``python3`` is first on the PATH; tests insist on it.
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("headgate-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.memory", "1g")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.streaming.noDataMicroBatches.enabled", "false")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
+    session = spark_session("headgate-tests")
     yield session
     session.stop()

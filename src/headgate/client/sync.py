@@ -169,18 +169,15 @@ class SyncProducer:
                 self._call(self._close(), timeout)
                 self._raise_deferred()
         finally:
-            self._closed = True
-            if self._loop.is_running():
-                with contextlib.suppress(TimeoutError, ProducerError):
-                    self._call(self._producer.abort(), 5.0)
-            self._stop_loop()
-            if self._fatal is None:
-                self._fatal = ProducerError("the producer is closed")
+            self._tear_down()
 
     def abort(self) -> None:
         """Close at once; records not yet acknowledged are lost."""
         if self._closed:
             return
+        self._tear_down()
+
+    def _tear_down(self) -> None:
         self._closed = True
         if self._loop.is_running():
             with contextlib.suppress(TimeoutError, ProducerError):

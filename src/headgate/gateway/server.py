@@ -171,13 +171,7 @@ class GatewayConnection(asyncio.Protocol):
                 self.writers[handle] = writer
                 stream.add_writer(writer)
                 # Tell the producer where its sequence numbers resume.
-                self.session.send_global(
-                    m.Ack(
-                        handle=handle,
-                        next_sequence=stream.resume_sequence(self.producer_id),
-                        durable_position=stream.log.durable_position,
-                    )
-                )
+                stream.announce_resume(writer)
                 stream.rebalance(time.monotonic())
             case HelloReceived(hello=hello):
                 if self._handshake is not None:

@@ -169,14 +169,27 @@ class Stream:
         with contextlib.suppress(ValueError):
             self.writers.remove(writer)
 
-    def resume_sequence(self, producer_id: int) -> int:
-        """Where this producer's sequence numbers continue on this stream.
+    def announce_resume(self, writer: Writer) -> None:
+        """Tell a new writer where its producer's sequence numbers continue.
 
-        Only durable batches count: a batch appended but not yet fsynced may
-        still be lost, so the producer must keep it and resend it (the resend
-        is then recognised as a duplicate and acknowledged once durable).
+        That is the next sequence after everything stored for the producer id
+        on this stream, and the Ack saying so goes out only once all of it is
+        durable: until then a crash could still lose those batches, and the
+        producer must keep (and resend) them. Sent at once when nothing of the
+        producer's is waiting for the disk.
         """
-        return self._durable_dedup.get(producer_id, 0)
+        producer = writer.producer_id
+        pending = [end for end, p, _ in self._appends if p == producer]
+        if pending:
+            writer.pending_acks.append((self.dedup[producer], pending[-1]))
+        else:
+            writer.session.send_global(
+                m.Ack(
+                    handle=writer.handle,
+                    next_sequence=self.dedup.get(producer, 0),
+                    durable_position=self.log.durable_position,
+                )
+            )
 
     # -- the books --------------------------------------------------------------
 
@@ -313,6 +326,8 @@ class Stream:
 
     def _process_released(self) -> None:
         released = self.log.release_position
+        if not self._inflight or self._inflight[0][0] > released:
+            return
         shares = self._shares(now=None)
         while self._inflight and self._inflight[0][0] <= released:
             _, writer = self._inflight.popleft()
