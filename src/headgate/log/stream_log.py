@@ -35,16 +35,16 @@ import errno
 import fcntl
 import os
 import struct
+import sys
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Final
 
 from headgate.log.errors import LogCorruptError, LogError, LogFullError
 from headgate.log.frame import (
-    COMMIT,
     DATA_FRAME,
     FORMAT_VERSION,
     FRAME_ALIGNMENT,
@@ -60,9 +60,8 @@ from headgate.log.frame import (
     padding_checksum,
 )
 from headgate.log.metadata import (
-    I64,
     META_FILE_NAME,
-    PUBLISHED_POSITION_OFFSET,
+    PUBLISHED_WORD,
     MetadataPage,
     Settings,
 )
@@ -89,10 +88,18 @@ LOCK_FILE_NAME: Final = "writer.lock"
 
 _PADDING_BODY: Final = padding_body()
 _new_result = tuple.__new__  # skips NamedTuple.__new__'s Python frame on the hot path
+_pack_body = HEADER_BODY.pack_into  # bound once: the hot path looks up one global
+_crc32 = zlib.crc32
 
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError(
+        "headgate.log stores each frame's commit word (length, then checksum, "
+        "little-endian) as one native 64-bit word, which needs a little-endian host"
+    )
 
-# The published position, stored with one 8-byte slice assignment (see _append).
-PUBLISHED_SLOT = slice(PUBLISHED_POSITION_OFFSET, PUBLISHED_POSITION_OFFSET + 8)
+FrameSpec = tuple[bytes | bytearray | memoryview, int, int, int, int]
+"""One frame for :meth:`StreamLog.append_many`: payload, producer id, first
+sequence, record count, timestamp (microseconds)."""
 
 
 class StreamLog:
@@ -117,7 +124,7 @@ class StreamLog:
         self._directory = directory
         self._lock_fd = lock_fd
         self._meta = meta
-        self._meta_buffer = meta.buffer
+        self._meta_words = meta.words
         self._term_length = settings.term_length
         self._shift = settings.term_length.bit_length() - 1
         self._capacity = settings.capacity
@@ -138,6 +145,7 @@ class StreamLog:
         self._active = active
         self._buffer = active.mapped
         self._view = active.view
+        self._words = active.words
         self._term_base = term_start(active.term_id, self._shift)
         self._fast_end = 0
         self._refresh_fast_end()
@@ -386,10 +394,10 @@ class StreamLog:
             )
         buffer = self._buffer
         offset = position - self._term_base
-        # Everything but the commit word first; the commit word (length and
-        # checksum, one aligned 8-byte store) makes the frame visible.
+        # The body first (header fields after the checksum, then the payload);
+        # the commit word (length and checksum) makes the frame visible.
         try:
-            HEADER_BODY.pack_into(
+            _pack_body(
                 buffer,
                 offset + TYPE_OFFSET,
                 DATA_FRAME,
@@ -403,16 +411,94 @@ class StreamLog:
         except struct.error as exc:
             raise LogError(f"frame header field out of range: {exc}") from None
         buffer[offset + HEADER_LENGTH : offset + length] = payload
-        checksum = zlib.crc32(
-            self._view[offset + TYPE_OFFSET : offset + length],
-            (position ^ (position >> 32)) & MAX_U32,
+        # One aligned 8-byte word store: the length in the low half, the
+        # checksum in the high half, which on a little-endian host is the
+        # layout of bytes 0..8 (see LOG.md, "Ordering").
+        self._words[offset >> 3] = (
+            length
+            | _crc32(
+                self._view[offset + TYPE_OFFSET : offset + length],
+                (position ^ (position >> 32)) & MAX_U32,
+            )
+            << 32
         )
-        # One 8-byte slice store, never pack_into: pack_into zero-fills its
-        # target before writing, and a reader in another process could see that.
-        buffer[offset : offset + COMMIT.size] = COMMIT.pack(length, checksum)
         self._tail = end
-        self._meta_buffer[PUBLISHED_SLOT] = I64.pack(end)
+        self._meta_words[PUBLISHED_WORD] = end
         return _new_result(AppendResult, (position, end))
+
+    def append_many(self, frames: Iterable[FrameSpec]) -> int:
+        """Append several batches, one frame each, in order, and publish once; return the tail.
+
+        Each item is ``(payload, producer_id, first_sequence, record_count,
+        timestamp_us)``, with the meaning of :meth:`append`'s arguments. The
+        frames become visible to readers in other processes together, when
+        the published position moves past the last one; a group commit
+        covers them once it has started after this call returned.
+
+        This is the gateway's path for several batches of one stream that
+        arrived in one socket read: per frame it costs the header, the copy
+        and the checksum, but not a method call, an :class:`AppendResult` or
+        a store of the published position. Each frame's position is the
+        previous one's end (or the start of the next term, after padding).
+
+        If one frame fails (:class:`LogFullError`, a header field out of
+        range, or :class:`StorageFull`), the frames before it stay appended
+        and published, and the error propagates: :attr:`tail_position` then
+        says how far the call got.
+        """
+        tail = published = self._tail
+        fast_end = self._fast_end
+        buffer = self._buffer
+        view = self._view
+        words = self._words
+        base = self._term_base
+        try:
+            for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
+                length = HEADER_LENGTH + len(payload)
+                end = tail + ((length + FRAME_ALIGNMENT - 1) & -FRAME_ALIGNMENT)
+                if end > fast_end:
+                    self._tail = tail
+                    self._append_slowly(
+                        payload, producer_id, first_sequence, record_count, timestamp_us
+                    )
+                    tail = published = self._tail
+                    fast_end = self._fast_end
+                    buffer = self._buffer
+                    view = self._view
+                    words = self._words
+                    base = self._term_base
+                    continue
+                offset = tail - base
+                try:
+                    _pack_body(
+                        buffer,
+                        offset + TYPE_OFFSET,
+                        DATA_FRAME,
+                        0,
+                        FORMAT_VERSION,
+                        record_count,
+                        producer_id,
+                        first_sequence,
+                        timestamp_us,
+                    )
+                except struct.error as exc:
+                    raise LogError(f"frame header field out of range: {exc}") from None
+                buffer[offset + HEADER_LENGTH : offset + length] = payload
+                words[offset >> 3] = (
+                    length
+                    | _crc32(
+                        view[offset + TYPE_OFFSET : offset + length],
+                        (tail ^ (tail >> 32)) & MAX_U32,
+                    )
+                    << 32
+                )
+                tail = end
+        finally:
+            # Whatever was committed is published, also when a frame failed.
+            if tail != published:
+                self._tail = tail
+                self._meta_words[PUBLISHED_WORD] = tail
+        return tail
 
     def _append_slowly(
         self,
@@ -453,7 +539,7 @@ class StreamLog:
         # The same frame write as append()'s fast path, repeated on purpose:
         # there it is inlined, since a method call costs about 5% of an append.
         try:
-            HEADER_BODY.pack_into(
+            _pack_body(
                 buffer,
                 offset + TYPE_OFFSET,
                 DATA_FRAME,
@@ -467,11 +553,14 @@ class StreamLog:
         except struct.error as exc:
             raise LogError(f"frame header field out of range: {exc}") from None
         buffer[offset + HEADER_LENGTH : offset + length] = payload
-        checksum = zlib.crc32(
-            self._view[offset + TYPE_OFFSET : offset + length],
-            (position ^ (position >> 32)) & MAX_U32,
+        self._words[offset >> 3] = (
+            length
+            | _crc32(
+                self._view[offset + TYPE_OFFSET : offset + length],
+                (position ^ (position >> 32)) & MAX_U32,
+            )
+            << 32
         )
-        buffer[offset : offset + COMMIT.size] = COMMIT.pack(length, checksum)
         self._advance_tail(end)
         return AppendResult(position, end)
 
@@ -483,8 +572,8 @@ class StreamLog:
         self._ensure_term(term_id_of(end, self._shift))
         buffer = self._buffer
         buffer[offset + TYPE_OFFSET : offset + HEADER_LENGTH] = _PADDING_BODY
-        commit = COMMIT.pack(self._term_length - offset, padding_checksum(_PADDING_BODY, position))
-        buffer[offset : offset + COMMIT.size] = commit
+        checksum = padding_checksum(_PADDING_BODY, position)
+        self._words[offset >> 3] = (self._term_length - offset) | checksum << 32
         self._advance_tail(end)
 
     def _ensure_term(self, term_id: int) -> None:
@@ -516,12 +605,13 @@ class StreamLog:
             self._active = term
             self._buffer = term.mapped
             self._view = term.view
+            self._words = term.words
             self._term_base = term_start(term_id, self._shift)
             self._refresh_fast_end()
             if term_id + 1 not in self._terms:
                 self._preparer.request(term_id + 1)
         self._tail = end
-        self._meta_buffer[PUBLISHED_SLOT] = I64.pack(end)
+        self._meta_words[PUBLISHED_WORD] = end
 
     def _refresh_fast_end(self) -> None:
         # A frame ending at or before this position fits the free capacity and

@@ -76,7 +76,7 @@ class TermFile:
     "nothing committed".
     """
 
-    __slots__ = ("buffer", "fd", "path", "size", "term_id", "view", "writable")
+    __slots__ = ("buffer", "fd", "path", "size", "term_id", "view", "words", "writable")
 
     def __init__(self, term_id: int, path: Path, fd: int, size: int, writable: bool) -> None:
         self.term_id = term_id
@@ -86,10 +86,11 @@ class TermFile:
         self.writable = writable
         self.buffer: mmap.mmap | None = None
         self.view = memoryview(b"")
+        #: The map as native unsigned 64-bit words: the writer stores a
+        #: frame's commit word with one item assignment (see StreamLog.append).
+        self.words = self.view.cast("Q")
         if size:
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self.buffer = mmap.mmap(fd, size, access=access)
-            self.view = memoryview(self.buffer)
+            self._map(mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
 
     @classmethod
     def create(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
@@ -176,8 +177,13 @@ class TermFile:
         self._unmap()
         reserve(self.fd, term_length, self.path)
         self.size = term_length
-        self.buffer = mmap.mmap(self.fd, term_length, access=mmap.ACCESS_WRITE)
+        self._map(mmap.ACCESS_WRITE)
+
+    def _map(self, access: int) -> None:
+        self.buffer = mmap.mmap(self.fd, self.size, access=access)
         self.view = memoryview(self.buffer)
+        # A term shorter than a word (only a damaged one) gets no words.
+        self.words = self.view[: self.size & -8].cast("Q")
 
     def sync(self) -> None:
         """Write the term's dirty pages to the device and wait for them.
@@ -197,8 +203,10 @@ class TermFile:
             self.fd = -1
 
     def _unmap(self) -> None:
+        self.words.release()
         self.view.release()
         self.view = memoryview(b"")
+        self.words = self.view.cast("Q")
         if self.buffer is not None:
             # A LogFrame payload still exported from this map makes close()
             # raise BufferError; dropping our reference lets the map go when
