@@ -43,7 +43,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from headgate.log.errors import LogCorruptError, LogError, LogFullError
+from headgate.log.errors import LogCorruptError, LogError, LogFullError, storage_error
 from headgate.log.frame import (
     DATA_FRAME,
     FORMAT_VERSION,
@@ -137,6 +137,9 @@ class StreamLog:
         self._recovery: RecoveryReport | None = None
         # Whether the stored durable/release pair changed since the page was last fsynced.
         self._meta_dirty = False
+        # After a failed fsync, where the bytes that may not have reached the
+        # disk begin (see _sync_locked); None while every fsync succeeded.
+        self._redirty_from: int | None = None
         self._lock = threading.Lock()
         self._durable_changed = threading.Condition(self._lock)
         self._sync_lock = threading.Lock()
@@ -182,13 +185,19 @@ class StreamLog:
         on the same directory, in any process, gets a :class:`LogError`.
         """
         path = Path(directory)
-        if not path.is_dir():
-            if not create:
-                raise LogError(f"no stream log at {path}")
-            path.mkdir(parents=True, exist_ok=True)
-        lock_fd = _lock_directory(path)
+        try:
+            if not path.is_dir():
+                if not create:
+                    raise LogError(f"no stream log at {path}")
+                path.mkdir(parents=True, exist_ok=True)
+            lock_fd = _lock_directory(path)
+        except OSError as exc:
+            raise storage_error(f"cannot open the stream log at {path}", path, exc) from exc
         try:
             return cls._open_locked(path, lock_fd, term_length, capacity, create)
+        except OSError as exc:
+            os.close(lock_fd)
+            raise storage_error(f"cannot open the stream log at {path}", path, exc) from exc
         except BaseException:
             os.close(lock_fd)
             raise
@@ -647,11 +656,14 @@ class StreamLog:
             durable = self._durable
             directory_dirty = self._directory_dirty
             self._directory_dirty = False
-            first = term_id_of(durable, self._shift)
+            redirty_from = self._redirty_from
+            first = term_id_of(durable if redirty_from is None else redirty_from, self._shift)
             last = term_id_of(target, self._shift)
             dirty = [self._terms[t] for t in range(first, last + 1) if t in self._terms]
-        if target > durable or directory_dirty:
+        if target > durable or directory_dirty or redirty_from is not None:
             try:
+                if redirty_from is not None:
+                    self._redirty(dirty, redirty_from, target)
                 for term in dirty:
                     term.sync()
                 if directory_dirty:
@@ -659,7 +671,16 @@ class StreamLog:
             except OSError as exc:
                 with self._lock:
                     self._directory_dirty |= directory_dirty
-                raise LogError(f"group commit of {self._directory} failed: {exc}") from exc
+                    # Linux may mark the pages of a failed write-back clean,
+                    # so a later fsync would "succeed" without them: the next
+                    # commit first rewrites everything since the last good one.
+                    self._redirty_from = durable if redirty_from is None else redirty_from
+                raise storage_error(
+                    f"group commit of {self._directory} failed",
+                    exc.filename or self._directory,
+                    exc,
+                ) from exc
+            self._redirty_from = None
         with self._lock:
             if target > self._durable:
                 self._durable = target
@@ -671,7 +692,12 @@ class StreamLog:
         if freed:
             # The release that frees these terms must reach the disk before
             # they leave it, or recovery would find history missing.
-            self._meta.sync()
+            try:
+                self._meta.sync()
+            except OSError as exc:
+                raise storage_error(
+                    f"cannot make the release of {self._directory} durable", self._meta.path, exc
+                ) from exc
             self._meta_dirty = False
             with self._lock:
                 doomed = [self._terms.pop(t) for t in freed]
@@ -680,6 +706,33 @@ class StreamLog:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(term.path)
         return self._durable
+
+    def _redirty(self, terms: list[TermFile], start: int, end: int) -> None:
+        """Store again, unchanged, the committed bytes in ``[start, end)`` so fsync writes them.
+
+        Those bytes are immutable history (below the tail snapshot), so
+        rewriting them with their own values changes nothing a reader sees.
+        """
+        chunk = 1 << 20
+        for term in terms:
+            base = term_start(term.term_id, self._shift)
+            low = max(start, base) - base
+            high = min(end, base + self._term_length) - base
+            view = term.view
+            for offset in range(low, high, chunk):
+                stop = min(offset + chunk, high)
+                view[offset:stop] = bytes(view[offset:stop])
+
+    def ensure_next_term(self) -> None:
+        """Create the term after the active one now, if it does not exist yet.
+
+        An append that rotates needs it; creating it is what fails on a full
+        file system (:class:`StorageFull`). After such a failure, calling this
+        until it succeeds is how a caller learns that space has returned,
+        without attempting an append. Owner thread only.
+        """
+        self._check_open()
+        self._ensure_term(self._active.term_id + 1)
 
     def wait_durable(self, position: int, timeout: float | None = None) -> bool:
         """Block until ``position`` is durable; ``False`` on timeout or close.

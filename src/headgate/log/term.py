@@ -20,12 +20,12 @@ import mmap
 import os
 from pathlib import Path
 
-from headgate.log.errors import LogError
+from headgate.log.errors import LogError, storage_error
 
 TERM_SUFFIX = ".term"
 _CREATING_SUFFIX = ".term.creating"
 _PREPARING_SUFFIX = ".term.preparing"
-_ZERO_FILL_CHUNK = bytes(1024 * 1024)
+_WARM_CHUNK = 1024 * 1024
 
 
 def term_file_name(term_id: int) -> str:
@@ -96,42 +96,51 @@ class TermFile:
     def create(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
         """Create term ``term_id`` full of zeros, with its blocks reserved, and map it.
 
-        Quick (no data is written), but the first store to each page of the
-        new term then costs the file system an extent conversion; see
-        :meth:`prepare` for the term the writer will need next.
+        Quick (nothing is written), for the writer when it needs a term that
+        the preparer has not made; :meth:`prepare` also warms the page cache.
         """
-        term = cls._new(directory, term_id, term_length, _CREATING_SUFFIX, zero_fill=False)
+        term = cls._new(directory, term_id, term_length, _CREATING_SUFFIX, warm=False)
         term.install()
         return term
 
     @classmethod
     def prepare(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
-        """Create term ``term_id`` under a temporary name, zeros written and fsynced.
+        """Create term ``term_id`` under a temporary name, reserved, cached and durable.
 
-        Slow (it writes the whole term), so a helper thread does it ahead of
-        need (:mod:`headgate.log.preparer`), with the GIL released in every write. Afterwards the
-        term's blocks are allocated and written and its pages are cached and
-        clean, so the writer's first store to a page is a cheap fault, not an
-        allocation (measured: about 4x cheaper per small frame on ext4).
-        :meth:`install` gives it its real name; :meth:`discard` throws it away.
+        The blocks are reserved with ``posix_fallocate`` (no data is written:
+        the file system records them as allocated but unwritten, which reads
+        as zeros), then the whole file is read once, which fills the page
+        cache with zero pages without any disk I/O, so that the writer's
+        first store to each page is a cheap fault, not a page-cache miss.
+        Last, ``fdatasync`` puts the allocation and the length on disk, which
+        writes only file-system metadata. A helper thread does this ahead of
+        need (:mod:`headgate.log.preparer`); every call here releases the GIL.
+        :meth:`install` gives the term its real name; :meth:`discard` throws
+        it away.
         """
-        return cls._new(directory, term_id, term_length, _PREPARING_SUFFIX, zero_fill=True)
+        return cls._new(directory, term_id, term_length, _PREPARING_SUFFIX, warm=True)
 
     @classmethod
     def _new(
-        cls, directory: Path, term_id: int, term_length: int, suffix: str, *, zero_fill: bool
+        cls, directory: Path, term_id: int, term_length: int, suffix: str, *, warm: bool
     ) -> TermFile:
         temp = directory / f"{term_id:016x}{suffix}"
         try:
+            # O_TRUNC: whatever an interrupted earlier attempt left under this
+            # name is gone, so the term starts as zeros whatever was here.
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise LogError(f"cannot create term file {temp}: {exc.strerror}") from exc
+            raise storage_error(f"cannot create term file {temp}", temp, exc) from exc
         try:
             reserve(fd, term_length, temp)
-            if zero_fill:
-                for offset in range(0, term_length, len(_ZERO_FILL_CHUNK)):
-                    os.pwrite(fd, _ZERO_FILL_CHUNK[: term_length - offset], offset)
-                os.fdatasync(fd)
+            if warm:
+                chunk = bytearray(min(_WARM_CHUNK, term_length))
+                for offset in range(0, term_length, len(chunk)):
+                    os.preadv(fd, [chunk], offset)
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    raise storage_error(f"cannot make term file {temp} durable", temp, exc) from exc
             return cls(term_id, temp, fd, term_length, writable=True)
         except BaseException:
             os.close(fd)
@@ -217,12 +226,19 @@ class TermFile:
 
 
 def reserve(fd: int, length: int, path: Path) -> None:
-    """Make the file ``length`` bytes long with every block allocated (zeros)."""
+    """Make the file ``length`` bytes long with every block allocated (reading as zeros).
+
+    A full file system (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is a
+    :class:`StorageFull`; any other refusal a :class:`StorageError`.
+    """
     try:
         os.posix_fallocate(fd, 0, length)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise LogError(f"cannot reserve {length} bytes for {path}: {exc.strerror}") from exc
+            raise storage_error(f"cannot reserve {length} bytes for {path}", path, exc) from exc
         # A file system without fallocate: a sparse file still works, at the
         # cost of SIGBUS instead of an error when the disk fills up.
-        os.ftruncate(fd, length)
+        try:
+            os.ftruncate(fd, length)
+        except OSError as exc2:
+            raise storage_error(f"cannot size {path} to {length} bytes", path, exc2) from exc2
