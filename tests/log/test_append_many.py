@@ -39,14 +39,16 @@ def test_the_same_bytes_as_one_append_per_frame(tmp_path: Path) -> None:
     # groups, with padding frames and implicit padding.
     seqs = sequences(300)
     with StreamLog.open(tmp_path / "one", term_length=TERM, capacity=64 * TERM) as one:
-        for seq in seqs:
-            _frames.append(one, seq)
+        one_ends = [_frames.append(one, seq).end_position for seq in seqs]
         one_tail = one.tail_position
     with StreamLog.open(tmp_path / "many", term_length=TERM, capacity=64 * TERM) as many:
+        ends: list[int] = []
         for start in range(0, len(seqs), 7):
-            tail = many.append_many([spec(s) for s in seqs[start : start + 7]])
-            assert tail == many.tail_position
+            tail = many.append_many([spec(s) for s in seqs[start : start + 7]], ends)
+            assert tail == many.tail_position == ends[-1]
         assert many.tail_position == one_tail
+        # Each frame's end, padding and rotations included, as one by one.
+        assert ends == one_ends
         frames = many.read(0)
         assert [f.first_sequence for f in frames] == seqs
         for frame in frames:
@@ -98,8 +100,10 @@ def test_a_full_log_keeps_and_publishes_the_frames_before(tmp_path: Path) -> Non
         LogReader.open(tmp_path) as reader,
     ):
         items = [(bytes([i]) * 100, 1, i, 1, i) for i in range(8)]
+        ends: list[int] = []
         with pytest.raises(LogFullError):
-            log.append_many(items)
+            log.append_many(items, ends)
+        assert ends == [frame_cost(100) * (i + 1) for i in range(5)]
         assert log.tail_position == 5 * frame_cost(100)
         assert log.free_capacity == 0
         assert reader.published_position() == log.tail_position

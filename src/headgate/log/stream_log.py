@@ -435,7 +435,7 @@ class StreamLog:
         self._meta_words[PUBLISHED_WORD] = end
         return _new_result(AppendResult, (position, end))
 
-    def append_many(self, frames: Iterable[FrameSpec]) -> int:
+    def append_many(self, frames: Iterable[FrameSpec], ends: list[int] | None = None) -> int:
         """Append several batches, one frame each, in order, and publish once; return the tail.
 
         Each item is ``(payload, producer_id, first_sequence, record_count,
@@ -454,7 +454,13 @@ class StreamLog:
         range, or :class:`StorageFull`), the frames before it stay appended
         and published, and the error propagates: :attr:`tail_position` then
         says how far the call got.
+
+        With ``ends``, each appended frame's end position is appended to that
+        list as it commits (its start is the previous end, or the start of a
+        term after padding), so that a caller keeping per-batch books knows
+        each frame's place, and which frames went in before an error.
         """
+        record = None if ends is None else ends.append
         tail = published = self._tail
         fast_end = self._fast_end
         buffer = self._buffer
@@ -476,6 +482,8 @@ class StreamLog:
                     view = self._view
                     words = self._words
                     base = self._term_base
+                    if record is not None:
+                        record(tail)
                     continue
                 offset = tail - base
                 try:
@@ -502,6 +510,8 @@ class StreamLog:
                     << 32
                 )
                 tail = end
+                if record is not None:
+                    record(end)
         finally:
             # Whatever was committed is published, also when a frame failed.
             if tail != published:
