@@ -216,8 +216,8 @@ class StreamStatistics:
     #: Why the gateway refused the stream, or None.
     refused: str | None
     #: The gateway's notice that it cannot store the stream now (its disk is
-    #: full), until it issues guarantees again; None otherwise. Records wait,
-    #: they are not lost.
+    #: full), until it sends an Ack or guarantees again; None otherwise.
+    #: Records wait, they are not lost.
     storage_full: str | None = None
 
 
@@ -290,7 +290,7 @@ class _Stream:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        # The gateway's STORAGE_FULL notice, until it issues guarantees again.
+        # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
         # The open batch.
         self.values: list[bytes] = []

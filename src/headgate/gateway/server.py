@@ -357,8 +357,7 @@ class Gateway:
         for stream in streams:
             if stream in failed:
                 # Nothing is acknowledged that is not durable; the stream is
-                # held and the next commit tries again.
-                log.error("group commit of stream %s failed: %s", stream.name, failed[stream])
+                # held (logged once) and the next commit tries again.
                 stream.sync_failed(failed[stream])
                 self._dirty.add(stream)
             else:
