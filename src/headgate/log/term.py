@@ -8,8 +8,10 @@ unlucky moment can leave one, and recovery deals with it.
 
 Blocks are reserved with ``posix_fallocate`` because writing through a mapping
 into a sparse file on a full disk kills the process with SIGBUS. With the
-blocks reserved, a full disk shows up as a :class:`LogError` when a term is
-created, where the gateway can refuse appends instead of dying.
+blocks reserved, a full disk shows up as a
+:class:`~headgate.log.errors.StorageFull` when a term is created, before
+anything is written, where the gateway can hold a stream instead of dying.
+Nothing else in the log allocates disk space.
 """
 
 from __future__ import annotations
