@@ -3,10 +3,15 @@
     .venv/bin/python bench/log.py            # about a minute
     .venv/bin/python bench/log.py --quick    # a few seconds
 
-Workloads: payloads of 100 bytes and of 16 KiB, appended one frame per call.
+Workloads: payloads of 100 bytes and of 16 KiB.
 
-* headgate: ``StreamLog.append`` (16 MiB terms, capacity large enough that
-  nothing is released), reads back with ``LogReader.read`` by position.
+* headgate ``append``: ``StreamLog.append``, one frame per call (16 MiB terms,
+  capacity large enough that nothing is released); read back with
+  ``LogReader.read`` by position.
+* headgate ``append_many``: ``StreamLog.append_many`` with groups of
+  BATCH_GROUP frames per call, as the gateway has when several batches of one
+  stream arrive in one socket read: one call and one publish per group. The
+  list of frame tuples is built inside the timed loop, as a caller must.
 * baseline: ``open(path, "wb")`` (a buffered writer), one ``write`` of a
   40-byte header packed with ``struct`` (plus the frame's alignment padding,
   so both write the same number of bytes) and one ``write`` of the payload
@@ -19,7 +24,7 @@ appended durable, ``StreamLog.sync`` for headgate and ``flush`` plus
 ``fdatasync`` for the baseline. Timing covers the appends and, with group
 commit, the final commit that makes the last one durable.
 
-In both modes headgate also runs its own helper thread that writes each next
+In both modes headgate also runs its own helper thread that reserves each next
 term ahead of need (see LOG.md); the baseline's file simply grows.
 
 The machine may be shared, so rounds interleave headgate and the baseline and
@@ -44,6 +49,7 @@ from pathlib import Path
 from headgate.log import HEADER_LENGTH, LogReader, StreamLog, frame_cost
 
 COMMIT_INTERVAL = 0.002
+BATCH_GROUP = 16
 TERM_LENGTH = 16 * 1024 * 1024
 _BASE_HEADER = struct.Struct("<IIHBBIQQq")
 
@@ -88,7 +94,9 @@ class Committer:
             self.commits += 1
 
 
-def headgate_append(directory: Path, workload: Workload, group_commit: bool) -> float:
+def headgate_append(
+    directory: Path, workload: Workload, group_commit: bool, batched: bool = False
+) -> float:
     payload = b"p" * workload.payload_length
     capacity = (workload.count + 16) * frame_cost(workload.payload_length) + 4 * TERM_LENGTH
     capacity -= capacity % 8
@@ -96,6 +104,23 @@ def headgate_append(directory: Path, workload: Workload, group_commit: bool) -> 
     try:
         append = log.append
         count = workload.count
+        if batched:
+            append_many = log.append_many
+            group = BATCH_GROUP
+
+            def run() -> None:
+                for first in range(0, count, group):
+                    last = min(first + group, count)
+                    append_many([(payload, 1, seq, 1, seq) for seq in range(first, last)])
+
+            started = time.perf_counter()
+            if group_commit:
+                with Committer(log.sync):
+                    run()
+                log.sync()
+            else:
+                run()
+            return time.perf_counter() - started
         started = time.perf_counter()
         if group_commit:
             with Committer(log.sync):
@@ -191,14 +216,14 @@ def explain_small_appends(directory: Path, count: int) -> list[tuple[str, float]
     import zlib
 
     body = struct.Struct("<HBBIQQq")
-    commit = struct.Struct("<II")
-    published = struct.Struct("<q")
     payload = b"p" * 100
     fd = os.open(directory / "explain", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     os.ftruncate(fd, TERM_LENGTH)
     buffer = mmap.mmap(fd, TERM_LENGTH)
     view = memoryview(buffer)
+    words = view.cast("Q")
     meta = mmap.mmap(-1, 4096)
+    meta_words = memoryview(meta).cast("q")
     mask = TERM_LENGTH - 1
 
     class Stub:
@@ -228,8 +253,8 @@ def explain_small_appends(directory: Path, count: int) -> list[tuple[str, float]
                 if upto >= 3:
                     checksum = zlib.crc32(view[offset + 8 : offset + 140], seq)
                 if upto >= 4:
-                    commit.pack_into(buffer, offset, 140, checksum)
-                    published.pack_into(meta, 64, offset)
+                    words[offset >> 3] = 140 | checksum << 32
+                    meta_words[8] = offset
 
         return run
 
@@ -261,8 +286,11 @@ def explain_small_appends(directory: Path, count: int) -> list[tuple[str, float]
                 timings[name].add(time.perf_counter() - started)
             real()
     finally:
+        words.release()
+        meta_words.release()
         view.release()
         buffer.close()
+        meta.close()
         os.close(fd)
     names = [name for name, _ in plan] + ["StreamLog.append (all of it, and the bookkeeping)"]
     values = [timings[name].seconds for name, _ in plan] + [timings["append"].seconds]
@@ -298,6 +326,9 @@ def main() -> int:
                     base = baseline_append(base_file, workload, group_commit)
                     results.setdefault((workload.name, mode, "headgate"), Best()).add(hg)
                     results.setdefault((workload.name, mode, "baseline"), Best()).add(base)
+                    shutil.rmtree(log_dir)
+                    many = headgate_append(log_dir, workload, group_commit, batched=True)
+                    results.setdefault((workload.name, mode, "append_many"), Best()).add(many)
                     if group_commit:
                         read_hg = headgate_read(log_dir, workload)
                         read_base = baseline_read(base_file, workload)
@@ -313,25 +344,32 @@ def main() -> int:
 
     print()
     header = (
-        f"{'payload':>7} | {'mode':<12} | {'headgate ops/s':>14} | {'MB/s':>7} | "
+        f"{'payload':>7} | {'mode':<12} | {'call':<11} | {'headgate ops/s':>14} | {'MB/s':>7} | "
         f"{'baseline ops/s':>14} | {'MB/s':>7} | {'ratio':>5}"
     )
     print(header)
     print("-" * len(header))
     for workload in workloads:
         frame_bytes = frame_cost(workload.payload_length)
-        for mode in ("no fsync", "group commit", "read"):
-            hg = results[(workload.name, mode, "headgate")].seconds
+        for mode, call, kind in (
+            ("no fsync", "append", "headgate"),
+            ("no fsync", "append_many", "append_many"),
+            ("group commit", "append", "headgate"),
+            ("group commit", "append_many", "append_many"),
+            ("read", "read", "headgate"),
+        ):
+            hg = results[(workload.name, mode, kind)].seconds
             base = results[(workload.name, mode, "baseline")].seconds
             hg_rate = workload.count / hg
             base_rate = workload.count / base
             print(
-                f"{workload.name:>7} | {mode:<12} | {hg_rate:>14,.0f} | "
+                f"{workload.name:>7} | {mode:<12} | {call:<11} | {hg_rate:>14,.0f} | "
                 f"{hg_rate * frame_bytes / 1e6:>7,.1f} | {base_rate:>14,.0f} | "
                 f"{base_rate * frame_bytes / 1e6:>7,.1f} | {hg_rate / base_rate:>5.2f}"
             )
     print()
     print("ratio = headgate / baseline (higher is better; appends, or frames read, per second)")
+    print(f"append_many: {BATCH_GROUP} frames per call, one publish per call")
     print()
     print("where a 100-byte append's time goes (ns per append, cumulative):")
     explain_dir = Path(tempfile.mkdtemp(prefix="headgate-bench-", dir=args.dir))

@@ -98,6 +98,8 @@ def test_the_public_names() -> None:
             "LogFullError",
             "LogReader",
             "RecoveryReport",
+            "StorageError",
+            "StorageFull",
             "StreamLog",
             "compute_position",
             "frame_cost",
@@ -108,6 +110,8 @@ def test_the_public_names() -> None:
     for name in headgate.log.__all__:
         assert getattr(headgate.log, name) is not None
     assert issubclass(headgate.log.LogFullError, headgate.log.LogError)
+    assert issubclass(headgate.log.StorageFull, headgate.log.StorageError)
+    assert issubclass(headgate.log.StorageError, headgate.log.LogError)
     assert issubclass(headgate.log.LogCorruptError, headgate.log.LogError)
 
 

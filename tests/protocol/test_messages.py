@@ -316,7 +316,7 @@ def c64(value: int) -> str:
         "01 01 01 02 c3 28 00 00",  # client name that is not UTF-8
         "01 01 01 ff ff ff ff ff ff ff ff ff",  # client name of 2^64-1 bytes
         "01 01 01 00 fd 04 01" + "00" * 1025 + "00",  # token of 1025 bytes
-        "03 13 00",  # Goodbye with code 19, unknown
+        "03 7f 00",  # Goodbye with code 127, unknown (19 became STORAGE_FULL)
         "04 00 00 00",  # Error with code NONE
         "04 01 02 00",  # Error with scope kind 2
         "04 01 01 02 00 00",  # Error scoped to handle type 2

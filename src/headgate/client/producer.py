@@ -215,6 +215,10 @@ class StreamStatistics:
     guarantees: int | None
     #: Why the gateway refused the stream, or None.
     refused: str | None
+    #: The gateway's notice that it cannot store the stream now (its disk is
+    #: full), until it sends an Ack or guarantees again; None otherwise.
+    #: Records wait, they are not lost.
+    storage_full: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,12 +283,15 @@ class _Stream:
         "scheduled",
         "sealed_batches",
         "space_waiters",
+        "storage_full",
         "unacked",
         "values",
     )
 
     def __init__(self, name: str) -> None:
         self.name = name
+        # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
+        self.storage_full: str | None = None
         # The open batch.
         self.values: list[bytes] = []
         self.keys: list[bytes | None] | None = None
@@ -1043,6 +1050,7 @@ class Producer:
                 else:
                     granted = conn.handles.get(event.handle)
                     if granted is not None:
+                        granted.storage_full = None
                         self._mark(granted)
             elif isinstance(event, MessageReceived):
                 self._on_message(conn, event.message)
@@ -1060,7 +1068,11 @@ class Producer:
             if scope is not None:
                 if scope.handle_type is m.HandleType.STREAM:
                     s = conn.handles.get(scope.handle)
-                    if s is not None:
+                    if s is not None and message.code is ErrorCode.STORAGE_FULL:
+                        # A notice, not a refusal: the gateway keeps what it
+                        # has and sends guarantees again once it can store.
+                        s.storage_full = message.text or "the gateway's storage is full"
+                    elif s is not None:
                         self._refuse(s, StreamRefused(s.name, message.code, message.text))
                 return
             host, port = self._address
@@ -1153,6 +1165,7 @@ class Producer:
         s = conn.handles.get(ack.handle)
         if s is None or s.failure is not None:
             return
+        s.storage_full = None  # no Ack comes while the gateway cannot store
         next_sequence = ack.next_sequence
         if not s.ready:
             # The stream's initial Ack: where the gateway's copy of our
@@ -1261,6 +1274,7 @@ class Producer:
                 next_sequence=s.next_sequence,
                 guarantees=guarantees,
                 refused=refused,
+                storage_full=s.storage_full,
             )
         return ProducerStatistics(
             producer_id=self.producer_id,

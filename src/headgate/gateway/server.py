@@ -344,13 +344,24 @@ class Gateway:
             return
         loop = asyncio.get_running_loop()
 
-        def sync_all() -> None:
+        def sync_all() -> dict[Stream, LogError]:
+            failed = {}
             for stream in streams:
-                stream.log.sync()
+                try:
+                    stream.log.sync()
+                except LogError as exc:
+                    failed[stream] = exc
+            return failed
 
-        await loop.run_in_executor(self._executor, sync_all)
+        failed = await loop.run_in_executor(self._executor, sync_all)
         for stream in streams:
-            stream.on_durable()
+            if stream in failed:
+                # Nothing is acknowledged that is not durable; the stream is
+                # held (logged once) and the next commit tries again.
+                stream.sync_failed(failed[stream])
+                self._dirty.add(stream)
+            else:
+                stream.on_durable()
             stream.rebalance(time.monotonic())
             stream.flush_writers()
 
@@ -372,6 +383,8 @@ class Gateway:
             await asyncio.sleep(REBALANCE_INTERVAL_S)
             now = time.monotonic()
             for stream in self.streams.values():
+                if stream.storage_error is not None and stream.retry_storage():
+                    self.mark_dirty(stream)
                 if stream.writers:
                     stream.rebalance(now)
                     stream.flush_writers()

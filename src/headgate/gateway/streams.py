@@ -16,12 +16,22 @@ granted to writers below their share. A writer above its share while another
 waits is pleaded down (the seed's Plead/Absolve), and a writer that has gone
 quiet keeps only a floor, so its share moves to those still writing.
 
+When the file system refuses the stream's log (a full disk: a new term
+cannot be reserved, or a group commit fails), the stream is *held*: batches
+its channels buffered are kept, in arrival order, in memory (bounded by the
+guarantees already issued, since none are issued while held), every writer
+gets a scoped ``STORAGE_FULL`` Error, and no guarantee and no Ack goes out
+for it. :meth:`Stream.retry_storage`, called periodically, stores the held
+batches through the ordinary path (so duplicates among them are recognised
+exactly as on arrival) once the log can take them again.
+
 Nothing here touches a socket or the event loop; the caller passes ``now``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -30,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headgate.log import LogError, StreamLog, frame_cost
+from headgate.log import LogError, StorageError, StreamLog, frame_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
@@ -70,6 +80,26 @@ class Writer:
         return m.data_channel(self.handle)
 
 
+class HeldBatch:
+    """A batch received while the stream's storage was failing, kept to store later."""
+
+    __slots__ = ("first_sequence", "record_count", "records", "timestamp_us", "writer")
+
+    def __init__(
+        self,
+        writer: Writer,
+        first_sequence: int,
+        record_count: int,
+        records: bytes,
+        timestamp_us: int,
+    ) -> None:
+        self.writer = writer
+        self.first_sequence = first_sequence
+        self.record_count = record_count
+        self.records = records
+        self.timestamp_us = timestamp_us
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStatistics:
     """A snapshot of one stream, for metrics and ``headgate top``."""
@@ -85,6 +115,10 @@ class StreamStatistics:
     appended_batches: int
     appended_records: int
     duplicate_batches: int
+    #: Why the stream's storage is failing (held), or None.
+    storage_problem: str | None = None
+    #: Batches received while held, waiting to be stored.
+    held_batches: int = 0
 
 
 class Stream:
@@ -109,6 +143,15 @@ class Stream:
         self.appended_batches = 0
         self.appended_records = 0
         self.duplicate_batches = 0
+        #: Why the log cannot store now (see the module docstring), or None.
+        self.storage_error: StorageError | None = None
+        # The last group commit of this stream failed (cleared by on_durable).
+        self._sync_failed = False
+        self._held: deque[HeldBatch] = deque()
+        # producer id -> next sequence over stored and held batches, while held.
+        self._held_next: dict[int, int] = {}
+        # Writers whose resume Ack waits for their producer's held batches.
+        self._held_resumes: list[Writer] = []
 
     @classmethod
     def open(
@@ -162,6 +205,8 @@ class Stream:
 
     def add_writer(self, writer: Writer) -> None:
         self.writers.append(writer)
+        if self.storage_error is not None:
+            self._tell_held(writer)
 
     def remove_writer(self, writer: Writer) -> None:
         """The connection is gone; its buffered batches stay in the log."""
@@ -179,6 +224,12 @@ class Stream:
         producer's is waiting for the disk.
         """
         producer = writer.producer_id
+        if self.storage_error is not None:
+            # No Ack while held; and held batches of this producer id are not
+            # stored yet: the Ack must count them, or the producer would
+            # number new records over them.
+            self._held_resumes.append(writer)
+            return
         pending = [end for end, p, _ in self._appends if p == producer]
         if pending:
             writer.pending_acks.append((self.dedup[producer], pending[-1]))
@@ -223,11 +274,31 @@ class Stream:
     ) -> bool:
         """Store one batch that the writer's channel buffered; False for a duplicate.
 
+        While the stream is held (storage failing), the batch is kept in
+        memory instead and stored by :meth:`retry_storage`; False then too.
+
         Raises:
             ProtocolError: the batch overlaps stored records without matching
                 them (a resend must repeat the original batches exactly).
         """
         writer.last_active = now
+        if self.storage_error is None:
+            try:
+                return self._store(writer, first_sequence, record_count, records, timestamp_us)
+            except StorageError as exc:
+                # Nothing was written: the log refused before the frame.
+                self._storage_failed(exc)
+        self._hold(writer, first_sequence, record_count, records, timestamp_us)
+        return False
+
+    def _store(
+        self,
+        writer: Writer,
+        first_sequence: int,
+        record_count: int,
+        records: memoryview,
+        timestamp_us: int,
+    ) -> bool:
         next_sequence = self.dedup.get(writer.producer_id, 0)
         end_sequence = first_sequence + record_count
         if first_sequence < next_sequence:
@@ -261,11 +332,14 @@ class Stream:
 
     def on_durable(self) -> None:
         """After a group commit: send the acks that durability now allows."""
+        self._sync_failed = False
         durable = self.log.durable_position
         while self._appends and self._appends[0][0] <= durable:
             _, producer, next_sequence = self._appends.popleft()
             self._durable_dedup[producer] = next_sequence
-        for w in self.writers:
+        # While held, no Ack goes out (they wait in pending_acks): the first
+        # Ack or guarantee after STORAGE_FULL tells a producer it is over.
+        for w in self.writers if self.storage_error is None else ():
             acked = None
             while w.pending_acks and w.pending_acks[0][1] <= durable:
                 acked = w.pending_acks.popleft()[0]
@@ -315,7 +389,14 @@ class Stream:
         if position <= self.log.release_position:
             return
         # Frames being reclaimed must stay recognisable as duplicates.
-        self._write_snapshot()
+        try:
+            self._write_snapshot()
+        except OSError as exc:
+            # A full disk: keep the space until the snapshot can be written
+            # (the next commit of this stream tries again).
+            log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
+            self._pending_release = max(position, self._pending_release or 0)
+            return
         try:
             self.log.release(position)
         except LogError as exc:
@@ -336,7 +417,8 @@ class Stream:
             state = writer.session.inbound(writer.channel)
             # Above its share, a writer's buffer shrinks instead of re-issuing.
             writer.session.process(
-                writer.handle, reissue=state.capacity <= shares.get(id(writer), 0)
+                writer.handle,
+                reissue=self.storage_error is None and state.capacity <= shares.get(id(writer), 0),
             )
 
     def _shares(self, now: float | None) -> dict[int, int]:
@@ -359,6 +441,8 @@ class Stream:
 
     def rebalance(self, now: float) -> None:
         """Grant free space to writers below their share; plead those above it."""
+        if self.storage_error is not None:
+            return  # no guarantees while the storage fails
         shares = self._shares(now)
         if not shares:
             return
@@ -392,6 +476,104 @@ class Stream:
         for flush in flushes.values():
             flush()
 
+    # -- failing storage ---------------------------------------------------------------
+
+    def sync_failed(self, error: LogError) -> None:
+        """The group commit of this stream failed: hold it until one succeeds."""
+        self._sync_failed = True
+        if isinstance(error, StorageError):
+            self._storage_failed(error)
+        else:
+            self._storage_failed(StorageError(str(error), self.log.directory, errno.EIO))
+
+    def _storage_failed(self, error: StorageError) -> None:
+        first = self.storage_error is None
+        self.storage_error = error
+        if first:
+            log.warning(
+                "stream %s: storage failing, holding its batches and issuing no "
+                "guarantees until it recovers: %s",
+                self.name,
+                error,
+            )
+            for writer in self.writers:
+                self._tell_held(writer)
+
+    def _tell_held(self, writer: Writer) -> None:
+        error = self.storage_error
+        assert error is not None
+        writer.session.send_global(
+            m.Error(
+                code=ErrorCode.STORAGE_FULL,
+                scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=writer.handle),
+                text=f"stream {self.name}: cannot store now ({error.message}: "
+                f"{os.strerror(error.errno)}); batches are kept and stored when space returns",
+            )
+        )
+
+    def _hold(
+        self,
+        writer: Writer,
+        first_sequence: int,
+        record_count: int,
+        records: memoryview,
+        timestamp_us: int,
+    ) -> None:
+        producer = writer.producer_id
+        next_sequence = self._held_next.get(producer, self.dedup.get(producer, 0))
+        end_sequence = first_sequence + record_count
+        if first_sequence < next_sequence < end_sequence:
+            raise ProtocolError(
+                f"stream {self.name}: batch {first_sequence}..{end_sequence} overlaps "
+                f"stored records up to {next_sequence}",
+                code=ErrorCode.MALFORMED_MESSAGE,
+            )
+        self._held_next[producer] = max(next_sequence, end_sequence)
+        # A copy: ``records`` is a view into the connection's receive buffer.
+        self._held.append(
+            HeldBatch(writer, first_sequence, record_count, bytes(records), timestamp_us)
+        )
+
+    def retry_storage(self) -> bool:
+        """If the stream is held, try its storage again; True once it is not held.
+
+        The log must be able to reserve its next term (what failed when the
+        disk filled up) and the last group commit must have succeeded. Then
+        the held batches are stored in arrival order through the ordinary
+        path, so a batch held twice (a resend after a reconnect) is stored
+        once and acknowledged twice, like any duplicate.
+        """
+        if self.storage_error is None:
+            return True
+        if self._sync_failed:
+            return False
+        try:
+            self.log.ensure_next_term()
+            while self._held:
+                batch = self._held[0]
+                try:
+                    self._store(
+                        batch.writer,
+                        batch.first_sequence,
+                        batch.record_count,
+                        memoryview(batch.records),
+                        batch.timestamp_us,
+                    )
+                except ProtocolError as exc:  # checked on arrival; only a bug lands here
+                    log.error("stream %s: dropping a held batch: %s", self.name, exc)
+                self._held.popleft()
+        except StorageError as exc:
+            self.storage_error = exc
+            return False
+        log.warning("stream %s: storage recovered; stored its held batches", self.name)
+        self.storage_error = None
+        self._held_next.clear()
+        resumes, self._held_resumes = self._held_resumes, []
+        for writer in resumes:
+            if writer.alive:
+                self.announce_resume(writer)
+        return True
+
     def statistics(self) -> StreamStatistics:
         return StreamStatistics(
             name=self.name,
@@ -405,6 +587,8 @@ class Stream:
             appended_batches=self.appended_batches,
             appended_records=self.appended_records,
             duplicate_batches=self.duplicate_batches,
+            storage_problem=None if self.storage_error is None else str(self.storage_error),
+            held_batches=len(self._held),
         )
 
     def close(self) -> None:

@@ -12,7 +12,13 @@ frame is a payload with a producer id, a first sequence number, a record
 count and a timestamp.
 """
 
-from headgate.log.errors import LogCorruptError, LogError, LogFullError
+from headgate.log.errors import (
+    LogCorruptError,
+    LogError,
+    LogFullError,
+    StorageError,
+    StorageFull,
+)
 from headgate.log.frame import (
     FRAME_ALIGNMENT,
     HEADER_LENGTH,
@@ -42,6 +48,8 @@ __all__ = [
     "LogFullError",
     "LogReader",
     "RecoveryReport",
+    "StorageError",
+    "StorageFull",
     "StreamLog",
     "compute_position",
     "frame_cost",

@@ -72,6 +72,8 @@ SETTINGS_OFFSET: Final = 0
 SETTINGS: Final = struct.Struct("<8sIIQQ")
 SETTINGS_CHECKSUM_OFFSET: Final = 32
 PUBLISHED_POSITION_OFFSET: Final = 64
+PUBLISHED_WORD: Final = PUBLISHED_POSITION_OFFSET // 8
+"""Index of the published position in :attr:`MetadataPage.words`."""
 POSITIONS_OFFSET: Final = 128
 POSITIONS: Final = struct.Struct("<qq")
 POSITIONS_CHECKSUM_OFFSET: Final = 144
@@ -101,13 +103,17 @@ class Positions(NamedTuple):
 class MetadataPage:
     """The mapped ``meta`` file of one log: settings, published position, durable/release pair."""
 
-    __slots__ = ("buffer", "fd", "path", "settings")
+    __slots__ = ("buffer", "fd", "path", "settings", "words")
 
     def __init__(self, path: Path, fd: int, buffer: mmap.mmap, settings: Settings) -> None:
         self.path = path
         self.fd = fd
         #: The mapped page; the writer stores the published position straight into it.
         self.buffer = buffer
+        #: The page as native signed 64-bit words; ``words[PUBLISHED_WORD]``
+        #: is the published position, stored by the writer with one aligned
+        #: 8-byte store per publish.
+        self.words = memoryview(buffer).cast("q")
         self.settings = settings
 
     @classmethod
@@ -174,10 +180,8 @@ class MetadataPage:
 
     def store_published(self, position: int) -> None:
         """Store the published position (after the frames below it are committed)."""
-        # A slice store, not pack_into (which zero-fills first, visibly to readers).
-        self.buffer[PUBLISHED_POSITION_OFFSET : PUBLISHED_POSITION_OFFSET + I64.size] = I64.pack(
-            position
-        )
+        # One word store, never pack_into (which zero-fills first, visibly to readers).
+        self.words[PUBLISHED_WORD] = position
 
     def stored_positions(self) -> Positions | None:
         """The durable/release pair if its checksum holds, else ``None`` (one attempt)."""
@@ -210,6 +214,7 @@ class MetadataPage:
 
     def close(self) -> None:
         """Unmap and close the page."""
+        self.words.release()
         with contextlib.suppress(BufferError):
             self.buffer.close()
         if self.fd >= 0:

@@ -1,14 +1,14 @@
-"""Writing the next term file ahead of need, on a helper thread.
+"""Reserving the next term file ahead of need, on a helper thread.
 
-On ext4 (and other extent-based file systems) the first store to a page whose
-block was only reserved by ``fallocate`` makes the file system convert the
-extent, inside the page fault. Measured, that doubles to quadruples the cost of
-a small append. A term whose zeros have been written and fsynced has no such
-cost: its pages are cached and its blocks are plain written blocks. Writing a
-16 MiB term takes tens of milliseconds, which neither the owner's appends nor
-the group commit (whose latency is the producers' ack latency) should wait for.
-So whenever the writer enters a new term, the next one is prepared on a
-short-lived helper thread. ``os.pwrite`` and ``os.fdatasync`` release the GIL.
+A new term's blocks are reserved with ``posix_fallocate``: nothing is written,
+so preparing a term puts no data on the disk queue that the group commit's
+``fdatasync`` (whose latency is the producers' ack latency) would wait
+behind. Writing zeros instead, as an earlier version did, made each rotation
+of a 16 MiB term cost tens of milliseconds of disk writes and showed up as
+ack-latency spikes. The term is then read once, so its zero pages are cached
+(no disk I/O: reserved, unwritten blocks read as zeros), and fdatasynced,
+which writes only the allocation. All of it runs on a short-lived helper
+thread whenever the writer enters a new term; every call releases the GIL.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from headgate.log.term import TermFile
 
 MIN_PREPARED_TERM_LENGTH = 64 * 1024
 """Smaller terms (tests use 4 KiB) are created when needed: for them, a thread
-start and an fsync per term cost more than the page faults they would save."""
+start and an fsync per term cost more than they would save."""
 
 
 class TermPreparer:

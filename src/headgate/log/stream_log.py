@@ -35,16 +35,16 @@ import errno
 import fcntl
 import os
 import struct
+import sys
 import threading
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from headgate.log.errors import LogCorruptError, LogError, LogFullError
+from headgate.log.errors import LogCorruptError, LogError, LogFullError, storage_error
 from headgate.log.frame import (
-    COMMIT,
     DATA_FRAME,
     FORMAT_VERSION,
     FRAME_ALIGNMENT,
@@ -60,9 +60,8 @@ from headgate.log.frame import (
     padding_checksum,
 )
 from headgate.log.metadata import (
-    I64,
     META_FILE_NAME,
-    PUBLISHED_POSITION_OFFSET,
+    PUBLISHED_WORD,
     MetadataPage,
     Settings,
 )
@@ -89,10 +88,18 @@ LOCK_FILE_NAME: Final = "writer.lock"
 
 _PADDING_BODY: Final = padding_body()
 _new_result = tuple.__new__  # skips NamedTuple.__new__'s Python frame on the hot path
+_pack_body = HEADER_BODY.pack_into  # bound once: the hot path looks up one global
+_crc32 = zlib.crc32
 
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError(
+        "headgate.log stores each frame's commit word (length, then checksum, "
+        "little-endian) as one native 64-bit word, which needs a little-endian host"
+    )
 
-# The published position, stored with one 8-byte slice assignment (see _append).
-PUBLISHED_SLOT = slice(PUBLISHED_POSITION_OFFSET, PUBLISHED_POSITION_OFFSET + 8)
+FrameSpec = tuple[bytes | bytearray | memoryview, int, int, int, int]
+"""One frame for :meth:`StreamLog.append_many`: payload, producer id, first
+sequence, record count, timestamp (microseconds)."""
 
 
 class StreamLog:
@@ -117,7 +124,7 @@ class StreamLog:
         self._directory = directory
         self._lock_fd = lock_fd
         self._meta = meta
-        self._meta_buffer = meta.buffer
+        self._meta_words = meta.words
         self._term_length = settings.term_length
         self._shift = settings.term_length.bit_length() - 1
         self._capacity = settings.capacity
@@ -130,6 +137,9 @@ class StreamLog:
         self._recovery: RecoveryReport | None = None
         # Whether the stored durable/release pair changed since the page was last fsynced.
         self._meta_dirty = False
+        # After a failed fsync, where the bytes that may not have reached the
+        # disk begin (see _sync_locked); None while every fsync succeeded.
+        self._redirty_from: int | None = None
         self._lock = threading.Lock()
         self._durable_changed = threading.Condition(self._lock)
         self._sync_lock = threading.Lock()
@@ -138,6 +148,7 @@ class StreamLog:
         self._active = active
         self._buffer = active.mapped
         self._view = active.view
+        self._words = active.words
         self._term_base = term_start(active.term_id, self._shift)
         self._fast_end = 0
         self._refresh_fast_end()
@@ -174,13 +185,19 @@ class StreamLog:
         on the same directory, in any process, gets a :class:`LogError`.
         """
         path = Path(directory)
-        if not path.is_dir():
-            if not create:
-                raise LogError(f"no stream log at {path}")
-            path.mkdir(parents=True, exist_ok=True)
-        lock_fd = _lock_directory(path)
+        try:
+            if not path.is_dir():
+                if not create:
+                    raise LogError(f"no stream log at {path}")
+                path.mkdir(parents=True, exist_ok=True)
+            lock_fd = _lock_directory(path)
+        except OSError as exc:
+            raise storage_error(f"cannot open the stream log at {path}", path, exc) from exc
         try:
             return cls._open_locked(path, lock_fd, term_length, capacity, create)
+        except OSError as exc:
+            os.close(lock_fd)
+            raise storage_error(f"cannot open the stream log at {path}", path, exc) from exc
         except BaseException:
             os.close(lock_fd)
             raise
@@ -386,10 +403,10 @@ class StreamLog:
             )
         buffer = self._buffer
         offset = position - self._term_base
-        # Everything but the commit word first; the commit word (length and
-        # checksum, one aligned 8-byte store) makes the frame visible.
+        # The body first (header fields after the checksum, then the payload);
+        # the commit word (length and checksum) makes the frame visible.
         try:
-            HEADER_BODY.pack_into(
+            _pack_body(
                 buffer,
                 offset + TYPE_OFFSET,
                 DATA_FRAME,
@@ -403,16 +420,104 @@ class StreamLog:
         except struct.error as exc:
             raise LogError(f"frame header field out of range: {exc}") from None
         buffer[offset + HEADER_LENGTH : offset + length] = payload
-        checksum = zlib.crc32(
-            self._view[offset + TYPE_OFFSET : offset + length],
-            (position ^ (position >> 32)) & MAX_U32,
+        # One aligned 8-byte word store: the length in the low half, the
+        # checksum in the high half, which on a little-endian host is the
+        # layout of bytes 0..8 (see LOG.md, "Ordering").
+        self._words[offset >> 3] = (
+            length
+            | _crc32(
+                self._view[offset + TYPE_OFFSET : offset + length],
+                (position ^ (position >> 32)) & MAX_U32,
+            )
+            << 32
         )
-        # One 8-byte slice store, never pack_into: pack_into zero-fills its
-        # target before writing, and a reader in another process could see that.
-        buffer[offset : offset + COMMIT.size] = COMMIT.pack(length, checksum)
         self._tail = end
-        self._meta_buffer[PUBLISHED_SLOT] = I64.pack(end)
+        self._meta_words[PUBLISHED_WORD] = end
         return _new_result(AppendResult, (position, end))
+
+    def append_many(self, frames: Iterable[FrameSpec], ends: list[int] | None = None) -> int:
+        """Append several batches, one frame each, in order, and publish once; return the tail.
+
+        Each item is ``(payload, producer_id, first_sequence, record_count,
+        timestamp_us)``, with the meaning of :meth:`append`'s arguments. The
+        frames become visible to readers in other processes together, when
+        the published position moves past the last one; a group commit
+        covers them once it has started after this call returned.
+
+        This is the gateway's path for several batches of one stream that
+        arrived in one socket read: per frame it costs the header, the copy
+        and the checksum, but not a method call, an :class:`AppendResult` or
+        a store of the published position. Each frame's position is the
+        previous one's end (or the start of the next term, after padding).
+
+        If one frame fails (:class:`LogFullError`, a header field out of
+        range, or :class:`StorageFull`), the frames before it stay appended
+        and published, and the error propagates: :attr:`tail_position` then
+        says how far the call got.
+
+        With ``ends``, each appended frame's end position is appended to that
+        list as it commits (its start is the previous end, or the start of a
+        term after padding), so that a caller keeping per-batch books knows
+        each frame's place, and which frames went in before an error.
+        """
+        record = None if ends is None else ends.append
+        tail = published = self._tail
+        fast_end = self._fast_end
+        buffer = self._buffer
+        view = self._view
+        words = self._words
+        base = self._term_base
+        try:
+            for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
+                length = HEADER_LENGTH + len(payload)
+                end = tail + ((length + FRAME_ALIGNMENT - 1) & -FRAME_ALIGNMENT)
+                if end > fast_end:
+                    self._tail = tail
+                    self._append_slowly(
+                        payload, producer_id, first_sequence, record_count, timestamp_us
+                    )
+                    tail = published = self._tail
+                    fast_end = self._fast_end
+                    buffer = self._buffer
+                    view = self._view
+                    words = self._words
+                    base = self._term_base
+                    if record is not None:
+                        record(tail)
+                    continue
+                offset = tail - base
+                try:
+                    _pack_body(
+                        buffer,
+                        offset + TYPE_OFFSET,
+                        DATA_FRAME,
+                        0,
+                        FORMAT_VERSION,
+                        record_count,
+                        producer_id,
+                        first_sequence,
+                        timestamp_us,
+                    )
+                except struct.error as exc:
+                    raise LogError(f"frame header field out of range: {exc}") from None
+                buffer[offset + HEADER_LENGTH : offset + length] = payload
+                words[offset >> 3] = (
+                    length
+                    | _crc32(
+                        view[offset + TYPE_OFFSET : offset + length],
+                        (tail ^ (tail >> 32)) & MAX_U32,
+                    )
+                    << 32
+                )
+                tail = end
+                if record is not None:
+                    record(end)
+        finally:
+            # Whatever was committed is published, also when a frame failed.
+            if tail != published:
+                self._tail = tail
+                self._meta_words[PUBLISHED_WORD] = tail
+        return tail
 
     def _append_slowly(
         self,
@@ -453,7 +558,7 @@ class StreamLog:
         # The same frame write as append()'s fast path, repeated on purpose:
         # there it is inlined, since a method call costs about 5% of an append.
         try:
-            HEADER_BODY.pack_into(
+            _pack_body(
                 buffer,
                 offset + TYPE_OFFSET,
                 DATA_FRAME,
@@ -467,11 +572,14 @@ class StreamLog:
         except struct.error as exc:
             raise LogError(f"frame header field out of range: {exc}") from None
         buffer[offset + HEADER_LENGTH : offset + length] = payload
-        checksum = zlib.crc32(
-            self._view[offset + TYPE_OFFSET : offset + length],
-            (position ^ (position >> 32)) & MAX_U32,
+        self._words[offset >> 3] = (
+            length
+            | _crc32(
+                self._view[offset + TYPE_OFFSET : offset + length],
+                (position ^ (position >> 32)) & MAX_U32,
+            )
+            << 32
         )
-        buffer[offset : offset + COMMIT.size] = COMMIT.pack(length, checksum)
         self._advance_tail(end)
         return AppendResult(position, end)
 
@@ -483,8 +591,8 @@ class StreamLog:
         self._ensure_term(term_id_of(end, self._shift))
         buffer = self._buffer
         buffer[offset + TYPE_OFFSET : offset + HEADER_LENGTH] = _PADDING_BODY
-        commit = COMMIT.pack(self._term_length - offset, padding_checksum(_PADDING_BODY, position))
-        buffer[offset : offset + COMMIT.size] = commit
+        checksum = padding_checksum(_PADDING_BODY, position)
+        self._words[offset >> 3] = (self._term_length - offset) | checksum << 32
         self._advance_tail(end)
 
     def _ensure_term(self, term_id: int) -> None:
@@ -516,12 +624,13 @@ class StreamLog:
             self._active = term
             self._buffer = term.mapped
             self._view = term.view
+            self._words = term.words
             self._term_base = term_start(term_id, self._shift)
             self._refresh_fast_end()
             if term_id + 1 not in self._terms:
                 self._preparer.request(term_id + 1)
         self._tail = end
-        self._meta_buffer[PUBLISHED_SLOT] = I64.pack(end)
+        self._meta_words[PUBLISHED_WORD] = end
 
     def _refresh_fast_end(self) -> None:
         # A frame ending at or before this position fits the free capacity and
@@ -557,11 +666,14 @@ class StreamLog:
             durable = self._durable
             directory_dirty = self._directory_dirty
             self._directory_dirty = False
-            first = term_id_of(durable, self._shift)
+            redirty_from = self._redirty_from
+            first = term_id_of(durable if redirty_from is None else redirty_from, self._shift)
             last = term_id_of(target, self._shift)
             dirty = [self._terms[t] for t in range(first, last + 1) if t in self._terms]
-        if target > durable or directory_dirty:
+        if target > durable or directory_dirty or redirty_from is not None:
             try:
+                if redirty_from is not None:
+                    self._redirty(dirty, redirty_from, target)
                 for term in dirty:
                     term.sync()
                 if directory_dirty:
@@ -569,7 +681,16 @@ class StreamLog:
             except OSError as exc:
                 with self._lock:
                     self._directory_dirty |= directory_dirty
-                raise LogError(f"group commit of {self._directory} failed: {exc}") from exc
+                    # Linux may mark the pages of a failed write-back clean,
+                    # so a later fsync would "succeed" without them: the next
+                    # commit first rewrites everything since the last good one.
+                    self._redirty_from = durable if redirty_from is None else redirty_from
+                raise storage_error(
+                    f"group commit of {self._directory} failed",
+                    exc.filename or self._directory,
+                    exc,
+                ) from exc
+            self._redirty_from = None
         with self._lock:
             if target > self._durable:
                 self._durable = target
@@ -581,7 +702,12 @@ class StreamLog:
         if freed:
             # The release that frees these terms must reach the disk before
             # they leave it, or recovery would find history missing.
-            self._meta.sync()
+            try:
+                self._meta.sync()
+            except OSError as exc:
+                raise storage_error(
+                    f"cannot make the release of {self._directory} durable", self._meta.path, exc
+                ) from exc
             self._meta_dirty = False
             with self._lock:
                 doomed = [self._terms.pop(t) for t in freed]
@@ -590,6 +716,33 @@ class StreamLog:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(term.path)
         return self._durable
+
+    def _redirty(self, terms: list[TermFile], start: int, end: int) -> None:
+        """Store again, unchanged, the committed bytes in ``[start, end)`` so fsync writes them.
+
+        Those bytes are immutable history (below the tail snapshot), so
+        rewriting them with their own values changes nothing a reader sees.
+        """
+        chunk = 1 << 20
+        for term in terms:
+            base = term_start(term.term_id, self._shift)
+            low = max(start, base) - base
+            high = min(end, base + self._term_length) - base
+            view = term.view
+            for offset in range(low, high, chunk):
+                stop = min(offset + chunk, high)
+                view[offset:stop] = bytes(view[offset:stop])
+
+    def ensure_next_term(self) -> None:
+        """Create the term after the active one now, if it does not exist yet.
+
+        An append that rotates needs it; creating it is what fails on a full
+        file system (:class:`StorageFull`). After such a failure, calling this
+        until it succeeds is how a caller learns that space has returned,
+        without attempting an append. Owner thread only.
+        """
+        self._check_open()
+        self._ensure_term(self._active.term_id + 1)
 
     def wait_durable(self, position: int, timeout: float | None = None) -> bool:
         """Block until ``position`` is durable; ``False`` on timeout or close.

@@ -8,8 +8,10 @@ unlucky moment can leave one, and recovery deals with it.
 
 Blocks are reserved with ``posix_fallocate`` because writing through a mapping
 into a sparse file on a full disk kills the process with SIGBUS. With the
-blocks reserved, a full disk shows up as a :class:`LogError` when a term is
-created, where the gateway can refuse appends instead of dying.
+blocks reserved, a full disk shows up as a
+:class:`~headgate.log.errors.StorageFull` when a term is created, before
+anything is written, where the gateway can hold a stream instead of dying.
+Nothing else in the log allocates disk space.
 """
 
 from __future__ import annotations
@@ -20,12 +22,12 @@ import mmap
 import os
 from pathlib import Path
 
-from headgate.log.errors import LogError
+from headgate.log.errors import LogError, storage_error
 
 TERM_SUFFIX = ".term"
 _CREATING_SUFFIX = ".term.creating"
 _PREPARING_SUFFIX = ".term.preparing"
-_ZERO_FILL_CHUNK = bytes(1024 * 1024)
+_WARM_CHUNK = 1024 * 1024
 
 
 def term_file_name(term_id: int) -> str:
@@ -76,7 +78,7 @@ class TermFile:
     "nothing committed".
     """
 
-    __slots__ = ("buffer", "fd", "path", "size", "term_id", "view", "writable")
+    __slots__ = ("buffer", "fd", "path", "size", "term_id", "view", "words", "writable")
 
     def __init__(self, term_id: int, path: Path, fd: int, size: int, writable: bool) -> None:
         self.term_id = term_id
@@ -86,51 +88,61 @@ class TermFile:
         self.writable = writable
         self.buffer: mmap.mmap | None = None
         self.view = memoryview(b"")
+        #: The map as native unsigned 64-bit words: the writer stores a
+        #: frame's commit word with one item assignment (see StreamLog.append).
+        self.words = self.view.cast("Q")
         if size:
-            access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
-            self.buffer = mmap.mmap(fd, size, access=access)
-            self.view = memoryview(self.buffer)
+            self._map(mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
 
     @classmethod
     def create(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
         """Create term ``term_id`` full of zeros, with its blocks reserved, and map it.
 
-        Quick (no data is written), but the first store to each page of the
-        new term then costs the file system an extent conversion; see
-        :meth:`prepare` for the term the writer will need next.
+        Quick (nothing is written), for the writer when it needs a term that
+        the preparer has not made; :meth:`prepare` also warms the page cache.
         """
-        term = cls._new(directory, term_id, term_length, _CREATING_SUFFIX, zero_fill=False)
+        term = cls._new(directory, term_id, term_length, _CREATING_SUFFIX, warm=False)
         term.install()
         return term
 
     @classmethod
     def prepare(cls, directory: Path, term_id: int, term_length: int) -> TermFile:
-        """Create term ``term_id`` under a temporary name, zeros written and fsynced.
+        """Create term ``term_id`` under a temporary name, reserved, cached and durable.
 
-        Slow (it writes the whole term), so a helper thread does it ahead of
-        need (:mod:`headgate.log.preparer`), with the GIL released in every write. Afterwards the
-        term's blocks are allocated and written and its pages are cached and
-        clean, so the writer's first store to a page is a cheap fault, not an
-        allocation (measured: about 4x cheaper per small frame on ext4).
-        :meth:`install` gives it its real name; :meth:`discard` throws it away.
+        The blocks are reserved with ``posix_fallocate`` (no data is written:
+        the file system records them as allocated but unwritten, which reads
+        as zeros), then the whole file is read once, which fills the page
+        cache with zero pages without any disk I/O, so that the writer's
+        first store to each page is a cheap fault, not a page-cache miss.
+        Last, ``fdatasync`` puts the allocation and the length on disk, which
+        writes only file-system metadata. A helper thread does this ahead of
+        need (:mod:`headgate.log.preparer`); every call here releases the GIL.
+        :meth:`install` gives the term its real name; :meth:`discard` throws
+        it away.
         """
-        return cls._new(directory, term_id, term_length, _PREPARING_SUFFIX, zero_fill=True)
+        return cls._new(directory, term_id, term_length, _PREPARING_SUFFIX, warm=True)
 
     @classmethod
     def _new(
-        cls, directory: Path, term_id: int, term_length: int, suffix: str, *, zero_fill: bool
+        cls, directory: Path, term_id: int, term_length: int, suffix: str, *, warm: bool
     ) -> TermFile:
         temp = directory / f"{term_id:016x}{suffix}"
         try:
+            # O_TRUNC: whatever an interrupted earlier attempt left under this
+            # name is gone, so the term starts as zeros whatever was here.
             fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise LogError(f"cannot create term file {temp}: {exc.strerror}") from exc
+            raise storage_error(f"cannot create term file {temp}", temp, exc) from exc
         try:
             reserve(fd, term_length, temp)
-            if zero_fill:
-                for offset in range(0, term_length, len(_ZERO_FILL_CHUNK)):
-                    os.pwrite(fd, _ZERO_FILL_CHUNK[: term_length - offset], offset)
-                os.fdatasync(fd)
+            if warm:
+                chunk = bytearray(min(_WARM_CHUNK, term_length))
+                for offset in range(0, term_length, len(chunk)):
+                    os.preadv(fd, [chunk], offset)
+                try:
+                    os.fdatasync(fd)
+                except OSError as exc:
+                    raise storage_error(f"cannot make term file {temp} durable", temp, exc) from exc
             return cls(term_id, temp, fd, term_length, writable=True)
         except BaseException:
             os.close(fd)
@@ -176,8 +188,13 @@ class TermFile:
         self._unmap()
         reserve(self.fd, term_length, self.path)
         self.size = term_length
-        self.buffer = mmap.mmap(self.fd, term_length, access=mmap.ACCESS_WRITE)
+        self._map(mmap.ACCESS_WRITE)
+
+    def _map(self, access: int) -> None:
+        self.buffer = mmap.mmap(self.fd, self.size, access=access)
         self.view = memoryview(self.buffer)
+        # A term shorter than a word (only a damaged one) gets no words.
+        self.words = self.view[: self.size & -8].cast("Q")
 
     def sync(self) -> None:
         """Write the term's dirty pages to the device and wait for them.
@@ -197,8 +214,10 @@ class TermFile:
             self.fd = -1
 
     def _unmap(self) -> None:
+        self.words.release()
         self.view.release()
         self.view = memoryview(b"")
+        self.words = self.view.cast("Q")
         if self.buffer is not None:
             # A LogFrame payload still exported from this map makes close()
             # raise BufferError; dropping our reference lets the map go when
@@ -209,12 +228,19 @@ class TermFile:
 
 
 def reserve(fd: int, length: int, path: Path) -> None:
-    """Make the file ``length`` bytes long with every block allocated (zeros)."""
+    """Make the file ``length`` bytes long with every block allocated (reading as zeros).
+
+    A full file system (``ENOSPC``, ``EDQUOT``, ``EFBIG``) is a
+    :class:`StorageFull`; any other refusal a :class:`StorageError`.
+    """
     try:
         os.posix_fallocate(fd, 0, length)
     except OSError as exc:
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise LogError(f"cannot reserve {length} bytes for {path}: {exc.strerror}") from exc
+            raise storage_error(f"cannot reserve {length} bytes for {path}", path, exc) from exc
         # A file system without fallocate: a sparse file still works, at the
         # cost of SIGBUS instead of an error when the disk fills up.
-        os.ftruncate(fd, length)
+        try:
+            os.ftruncate(fd, length)
+        except OSError as exc2:
+            raise storage_error(f"cannot size {path} to {length} bytes", path, exc2) from exc2

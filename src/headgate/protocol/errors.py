@@ -62,6 +62,11 @@ class ErrorCode(IntEnum):
     SHUTTING_DOWN = 17
     #: A failure inside the gateway that is not the peer's fault.
     INTERNAL = 18
+    #: Scoped to a stream, a notice, not a refusal: the gateway cannot store
+    #: the stream now (its disk is full). It issues no guarantees on the
+    #: stream, acknowledges nothing more, keeps the batches it has, and stores
+    #: them (once) when space returns; new guarantees then say it is back.
+    STORAGE_FULL = 19
 
 
 class ProtocolError(Exception):

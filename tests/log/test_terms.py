@@ -1,0 +1,115 @@
+"""Term files: reserved without writing, zeros when new, never fooled by stale frames."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from headgate.log import StreamLog
+from headgate.log.term import TermFile
+from tests.log import _frames
+
+SCRIPTED = Path(__file__).with_name("_scripted_writer.py")
+
+
+def test_a_prepared_term_is_reserved_zeros_even_over_leftovers(tmp_path: Path) -> None:
+    length = 256 * 1024
+    # An earlier, interrupted preparation left garbage under the temporary name.
+    (tmp_path / f"{5:016x}.term.preparing").write_bytes(b"\xab" * (length // 2))
+    term = TermFile.prepare(tmp_path, 5, length)
+    try:
+        assert term.size == length
+        stat = os.fstat(term.fd)
+        assert stat.st_size == length
+        # Every block is allocated up front: a store into the map can never
+        # find the disk full (SIGBUS), the term's creation would have failed.
+        assert stat.st_blocks * 512 >= length
+        assert term.view.tobytes() == bytes(length)
+        term.install()
+        assert term.path.name == f"{5:016x}.term"
+        assert not list(tmp_path.glob("*.preparing"))
+    finally:
+        term.close()
+
+
+def crash(directory: Path, term_length: int, synced: int, unsynced: int) -> tuple[int, int]:
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPTED),
+            str(directory),
+            str(term_length),
+            str(synced),
+            str(unsynced),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == -9, done.stderr
+    durable, tail = map(int, done.stdout.split())
+    return durable, tail
+
+
+@pytest.mark.parametrize("term_length", [4096, 64 * 1024], ids=["created", "prepared"])
+def test_stale_frames_after_a_cut_are_never_read_again(tmp_path: Path, term_length: int) -> None:
+    # A crash leaves valid frames in several terms after the durable one; a
+    # torn frame in the first of them moves the tail back before them. Their
+    # checksums are seeded by position, so they would pass at those very
+    # positions: recovery must delete those terms, and new terms must start
+    # as zeros, or the new appends would run into old frames.
+    per_term = term_length // 400
+    durable, tail = crash(tmp_path, term_length, synced=per_term, unsynced=5 * per_term)
+    assert tail // term_length >= durable // term_length + 3
+    with StreamLog.open(tmp_path) as probe:
+        # Not this clean close's business: keep the crash's durable position.
+        old = [(f.position, f.first_sequence) for f in probe.read(durable)]
+        probe_durable = probe.durable_position
+    assert probe_durable == tail
+    cut = next(p for p, _ in old if p // term_length == durable // term_length + 1)
+    term_file = tmp_path / f"{cut // term_length:016x}.term"
+    with term_file.open("r+b") as f:
+        f.seek(cut % term_length + 40)
+        byte = f.read(1)
+        f.seek(cut % term_length + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    _store_positions(tmp_path, durable, 0)
+
+    with StreamLog.open(tmp_path) as log:
+        assert log.tail_position == cut
+        assert not (tmp_path / f"{tail // term_length:016x}.term").exists()
+        # New frames of another producer, over the positions the stale ones held.
+        while log.tail_position < tail + term_length:
+            log.append(
+                b"new" * 50, producer_id=99, first_sequence=0, record_count=1, timestamp_us=0
+            )
+        log.sync()
+        after = log.read(cut)
+    assert after
+    assert {f.producer_id for f in after} == {99}
+    assert all(bytes(f.payload) == b"new" * 50 for f in after)
+    assert all(
+        b.position == a.end_position or b.position % term_length == 0
+        for a, b in itertools.pairwise(after)
+    )
+    # The frames before the cut are the crash's frames, untouched.
+    with StreamLog.open(tmp_path) as again:
+        kept = again.read(0, cut)
+        for frame in kept:
+            _frames.check_frame(frame)
+
+
+def _store_positions(directory: Path, durable: int, release: int) -> None:
+    import struct
+    import zlib
+
+    pair = struct.pack("<qq", durable, release)
+    with (directory / "meta").open("r+b") as f:
+        f.seek(128)
+        f.write(pair + struct.pack("<I", zlib.crc32(pair)))
