@@ -219,7 +219,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
         gw.mark_dirty(stream)
 
     def after_write(self) -> None:
-        """The writer handled some of our messages: answer, and maybe read again."""
+        """The writer handled some of our messages: reclaim, answer, maybe read again.
+
+        The writer only marks messages handled; taking back their headers and
+        ring space is the ring's own work, done here once per writer pass
+        (so an idle connection does not hold a drained ring until it reads).
+        """
+        self.ring.reclaim()
         self.flush()
         if "ring" in self.reads.reasons and self.ring.can_read():
             self.reads.set("ring", False)
