@@ -113,7 +113,7 @@ def test_reclaim_stops_at_the_oldest_unhandled_message() -> None:
     ring = ReceiveRing(initial=4096, limit=4096, min_read=128)
     peer = Peer(ring)
     peer.receive(b"".join(frame(i, 100) for i in range(5)))
-    a, b, c, d, e = peer.messages
+    a, b, c, d, _ = peer.messages
     b.status = HANDLED
     c.status = HANDLED
     ring.reclaim()
