@@ -43,6 +43,7 @@ from pathlib import Path
 from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
+from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
@@ -348,6 +349,9 @@ class Gateway:
         #: Loans of batches appended and not yet durable.
         self.durability = DurabilityLoans()
         self._counters: dict[str, StreamCounters] = {}
+        self._metrics: MetricsServer | None = None
+        #: Where the Prometheus endpoint listens, once started (None: off).
+        self.metrics_address: tuple[str, int] | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -361,6 +365,10 @@ class Gateway:
             if entry.is_dir() and m.is_valid_name(entry.name):
                 self.stream(entry.name)
         loop = asyncio.get_running_loop()
+        if self.config.metrics is not None:
+            self._metrics = MetricsServer(self, loop)
+            self.metrics_address = self._metrics.start(*self.config.metrics)
+            log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         host, port = self.config.listen
         server = await loop.create_server(lambda: self._accept(), host, port, reuse_address=True)
         self._servers.append(server)
@@ -393,6 +401,10 @@ class Gateway:
         self._stopping = True
         for server in self._servers:
             server.close()
+        if self._metrics is not None:
+            # Its shutdown waits for the server thread's poll: not on the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._metrics.close)
+            self._metrics = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
