@@ -11,8 +11,9 @@ Each batch becomes a message header from the ring's slab, pointing at the
 batch's bytes, and goes into the gateway's :class:`~headgate.gateway.ring.MessageQueue`;
 the first message into an empty queue schedules the log writer
 (:meth:`Gateway.write_messages`) with ``call_soon``. The writer copies each
-batch once, from the ring into the log's mmap, and marks it handled; the
-connection reclaims the ring space behind it when it next reads. Control
+batch once, from the ring into the log's mmap (however many batches one read
+brought), and marks it handled; the connection, told once per writer pass,
+reclaims the ring space behind the oldest message still unhandled. Control
 messages are acted on at once, after the batches that preceded them are
 written, so their order is kept. :meth:`GatewayConnection.feed` is the seam
 for tests: bytes in as if read from the socket.
