@@ -217,13 +217,33 @@ class ReceiveRing:
         self.grows = 0
         self.shrinks = 0
         self.moved_bytes = 0
+        #: The largest frame length seen lately (frames that spanned reads).
+        self.expect = 0
+        self._window_expect = 0
+        self._reads = 0
         self._quiet_reads = 0
 
     # -- reading -------------------------------------------------------------------
 
-    def _wanted(self) -> int:
+    def _wanted(self, *, at_least: bool = False) -> tuple[int, int | None]:
+        """(contiguous room the next read needs, most it may take).
+
+        Inside a large frame of known length, a read takes exactly the rest of
+        it, so that the next frame starts on a boundary where nothing has to
+        move. On a boundary the room asked for is the largest frame seen
+        lately (``at_least``: only ``min_read``, the fallback when that much
+        cannot be had).
+        """
         r = self.current
-        return max(self.min_read, self.need - (r.tail - r.frame))
+        partial = r.tail - r.frame
+        if self.need > partial:
+            rest = self.need - partial
+            if self.need >= self.min_read:
+                return rest, rest
+            return max(self.min_read, rest), None
+        if partial or at_least:
+            return self.min_read, None
+        return max(self.min_read, self.expect), None
 
     def reclaim(self) -> None:
         """Take back the space of every handled message, oldest first."""
@@ -236,7 +256,13 @@ class ReceiveRing:
     def can_read(self) -> bool:
         """Whether :meth:`writable` can offer room now (after reclaiming)."""
         self.reclaim()
-        return self._place(move=False) is not None or self._grown_size() is not None
+        wanted, _ = self._wanted()
+        if self._place(wanted, None, move=False) is not None:
+            return True
+        if self._grown_size(wanted) is not None:
+            return True
+        fallback, _ = self._wanted(at_least=True)
+        return self._place(fallback, None, move=False) is not None
 
     def writable(self) -> memoryview:
         """Room to read into, right after the bytes received so far.
@@ -247,47 +273,61 @@ class ReceiveRing:
         """
         self.reclaim()
         self._maybe_shrink()
-        room = self._place(move=True)
+        wanted, most = self._wanted()
+        room = self._place(wanted, most, move=True)
         if room is not None:
             return room
-        size = self._grown_size()
-        if size is None:
+        size = self._grown_size(wanted)
+        if size is not None:
+            self._replace(size)
+            self.grows += 1
+            room = self._place(wanted, most, move=True)
+            assert room is not None
+            return room
+        wanted, most = self._wanted(at_least=True)
+        room = self._place(wanted, most, move=True)
+        if room is None:
             raise BufferError(f"receive ring full at its limit of {self.limit} bytes")
-        self._replace(size)
-        self.grows += 1
-        room = self._place(move=True)
-        assert room is not None
         return room
 
-    def _place(self, *, move: bool) -> memoryview | None:
+    def _place(self, wanted: int, most: int | None, *, move: bool) -> memoryview | None:
+        """Room of at least ``wanted`` bytes after the undecoded ones, moving
+        those to the start of the ring if that is where the room is."""
         r = self.current
-        wanted = self._wanted()
         if r.wrapped:
-            return r.view[r.tail : r.head] if r.head - r.tail >= wanted else None
-        if r.size - r.tail >= wanted:
-            return r.view[r.tail :]
-        partial = r.tail - r.frame
-        if r.head == r.frame:
-            # Nothing in use but an incomplete frame: slide it to the start.
-            if partial + wanted > r.size:
+            if r.head - r.tail < wanted:
                 return None
-            if move:
-                self._move(r, r, 0)
-                r.head = 0
-            return r.view[r.tail :] if move else r.view[:0]
-        if partial + wanted <= r.head:
-            # Wrap: the undecoded bytes go first, before the oldest message.
-            if move:
-                r.end = r.frame
-                self._move(r, r, 0)
-                r.wrapped = True
-                return r.view[r.tail : r.head]
+            stop = r.head
+        elif r.size - r.tail >= wanted:
+            stop = r.size
+        else:
+            partial = r.tail - r.frame
+            if r.head == r.frame:
+                # Nothing in use but an incomplete frame: slide it to the start.
+                if partial + wanted > r.size:
+                    return None
+                if move:
+                    self._move(r, r, 0)
+                    r.head = 0
+                stop = r.size
+            elif partial + wanted <= r.head:
+                # Wrap: the undecoded bytes go first, before the oldest message.
+                if move:
+                    r.end = r.frame
+                    self._move(r, r, 0)
+                    r.wrapped = True
+                stop = r.head
+            else:
+                return None
+        if not move:
             return r.view[:0]
-        return None
+        if most is not None and r.tail + most < stop:
+            stop = r.tail + most
+        return r.view[r.tail : stop]
 
-    def _grown_size(self) -> int | None:
+    def _grown_size(self, wanted: int) -> int | None:
         r = self.current
-        required = (r.tail - r.frame) + self._wanted()
+        required = (r.tail - r.frame) + wanted
         size = r.size * 2
         while size < required:
             size *= 2
@@ -318,6 +358,11 @@ class ReceiveRing:
         self._quiet_reads = 0
 
     def _maybe_shrink(self) -> None:
+        self._reads += 1
+        if self._reads % SHRINK_AFTER_READS == 0:
+            # The largest frame of the last two windows of reads.
+            self.expect = self._window_expect
+            self._window_expect = 0
         r = self.current
         if r.size <= self.initial:
             return
@@ -327,7 +372,8 @@ class ReceiveRing:
         self._quiet_reads += 1
         if self._quiet_reads >= SHRINK_AFTER_READS and not r.messages and not self.retired:
             size = max(self.initial, r.size // 2)
-            if r.tail - r.frame + self._wanted() <= size:
+            # Keep room for two of the largest frames seen lately.
+            if r.tail - r.frame + 2 * max(self.min_read, self.expect) <= size:
                 self._replace(size)
                 self.shrinks += 1
 
@@ -359,6 +405,10 @@ class ReceiveRing:
         r = self.current
         r.frame += count
         self.need = need
+        if need > self._window_expect:
+            self._window_expect = need
+            if need > self.expect:
+                self.expect = min(need, self.limit // 2)
         if not r.messages and r.frame == r.tail:
             r.head = r.frame = r.tail = 0
             r.wrapped = False
