@@ -230,9 +230,9 @@ class ReceiveRing:
 
         Inside a large frame of known length, a read takes exactly the rest of
         it, so that the next frame starts on a boundary where nothing has to
-        move. On a boundary the room asked for is the largest frame seen
-        lately (``at_least``: only ``min_read``, the fallback when that much
-        cannot be had).
+        move. On a boundary a read takes as much as the largest frame seen
+        lately, in one contiguous room (``at_least``: only ``min_read``, the
+        fallback when that much cannot be had).
         """
         r = self.current
         partial = r.tail - r.frame
@@ -241,9 +241,10 @@ class ReceiveRing:
             if self.need >= self.min_read:
                 return rest, rest
             return max(self.min_read, rest), None
-        if partial or at_least:
+        if partial or at_least or self.expect <= self.min_read:
             return self.min_read, None
-        return max(self.min_read, self.expect), None
+        # One large frame's worth: a read ends where such a frame would.
+        return self.expect, self.expect
 
     def reclaim(self) -> None:
         """Take back the space of every handled message, oldest first."""
@@ -273,6 +274,15 @@ class ReceiveRing:
         """
         self.reclaim()
         self._maybe_shrink()
+        r = self.current
+        if 2 * max(self.expect, self.need) > r.size < self.limit:
+            # Hold two of the largest frames, so that one can arrive while
+            # the other waits for the writer, and few have to move.
+            target = r.size * 2
+            while target < 2 * max(self.expect, self.need):
+                target *= 2
+            self._replace(min(target, self.limit))
+            self.grows += 1
         wanted, most = self._wanted()
         room = self._place(wanted, most, move=True)
         if room is not None:

@@ -166,8 +166,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         source = memoryview(data).cast("B")
         pos = 0
         while pos < len(source) and not self._closing:
-            if not self.ring.can_read():
-                self.gateway.write_messages()
+            # On the loop the writer, scheduled by the last read, runs before
+            # the next read; here too.
+            self.gateway.write_messages()
             room = self.ring.writable()
             count = min(len(room), len(source) - pos)
             room[:count] = source[pos : pos + count]
