@@ -18,8 +18,8 @@ rounds, which interleave the two paths) and, from a separate run under
 ``tracemalloc``, the peak of the Python heap above where it started, which
 includes the ring itself (its first 128 KiB and what it grows to).
 
-    .venv/bin/python bench/receive.py            # about 20 s
-    .venv/bin/python bench/receive.py --quick    # about 5 s
+    .venv/bin/python bench/receive.py            # about 30 s
+    .venv/bin/python bench/receive.py --quick    # about 6 s
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer records, one round")
     args = parser.parse_args()
     scale = 1 if args.quick else 4
-    rounds = 2 if args.quick else 5
+    rounds = 3 if args.quick else 9
     workloads = [
         Workload("100 B records, 256 KiB batches", 100, 256 * 1024, 200_000 * scale),
         Workload("1 KiB records, 256 KiB batches", 1024, 256 * 1024, 40_000 * scale),
