@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from headgate.costs import batch_cost
-from headgate.gateway import Gateway, GatewayConnection
+from headgate.gateway import Gateway, GatewayConnection, Stream
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import Role, Session
-from tests.gateway.test_gateway import config, stored
+from tests.gateway.test_gateway import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,5 +88,42 @@ async def test_batches_fed_in_any_pieces_are_stored_once_in_order(
             ErrorCode.FRAME_TOO_LARGE.name
         ]
         assert stream.appended_records == len(expected)
+    finally:
+        await gw.stop()
+
+
+async def test_a_failing_append_ends_only_its_connection_and_every_loan_is_repaid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gw = Gateway(config(tmp_path))
+    await gw.start()
+    try:
+        bad, good = RawPeer(producer_id=1), RawPeer(producer_id=2)
+        for peer, name in ((bad, "broken"), (good, "fine")):
+            await peer.connect(gw.address)
+            h = await peer.bind(name)
+            await peer.until(
+                lambda p=peer, h=h: p.session.outbound(m.data_channel(h)).guarantees > 0
+            )
+        real_append = Stream.append
+
+        def append(self: Stream, *args: Any, **kwargs: Any) -> bool:
+            if self.name == "broken":
+                raise RuntimeError("a bug in the log writer")
+            return real_append(self, *args, **kwargs)
+
+        monkeypatch.setattr(Stream, "append", append)
+        bad.session.send_batch(0, 0, encode_records([b"x"]))
+        await bad.send()
+        await bad.until(lambda: bad.closed or bool(bad.errors()))
+        assert [e.code for e in bad.errors()] == [ErrorCode.INTERNAL]
+        for i in range(5):
+            good.session.send_batch(0, i, encode_records([b"y"]))
+        await good.send()
+        await good.until(lambda: good.acked(0) == 5)
+        assert len(gw.queue) == 0
+        for conn in gw.connections.values():
+            assert conn.account.debt == 0
+        await good.close()
     finally:
         await gw.stop()

@@ -474,18 +474,24 @@ class Gateway:
         origins: dict[int, GatewayConnection] = {}
         while (message := queue.pop()) is not None:
             conn: GatewayConnection = message.origin
-            if not conn._closing:
-                try:
+            try:
+                if not conn._closing:
                     conn.write_batch(message.event, now, timestamp_us)
-                except ProtocolError as error:
-                    conn.refuse(error)
-                except LogError as error:
-                    log.error("stream storage failed for %s: %s", conn.peer, error)
-                    conn.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
-            message.status = HANDLED
-            message.event = None
-            message.loan.repay()
-            origins[conn.conn_id] = conn
+            except ProtocolError as error:
+                conn.refuse(error)
+            except LogError as error:
+                log.error("stream storage failed for %s: %s", conn.peer, error)
+                conn.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
+            except Exception:
+                # A bug, not the peer's doing: that connection ends, the
+                # others and the queue go on.
+                log.exception("writing a batch from %s failed", conn.peer)
+                conn.refuse(ProtocolError("internal error", code=ErrorCode.INTERNAL))
+            finally:
+                message.status = HANDLED
+                message.event = None
+                message.loan.repay()
+                origins[conn.conn_id] = conn
         for conn in origins.values():
             conn.after_write()
 
