@@ -247,7 +247,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
 
     def flush(self) -> None:
         """Write whatever the session has queued, in one write."""
-        if self.transport is None or self._closing:
+        if self.transport is None or self._closing or self.transport.is_closing():
+            # (The writer may still flush a connection whose peer has gone.)
             return
         out = self.session.data_to_send()
         if out:
