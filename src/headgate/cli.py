@@ -7,12 +7,19 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import click
 
-from headgate.config import ConfigError, load_gateway_config, parse_address, parse_size
+from headgate.config import (
+    DEFAULT_METRICS_PORT,
+    ConfigError,
+    load_gateway_config,
+    parse_address,
+    parse_size,
+)
 from headgate.protocol.messages import is_valid_name
 
 
@@ -42,6 +49,12 @@ def main(verbose: int) -> None:
 @click.option("--stream-capacity", help="Log capacity per stream, e.g. 64MiB.")
 @click.option("--term-length", help="Term file size, a power of two, e.g. 16MiB.")
 @click.option("--group-commit-ms", type=float, help="Group commit interval in milliseconds.")
+@click.option(
+    "--metrics",
+    metavar="HOST:PORT",
+    help=f"Serve Prometheus metrics at http://HOST:PORT/metrics (off unless given; "
+    f"default port {DEFAULT_METRICS_PORT}).",
+)
 def serve(
     config: Path | None,
     listen: str | None,
@@ -50,6 +63,7 @@ def serve(
     stream_capacity: str | None,
     term_length: str | None,
     group_commit_ms: float | None,
+    metrics: str | None,
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
 
@@ -64,6 +78,9 @@ def serve(
             stream_capacity=_size(stream_capacity, "--stream-capacity"),
             term_length=_size(term_length, "--term-length"),
             group_commit_interval_ms=group_commit_ms,
+            metrics=None
+            if metrics is None
+            else parse_address(metrics, what="--metrics", default_port=DEFAULT_METRICS_PORT),
         )
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
@@ -84,6 +101,8 @@ async def _serve(cfg: object) -> None:
         sys.exit(1)
     host, port = gateway.address
     click.echo(f"listening on {host}:{port}", nl=True)
+    if gateway.metrics_address is not None:
+        click.echo("metrics on http://{}:{}/metrics".format(*gateway.metrics_address))
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -196,6 +215,55 @@ async def _send(
         acked = stats.records_acked if stats is not None else 0
         nbytes = stats.bytes_acked if stats is not None else 0
     return sent, acked, nbytes, bad
+
+
+@main.command()
+@click.option(
+    "--metrics",
+    "address",
+    default=f"127.0.0.1:{DEFAULT_METRICS_PORT}",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="The gateway's metrics endpoint (headgate serve --metrics).",
+)
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+def top(address: str, interval: float, once: bool) -> None:
+    """Watch a running gateway: streams and connections, live.
+
+    Per stream: log fill, positions, guarantees, records/s, drops, fsync
+    latency. Per connection: debt against its threshold, and whether its
+    reads are paused. Read from the gateway's Prometheus endpoint, which
+    `headgate serve --metrics HOST:PORT` turns on.
+    """
+    from rich.console import Console
+    from rich.live import Live
+
+    from headgate.top import MetricsUnavailable, fetch, render
+
+    if interval <= 0:
+        raise click.UsageError("--interval must be positive")
+    try:
+        where = parse_address(address, what="--metrics", default_port=DEFAULT_METRICS_PORT)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    hint = "is the gateway running with --metrics {}:{}?".format(*where)
+    try:
+        previous = fetch(where)
+        if once:
+            Console().print(render(previous))
+            return
+        with Live(render(previous), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                snap = fetch(where)
+                live.update(render(snap, previous), refresh=True)
+                previous = snap
+    except MetricsUnavailable as exc:
+        click.echo(f"headgate top: {exc}; {hint}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
 
 
 @main.command()

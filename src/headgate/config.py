@@ -15,6 +15,8 @@ Example ``headgate.toml``::
     term_length = "16MiB"
     group_commit_interval_ms = 2
     max_message_size = "1MiB"
+    max_connection_debt = 4096
+    metrics = "127.0.0.1:9108"
 
     [streams.ticks]
     capacity = "8MiB"
@@ -44,6 +46,7 @@ _UNITS = {
 }
 
 DEFAULT_PORT = 7878
+DEFAULT_METRICS_PORT = 9108
 
 
 class ConfigError(ValueError):
@@ -66,7 +69,9 @@ def parse_size(value: object, *, what: str) -> int:
     raise ConfigError(f"{what}: expected a size such as 4096 or 64MiB, got {value!r}")
 
 
-def parse_address(value: str, *, what: str = "listen") -> tuple[str, int]:
+def parse_address(
+    value: str, *, what: str = "listen", default_port: int = DEFAULT_PORT
+) -> tuple[str, int]:
     """Split ``host:port`` (``[::1]:7878`` for IPv6); a bare host gets the default port."""
     text = value.strip()
     if not text:
@@ -79,7 +84,7 @@ def parse_address(value: str, *, what: str = "listen") -> tuple[str, int]:
     else:
         host, port_text = text, ""
     if not port_text:
-        return host or "127.0.0.1", DEFAULT_PORT
+        return host or "127.0.0.1", default_port
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ConfigError(f"{what}: port must be a number from 0 to 65535, got {port_text!r}")
     return host or "127.0.0.1", int(port_text)
@@ -113,6 +118,12 @@ class GatewayConfig:
     max_message_size: int = 1024**2
     #: Largest number of concurrent connections.
     max_connections: int = 1024
+    #: Units of work in flight (batches waiting for the log or for the disk,
+    #: tail deliveries) above which a connection stops being read.
+    max_connection_debt: int = 4096
+    #: Address of the Prometheus metrics endpoint; ``None`` (the default)
+    #: serves none.
+    metrics: tuple[str, int] | None = None
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -141,6 +152,8 @@ class GatewayConfig:
             raise ConfigError("group_commit_interval_ms must be positive")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
+        if self.max_connection_debt < 1:
+            raise ConfigError("max_connection_debt must be at least 1")
         return self
 
 
@@ -153,6 +166,8 @@ _GATEWAY_KEYS = {
     "group_commit_interval_ms",
     "max_message_size",
     "max_connections",
+    "max_connection_debt",
+    "metrics",
 }
 
 
@@ -177,7 +192,11 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
             out[key] = float(value)
-        elif key == "max_connections":
+        elif key == "metrics":
+            if not isinstance(value, str):
+                raise ConfigError(f'{what}: expected "host:port", got {value!r}')
+            out[key] = parse_address(value, what=what, default_port=DEFAULT_METRICS_PORT)
+        elif key in ("max_connections", "max_connection_debt"):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
             out[key] = value

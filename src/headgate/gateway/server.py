@@ -1,10 +1,29 @@
 """The gateway: an asyncio server that turns frames into log appends and credit.
 
 Each connection is a :class:`GatewayConnection` driving one sans-IO
-:class:`~headgate.protocol.session.Session`. The receive path is one small
-seam, :meth:`GatewayConnection.feed`: bytes in, session events handled, bytes
-out. A later change replaces what calls it (a preallocated ring buffer read
-with ``BufferedProtocol``) without touching what it does.
+:class:`~headgate.protocol.session.Session`.
+
+The receive path follows seed freeradius-message-api.txt
+(:mod:`headgate.gateway.ring`). A connection is an ``asyncio.BufferedProtocol``
+that reads straight into its preallocated :class:`~headgate.gateway.ring.ReceiveRing`
+and decodes the frames where they landed (``Session.receive_in_place``).
+Each batch becomes a message header from the ring's slab, pointing at the
+batch's bytes, and goes into the gateway's :class:`~headgate.gateway.ring.MessageQueue`;
+the first message into an empty queue schedules the log writer
+(:meth:`Gateway.write_messages`) with ``call_soon``. The writer copies each
+batch once, from the ring into the log's mmap (however many batches one read
+brought), and marks it handled; the connection, told once per writer pass,
+reclaims the ring space behind the oldest message still unhandled. Control
+messages are acted on at once, after the batches that preceded them are
+written, so their order is kept. :meth:`GatewayConnection.feed` is the seam
+for tests: bytes in as if read from the socket.
+
+Every connection has an :class:`~headgate.gateway.accounts.Account` (seed
+broker-internal-flow-control.txt): a batch borrows one unit while it waits
+in the ring for the writer, and one while it waits for the disk. Above its
+threshold (``max_connection_debt``) the connection stops reading its socket;
+so does it while its ring is full at its limit, or while the peer does not
+read what the gateway sends. It reads again when no reason holds.
 
 Durability is a group commit: a task wakes every ``group_commit_interval_ms``,
 fsyncs every log with new appends in a worker thread, then sends the
@@ -24,12 +43,17 @@ from pathlib import Path
 
 from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
+from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
+from headgate.gateway.metrics import MetricsServer
+from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
+from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import (
     Absolved,
+    BatchDropped,
     BatchReceived,
     Event,
     HandleDeleted,
@@ -48,9 +72,18 @@ BIND_BUDGET = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 #: How often idle writers are re-checked and credit re-shared.
 REBALANCE_INTERVAL_S = 0.1
+#: Bytes of a connection's first receive ring.
+RING_INITIAL = 128 * 1024
+#: The least room a read is offered.
+RING_MIN_READ = 16 * 1024
 
 
-class GatewayConnection(asyncio.Protocol):
+def ring_limit(max_message_size: int) -> int:
+    """The largest receive ring: room for the largest frame twice, at least 4 MiB."""
+    return max(4 << 20, 2 * (max_message_size + 64) + RING_MIN_READ)
+
+
+class GatewayConnection(asyncio.BufferedProtocol):
     """One peer: a producer, a pipeline reporting releases, or a reader."""
 
     def __init__(self, gateway: Gateway, conn_id: int) -> None:
@@ -67,8 +100,17 @@ class GatewayConnection(asyncio.Protocol):
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
+        self.ring = ReceiveRing(
+            initial=RING_INITIAL,
+            limit=ring_limit(gateway.config.max_message_size),
+            min_read=RING_MIN_READ,
+        )
+        self.account = Account(
+            f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
+        )
+        self.reads = ReadPauses(self._pause_transport, self._resume_transport)
 
-    # -- asyncio.Protocol -----------------------------------------------------
+    # -- asyncio.BufferedProtocol ------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -78,46 +120,135 @@ class GatewayConnection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         self._handshake = loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
 
-    def data_received(self, data: bytes) -> None:
-        self.feed(data)
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.ring.writable()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        view = self.ring.received(nbytes)
+        if view is not None and not self._closing:
+            self._receive(view)
+        del view
+        if not self._closing and not self.ring.can_read():
+            # Full at its limit: read again once the writer has handled some.
+            self.reads.set("ring", True)
 
     def pause_writing(self) -> None:
         # The peer does not read what we send: stop reading what it sends,
         # so that nothing it makes us produce can pile up here.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.reads.set("writing", True)
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self._closing:
-            self.transport.resume_reading()
+        self.reads.set("writing", False)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
+        # What arrived before the end is stored, as it arrived, before the
+        # connection's writers leave their streams.
+        self.gateway.write_messages()
         self.gateway.detach(self)
 
-    # -- the receive seam ------------------------------------------------------
+    def _pause_transport(self) -> None:
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def _resume_transport(self) -> None:
+        if self.transport is not None and not self._closing:
+            self.transport.resume_reading()
+
+    def _on_debt(self, over: bool) -> None:
+        self.reads.set("debt", over)
+
+    # -- the receive path ----------------------------------------------------------
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Bytes from the peer: hand them to the session, act, answer."""
-        if self._closing:
-            return
+        """Bytes from the peer, as if read from the socket (the seam for tests)."""
+        source = memoryview(data).cast("B")
+        pos = 0
+        while pos < len(source) and not self._closing:
+            # On the loop the writer, scheduled by the last read, runs before
+            # the next read; here too.
+            self.gateway.write_messages()
+            room = self.ring.writable()
+            count = min(len(room), len(source) - pos)
+            room[:count] = source[pos : pos + count]
+            pos += count
+            del room
+            self.buffer_updated(count)
+
+    def _receive(self, view: memoryview) -> None:
+        """Decode what the ring holds: queue batches for the writer, act on the rest."""
+        gw = self.gateway
+        queue = gw.queue
+        ring = self.ring
         try:
-            events = self.session.receive_data(data)
+            events, consumed, need = self.session.receive_in_place(view)
             for event in events:
-                self._handle(event)
+                if type(event) is BatchReceived:
+                    message = ring.message(event.end, len(event.records))
+                    message.origin = self
+                    message.event = event
+                    message.loan = self.account.loan(1)
+                    queue.push(message)
+                else:
+                    if len(queue):
+                        gw.write_messages()  # what came before goes first
+                    self._handle(event)
+            ring.consumed(consumed, need)
         except ProtocolError as error:
+            gw.write_messages()
             self.refuse(error)
             return
         except LogError as error:
+            gw.write_messages()
             log.error("stream storage failed for %s: %s", self.peer, error)
             self.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
             return
         self.flush()
 
+    def write_batch(self, event: BatchReceived, now: float, timestamp_us: int) -> None:
+        """The log writer's part: append one batch, borrow until it is durable."""
+        gw = self.gateway
+        stream = gw.streams[event.stream]
+        stream.append(
+            self.writers[event.handle],
+            event.first_sequence,
+            event.record_count,
+            event.records,
+            now=now,
+            timestamp_us=timestamp_us,
+        )
+        gw.durability.add(stream.name, stream.log.tail_position, self.account.loan(1))
+        gw.mark_dirty(stream)
+
+    def after_write(self) -> None:
+        """The writer handled some of our messages: reclaim, answer, maybe read again.
+
+        The writer only marks messages handled; taking back their headers and
+        ring space is the ring's own work, done here once per writer pass
+        (so an idle connection does not hold a drained ring until it reads).
+        """
+        self.ring.reclaim()
+        self.flush()
+        if "ring" in self.reads.reasons and self.ring.can_read():
+            self.reads.set("ring", False)
+
+    def statistics(self) -> ConnectionStatistics:
+        return ConnectionStatistics(
+            conn_id=self.conn_id,
+            peer=self.peer,
+            producer_id=self.producer_id,
+            account=self.account.statistics(),
+            paused=self.reads.paused,
+            pause_reasons=tuple(sorted(self.reads.reasons)),
+            pauses=self.reads.pauses,
+            ring=self.ring.statistics(),
+        )
+
     def flush(self) -> None:
         """Write whatever the session has queued, in one write."""
-        if self.transport is None or self._closing:
+        if self.transport is None or self._closing or self.transport.is_closing():
+            # (The writer may still flush a connection whose peer has gone.)
             return
         out = self.session.data_to_send()
         if out:
@@ -146,18 +277,8 @@ class GatewayConnection(asyncio.Protocol):
     def _handle(self, event: Event) -> None:
         gw = self.gateway
         match event:
-            case BatchReceived():
-                writer = self.writers[event.handle]
-                stream = gw.streams[event.stream]
-                stream.append(
-                    writer,
-                    event.first_sequence,
-                    event.record_count,
-                    event.records,
-                    now=time.monotonic(),
-                    timestamp_us=time.time_ns() // 1000,
-                )
-                gw.mark_dirty(stream)
+            case BatchDropped(handle=handle) if handle in self.writers:
+                gw.counters(self.writers[handle].stream).dropped_batches += 1
             case StreamBound(handle=handle, stream=name):
                 stream = gw.stream(name)
                 writer = Writer(
@@ -226,6 +347,14 @@ class Gateway:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
         self._stopping = False
         self.address: tuple[str, int] = config.listen
+        #: Batches received and not yet written to their log, oldest first.
+        self.queue = MessageQueue(self._signal_writer)
+        #: Loans of batches appended and not yet durable.
+        self.durability = DurabilityLoans()
+        self._counters: dict[str, StreamCounters] = {}
+        self._metrics: MetricsServer | None = None
+        #: Where the Prometheus endpoint listens, once started (None: off).
+        self.metrics_address: tuple[str, int] | None = None
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -239,6 +368,10 @@ class Gateway:
             if entry.is_dir() and m.is_valid_name(entry.name):
                 self.stream(entry.name)
         loop = asyncio.get_running_loop()
+        if self.config.metrics is not None:
+            self._metrics = MetricsServer(self, loop)
+            self.metrics_address = self._metrics.start(*self.config.metrics)
+            log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         host, port = self.config.listen
         server = await loop.create_server(lambda: self._accept(), host, port, reuse_address=True)
         self._servers.append(server)
@@ -271,11 +404,16 @@ class Gateway:
         self._stopping = True
         for server in self._servers:
             server.close()
+        if self._metrics is not None:
+            # Its shutdown waits for the server thread's poll: not on the loop.
+            await asyncio.get_running_loop().run_in_executor(None, self._metrics.close)
+            self._metrics = None
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.write_messages()
         await self._commit(list(self.streams.values()))
         for conn in list(self.connections.values()):
             if not conn.session.closed:
@@ -313,6 +451,58 @@ class Gateway:
     def mark_dirty(self, stream: Stream) -> None:
         self._dirty.add(stream)
 
+    # -- the log writer ----------------------------------------------------------------
+
+    def _signal_writer(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # fed by hand outside a loop: write at once
+            self.write_messages()
+            return
+        loop.call_soon(self.write_messages)
+
+    def write_messages(self) -> None:
+        """Write every queued batch to its log, mark it handled, repay its loan.
+
+        A batch whose connection has been refused meanwhile is only marked
+        handled: nothing after a protocol error is stored.
+        """
+        queue = self.queue
+        if not len(queue):
+            return
+        now = time.monotonic()
+        timestamp_us = time.time_ns() // 1000
+        origins: dict[int, GatewayConnection] = {}
+        while (message := queue.pop()) is not None:
+            conn: GatewayConnection = message.origin
+            try:
+                if not conn._closing:
+                    conn.write_batch(message.event, now, timestamp_us)
+            except ProtocolError as error:
+                conn.refuse(error)
+            except LogError as error:
+                log.error("stream storage failed for %s: %s", conn.peer, error)
+                conn.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
+            except Exception:
+                # A bug, not the peer's doing: that connection ends, the
+                # others and the queue go on.
+                log.exception("writing a batch from %s failed", conn.peer)
+                conn.refuse(ProtocolError("internal error", code=ErrorCode.INTERNAL))
+            finally:
+                message.status = HANDLED
+                message.event = None
+                message.loan.repay()
+                origins[conn.conn_id] = conn
+        for conn in origins.values():
+            conn.after_write()
+
+    def counters(self, name: str) -> StreamCounters:
+        """The gateway's own counters for stream ``name``."""
+        counters = self._counters.get(name)
+        if counters is None:
+            counters = self._counters[name] = StreamCounters()
+        return counters
+
     def release(self, name: str, position: int) -> None:
         """Spark is done with ``name`` before ``position``: reclaim and re-share."""
         stream = self.streams.get(name)
@@ -337,6 +527,16 @@ class Gateway:
     def statistics(self) -> list[StreamStatistics]:
         return [s.statistics() for s in self.streams.values()]
 
+    def connection_statistics(self) -> list[ConnectionStatistics]:
+        """Each connection's account, pauses and receive ring."""
+        return [c.statistics() for c in self.connections.values()]
+
+    async def commit(self) -> None:
+        """Write what is queued, make every log durable now and send the acks."""
+        self.write_messages()
+        dirty, self._dirty = list(self._dirty), set()
+        await self._commit(dirty)
+
     # -- background work -------------------------------------------------------------
 
     async def _commit(self, streams: list[Stream]) -> None:
@@ -344,16 +544,26 @@ class Gateway:
             return
         loop = asyncio.get_running_loop()
 
-        def sync_all() -> dict[Stream, LogError]:
-            failed = {}
+        def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
+            took: list[float | None] = []
+            failed: dict[Stream, LogError] = {}
             for stream in streams:
+                start = time.perf_counter()
                 try:
                     stream.log.sync()
                 except LogError as exc:
                     failed[stream] = exc
-            return failed
+                    took.append(None)
+                    continue
+                took.append(time.perf_counter() - start)
+            return took, failed
 
-        failed = await loop.run_in_executor(self._executor, sync_all)
+        took, failed = await loop.run_in_executor(self._executor, sync_all)
+        for stream, seconds in zip(streams, took, strict=True):
+            if seconds is not None:
+                fsync = self.counters(stream.name).fsync
+                assert fsync is not None
+                fsync.observe(seconds)
         for stream in streams:
             if stream in failed:
                 # Nothing is acknowledged that is not durable; the stream is
@@ -362,6 +572,7 @@ class Gateway:
                 self._dirty.add(stream)
             else:
                 stream.on_durable()
+                self.durability.settle(stream.name, stream.log.durable_position)
             stream.rebalance(time.monotonic())
             stream.flush_writers()
 

@@ -240,8 +240,60 @@ class FrameDecoder:
             chunk = bytes(data)
             if not chunk:
                 return []
-        # The decoding loop lives here rather than in a helper because a call
-        # and a returned tuple per feed are a measurable share of small feeds.
+        frames, pos, need = self._scan(chunk, None)
+        if pos == len(chunk):
+            pending.clear()
+        else:
+            # Decoding stops only inside the last frame, so this copies less
+            # than one frame, and only when the frame can progress (see _need).
+            self._pending = bytearray(memoryview(chunk)[pos:])
+            self._need = need
+        return frames
+
+    def decode_in_place(self, view: memoryview) -> tuple[list[Frame], list[int], int, int]:
+        """Decode the complete frames at the start of ``view``, copying nothing.
+
+        This is the receive path of a caller that owns a buffer the bytes were
+        read into (the gateway's ring): payloads of ``SendChannel`` and
+        ``SendGlobal`` come out as ``memoryview`` slices of ``view``, valid as
+        long as the caller keeps those bytes unchanged. An incomplete frame at
+        the end is left where it is, for the caller to extend and offer again.
+
+        Returns ``(frames, ends, consumed, need)``: ``ends[i]`` is the offset in
+        ``view`` just past ``frames[i]``; ``consumed`` is the offset past the last
+        complete frame; ``need`` is how many bytes, counted from ``consumed``,
+        the incomplete frame needs before decoding it can make progress (0 when
+        ``view`` ends on a frame boundary). The declared length of a frame is
+        checked against ``max_payload`` as soon as its header is complete, as
+        :meth:`feed` does, and an error is final in the same way.
+
+        Raises:
+            FrameError: as :meth:`feed`.
+            ValueError: ``view`` is not a contiguous byte view, or :meth:`feed`
+                holds the bytes of an incomplete frame (the two ways of
+                feeding do not mix inside a frame).
+        """
+        if self._error is not None:
+            raise self._error
+        if self._pending:
+            raise ValueError("decode_in_place while feed() holds part of a frame")
+        if view.format != "B" or view.ndim != 1 or not view.c_contiguous:
+            raise ValueError("decode_in_place needs a contiguous one-dimensional byte view")
+        ends: list[int] = []
+        frames, consumed, need = self._scan(view, ends)
+        return frames, ends, consumed, need
+
+    def _scan(
+        self, chunk: bytes | memoryview, ends: list[int] | None
+    ) -> tuple[list[Frame], int, int]:
+        """Decode complete frames from the start of ``chunk``.
+
+        Returns ``(frames, position after the last one, bytes the incomplete
+        frame needs from that position)``; with ``ends``, also appends each
+        frame's end offset to it.
+        """
+        # One loop for both ways of feeding: the frame kinds that dominate
+        # the traffic are decoded inline, without a call per frame.
         frames: list[Frame] = []
         append = frames.append
         new_frame = object.__new__
@@ -284,6 +336,8 @@ class FrameDecoder:
                     break
                 append(frame)
                 pos = progress
+                if ends is not None:
+                    ends.append(pos)
                 continue
             if length > max_payload:
                 raise self._fail(_too_large(length, max_payload))
@@ -296,14 +350,9 @@ class FrameDecoder:
             set_payload(sent, chunk[start:end])
             append(sent)
             pos = end
-        if pos == n:
-            pending.clear()
-        else:
-            # Decoding stops only inside the last frame, so this copies less
-            # than one frame, and only when the frame can progress (see _need).
-            self._pending = bytearray(memoryview(chunk)[pos:])
-            self._need = need
-        return frames
+            if ends is not None:
+                ends.append(end)
+        return frames, pos, need
 
     def _fail(self, error: FrameError) -> FrameError:
         """Make ``error`` final: the decoder drops its bytes and refuses more."""
@@ -311,7 +360,9 @@ class FrameDecoder:
         self._pending = bytearray()
         return error
 
-    def _decode_one(self, buf: bytes, pos: int, first: int) -> tuple[Frame | None, int]:
+    def _decode_one(
+        self, buf: bytes | memoryview, pos: int, first: int
+    ) -> tuple[Frame | None, int]:
         """Decode the frame at ``pos`` the general way.
 
         Returns ``(frame, position after it)`` or, when ``buf`` ends inside the

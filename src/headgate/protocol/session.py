@@ -140,6 +140,9 @@ class BatchReceived:
     records: memoryview
     #: What the batch costs in guarantees.
     size: int
+    #: With :meth:`Session.receive_in_place`, the offset just past the batch's
+    #: frame in the view received (``records`` ends there); 0 otherwise.
+    end: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -312,6 +315,8 @@ class Session:
         self._announced_schemas = 0
         # Events of the receive_data call in progress.
         self._events: list[Event] = []
+        # With receive_in_place: the end offset of the frame being dispatched.
+        self._frame_end = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -377,6 +382,37 @@ class Session:
             self._dispatch(frame, events)
         self._bind_pending(events)
         return events
+
+    def receive_in_place(self, view: memoryview) -> tuple[list[Event], int, int]:
+        """Decode the complete frames at the start of ``view`` without copying them.
+
+        The zero-copy form of :meth:`receive_data`, for a caller that reads
+        into a buffer of its own: a :class:`BatchReceived` carries its records
+        as a slice of ``view`` and the offset where its frame ends, so the
+        caller must keep those bytes unchanged until it is done with the
+        event. An incomplete frame at the end of ``view`` is not consumed.
+
+        Returns ``(events, consumed, need)``: ``consumed`` bytes of ``view``
+        were whole frames; the frame that starts there needs ``need`` bytes
+        in all before offering it again can make progress (0 if none started).
+        Do not mix with :meth:`receive_data` inside a frame.
+
+        Raises:
+            ProtocolError: the peer broke the protocol; ``code`` says how.
+        """
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        events: list[Event] = []
+        self._events = events
+        frames, ends, consumed, need = self._decoder.decode_in_place(view)
+        try:
+            for frame, end in zip(frames, ends, strict=True):
+                self._frame_end = end
+                self._dispatch(frame, events)
+        finally:
+            self._frame_end = 0
+        self._bind_pending(events)
+        return events, consumed, need
 
     def _dispatch(self, frame: Frame, events: list[Event]) -> None:
         if not self._opened and not isinstance(frame, SendGlobal):
@@ -497,6 +533,7 @@ class Session:
                     record_count=count,
                     records=records,
                     size=size,
+                    end=self._frame_end,
                 )
             )
         else:

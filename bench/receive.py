@@ -1,0 +1,178 @@
+"""The gateway's receive path alone: the copying decoder beside the ring.
+
+Issue 7 replaced the gateway's receive path. Before, each read was a new
+``bytes`` object (``asyncio.Protocol.data_received``) fed to
+``FrameDecoder.feed``, which keeps a frame that spans reads in a buffer of its
+own and copies it out again; each payload was then a ``bytes`` slice (another
+copy). Now a connection reads into its preallocated ring
+(``BufferedProtocol``), decodes in place (``FrameDecoder.decode_in_place``)
+and hands the log writer slab headers that point into the ring.
+
+This script runs both, in one process, on the same byte stream of batch
+frames, cut into the same reads: the bytes of each read are copied into the
+path's buffer (what the kernel's ``recv`` does), every batch is split
+(``decode_batch``) and its records are copied once into a preallocated sink
+(what the log's append does). No sockets, no log, no session: what differs
+is only the receive path. It reports records/s and MB/s (best of the
+rounds, which interleave the two paths) and, from a separate run under
+``tracemalloc``, the peak of the Python heap above where it started, which
+includes the ring itself (its first 128 KiB and what it grows to).
+
+    .venv/bin/python bench/receive.py            # about 30 s
+    .venv/bin/python bench/receive.py --quick    # about 6 s
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from headgate.gateway.ring import HANDLED, ReceiveRing
+from headgate.gateway.server import RING_INITIAL, RING_MIN_READ, ring_limit
+from headgate.protocol import messages as m
+from headgate.protocol.codec import FrameDecoder, encode_frame
+from headgate.protocol.frames import SendChannel
+from headgate.protocol.records import encode_records
+
+MAX_MESSAGE = 1 << 20
+#: What ``asyncio``'s selector transport reads at most per ``data_received``.
+READ_SIZE = 256 * 1024
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    record_size: int
+    batch_bytes: int
+    records: int
+
+
+def build(workload: Workload) -> tuple[bytes, int]:
+    """The byte stream of batch frames on channel 2, and its record count."""
+    per_batch = max(1, workload.batch_bytes // (workload.record_size + 4))
+    values = [bytes([i % 251]) * workload.record_size for i in range(per_batch)]
+    block = encode_records(values)
+    out = bytearray()
+    count = 0
+    sequence = 0
+    while count < workload.records:
+        payload = m.encode_batch_header(sequence) + block
+        out += encode_frame(SendChannel(channel=2, payload=payload))
+        count += per_batch
+        sequence += per_batch
+    return bytes(out), count
+
+
+def copying(stream: bytes, sink: bytearray) -> int:
+    """Before issue 7: a bytes object per read, FrameDecoder.feed, bytes payloads."""
+    decoder = FrameDecoder(max_payload=MAX_MESSAGE)
+    source = memoryview(stream)
+    records = 0
+    for pos in range(0, len(stream), READ_SIZE):
+        data = bytes(source[pos : pos + READ_SIZE])  # the read
+        for frame in decoder.feed(data):
+            assert isinstance(frame, SendChannel)
+            _, count, block = m.decode_batch(frame.payload)
+            sink[: len(block)] = block  # the append
+            records += count
+    return records
+
+
+def ring(stream: bytes, sink: bytearray) -> int:
+    """After issue 7: read into the ring, decode in place, headers from the slab."""
+    receive = ReceiveRing(
+        initial=RING_INITIAL, limit=ring_limit(MAX_MESSAGE), min_read=RING_MIN_READ
+    )
+    decoder = FrameDecoder(max_payload=MAX_MESSAGE)
+    source = memoryview(stream)
+    records = 0
+    pos = 0
+    total = len(stream)
+    while pos < total:
+        room = receive.writable()
+        n = min(len(room), READ_SIZE, total - pos)
+        room[:n] = source[pos : pos + n]  # the read
+        del room
+        pos += n
+        view = receive.received(n)
+        if view is None:
+            continue
+        frames, ends, consumed, need = decoder.decode_in_place(view)
+        for frame, end in zip(frames, ends, strict=True):
+            assert isinstance(frame, SendChannel)
+            _, count, block = m.decode_batch(frame.payload)
+            message = receive.message(end, len(block))
+            sink[: len(block)] = block  # the append, by the writer
+            message.status = HANDLED
+            records += count
+        del view, frames
+        receive.consumed(consumed, need)
+    return records
+
+
+PATHS: dict[str, Callable[[bytes, bytearray], int]] = {"copying": copying, "ring": ring}
+
+
+def measure(workload: Workload, rounds: int) -> dict[str, tuple[float, float, int]]:
+    """Per path: (records/s, MB/s, tracemalloc peak bytes); rounds interleave the paths."""
+    stream, records = build(workload)
+    sink = bytearray(MAX_MESSAGE)
+    best = dict.fromkeys(PATHS, float("inf"))
+    for _ in range(rounds):
+        for name, path in PATHS.items():
+            start = time.perf_counter()
+            got = path(stream, sink)
+            best[name] = min(best[name], time.perf_counter() - start)
+            assert got == records, (name, got, records)
+    out = {}
+    for name, path in PATHS.items():
+        tracemalloc.start()
+        base, _ = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        path(stream, sink)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        out[name] = (records / best[name], len(stream) / best[name] / 1e6, peak - base)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer records, one round")
+    args = parser.parse_args()
+    scale = 1 if args.quick else 4
+    rounds = 3 if args.quick else 9
+    workloads = [
+        Workload("100 B records, 256 KiB batches", 100, 256 * 1024, 200_000 * scale),
+        Workload("1 KiB records, 256 KiB batches", 1024, 256 * 1024, 40_000 * scale),
+        Workload("100 B records, 4 KiB batches", 100, 4096, 100_000 * scale),
+    ]
+    load = os.getloadavg()
+    print("## Receive path: copying decoder beside the ring (`bench/receive.py`)\n")
+    print(
+        f"- machine: nproc {os.cpu_count()}, Python {platform.python_version()}, "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start"
+    )
+    print(f"- reads of at most {READ_SIZE // 1024} KiB; best of {rounds} round(s)\n")
+    print("| workload | path | records/s | MB/s | heap peak (tracemalloc) | ratio |")
+    print("|---|---|--:|--:|--:|--:|")
+    for workload in workloads:
+        results = measure(workload, rounds)
+        base_rate = results["copying"][0]
+        for name, (rate, mbps, peak) in results.items():
+            print(
+                f"| {workload.name} | {name} | {rate:,.0f} | {mbps:,.0f} | "
+                f"{peak / 1024:,.0f} KiB | {rate / base_rate:.2f} |"
+            )
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
