@@ -20,10 +20,12 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
-from headgate.config import GatewayConfig
+from headgate.config import ConfigError, GatewayConfig, StreamSettings
 from headgate.costs import batch_cost
+from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.log import LogError
 from headgate.protocol import messages as m
@@ -67,6 +69,8 @@ class GatewayConnection(asyncio.Protocol):
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
+        # Why reading is paused (a full peer, an XOFF stream); read when empty.
+        self._holds: set[str] = set()
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -84,12 +88,28 @@ class GatewayConnection(asyncio.Protocol):
     def pause_writing(self) -> None:
         # The peer does not read what we send: stop reading what it sends,
         # so that nothing it makes us produce can pile up here.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self.throttle("write", True)
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self._closing:
+        self.throttle("write", False)
+
+    def throttle(self, reason: str, pause: bool) -> None:
+        """Pause reading the peer for ``reason``, or drop that reason; read when none is left."""
+        was = bool(self._holds)
+        if pause:
+            self._holds.add(reason)
+        else:
+            self._holds.discard(reason)
+        if self.transport is None or self._closing or was == bool(self._holds):
+            return
+        if self._holds:
+            self.transport.pause_reading()
+        else:
             self.transport.resume_reading()
+
+    @property
+    def reading_paused(self) -> bool:
+        return bool(self._holds)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
@@ -149,7 +169,7 @@ class GatewayConnection(asyncio.Protocol):
             case BatchReceived():
                 writer = self.writers[event.handle]
                 stream = gw.streams[event.stream]
-                stream.append(
+                gw.flow(stream).receive(
                     writer,
                     event.first_sequence,
                     event.record_count,
@@ -167,6 +187,7 @@ class GatewayConnection(asyncio.Protocol):
                     handle=handle,
                     producer_id=self.producer_id,
                     last_active=time.monotonic(),
+                    throttle=self.throttle,
                 )
                 self.writers[handle] = writer
                 stream.add_writer(writer)
@@ -192,6 +213,8 @@ class GatewayConnection(asyncio.Protocol):
                 )
                 self.session.grant(m.STREAM_CHANNEL, BIND_BUDGET)
             case Absolved(handle=handle) if handle is not None and handle in self.writers:
+                writer = self.writers[handle]
+                gw.flow(gw.streams[writer.stream]).on_absolved(writer, event.amount)
                 # The absolved space is free now: share it with who pleaded for it.
                 self._rebalance_handle(handle)
             case HandleDeleted(handle=handle, ours=False):
@@ -300,15 +323,105 @@ class Gateway:
         """The stream called ``name``, opened (or created) on first use."""
         stream = self.streams.get(name)
         if stream is None:
+            capacity = self.config.stream_capacity_for(name)
             stream = Stream.open(
                 name,
                 Path(self.config.data_dir),
-                capacity=self.config.stream_capacity_for(name),
+                capacity=capacity,
                 term_length=self.config.term_length,
                 max_message_size=self.config.max_message_size,
             )
+            if stream.log.capacity != capacity:
+                # An existing log keeps the capacity it was created with; the
+                # configuration is what the operator wants now.
+                stream.set_capacity(capacity)
+            stream.flow = self._make_flow(stream)
             self.streams[name] = stream
         return stream
+
+    def _make_flow(self, stream: Stream) -> Flow:
+        return make_flow(
+            stream,
+            self.config.flow_for(stream.name),
+            max_message_size=self.config.max_message_size,
+            mark_dirty=lambda: self.mark_dirty(stream),
+        )
+
+    def flow(self, stream: Stream) -> Flow:
+        """The flow-control policy of an open stream."""
+        flow = stream.flow
+        assert flow is not None, "streams are opened through Gateway.stream"
+        return flow
+
+    def flow_statistics(self, name: str) -> FlowStatistics:
+        return self.flow(self.streams[name]).statistics()
+
+    def set_capacity(self, name: str, capacity: int) -> None:
+        """Resize stream ``name`` now (opening it if needed).
+
+        Raising it grants the new space at once. Lowering it takes back
+        guarantees not yet issued and pleads writers down to their new share;
+        once they have absolved, what is promised plus what is unreleased fits
+        the new capacity, and a log already fuller than that accepts nothing
+        until the consumer's releases bring it under.
+
+        Raises:
+            LogError: the capacity is not a valid log capacity.
+        """
+        if capacity < 2 * self.config.term_length:
+            raise ConfigError(
+                f"capacity of {name} ({capacity}) must be at least two terms "
+                f"({2 * self.config.term_length})"
+            )
+        stream = self.stream(name)
+        stream.set_capacity(capacity)
+        stream.rebalance(time.monotonic())
+        stream.flush_writers()
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Apply a reloaded configuration to the running gateway.
+
+        Capacities, windows and watermarks change at once. Settings that need
+        a new socket or a new log layout (listen address, data directory,
+        term length, maximum message size) and a stream's policy keep their
+        running values until a restart; each one that differs is logged.
+        """
+        config = config.validate()
+        old = self.config
+        for key in ("listen", "unix_socket", "data_dir", "term_length", "max_message_size"):
+            if getattr(old, key) != getattr(config, key):
+                log.warning("reload: %s changes only at restart", key)
+        kept = replace(
+            config,
+            listen=old.listen,
+            unix_socket=old.unix_socket,
+            data_dir=old.data_dir,
+            term_length=old.term_length,
+            max_message_size=old.max_message_size,
+        )
+        for name, stream in self.streams.items():
+            flow = self.flow(stream)
+            settings = kept.flow_for(name)
+            if settings.policy != flow.policy:
+                log.warning(
+                    "reload: stream %s keeps policy %s until restart (asked for %s)",
+                    name,
+                    flow.policy,
+                    settings.policy,
+                )
+                streams = dict(kept.streams)
+                streams[name] = replace(streams.get(name, StreamSettings()), policy=flow.policy)
+                kept = replace(kept, streams=streams)
+                settings = kept.flow_for(name)
+            flow.update(settings)
+        self.config = kept.validate()
+        for name in list(self.streams):
+            capacity = self.config.stream_capacity_for(name)
+            if capacity != self.streams[name].log.capacity:
+                log.info(
+                    "stream %s: capacity %d -> %d", name, self.streams[name].log.capacity, capacity
+                )
+                self.set_capacity(name, capacity)
 
     def mark_dirty(self, stream: Stream) -> None:
         self._dirty.add(stream)

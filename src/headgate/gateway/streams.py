@@ -29,11 +29,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headgate.log import LogError, StreamLog, frame_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
+
+if TYPE_CHECKING:
+    from headgate.gateway.policies import Flow
 
 log = logging.getLogger("headgate.gateway")
 
@@ -64,6 +68,8 @@ class Writer:
     alive: bool = True
     #: The target of the last Plead sent, to avoid repeating it.
     pleaded: int | None = None
+    #: Pauses (True) or resumes (False) reading the connection, for a reason.
+    throttle: Callable[[str, bool], None] | None = None
 
     @property
     def channel(self) -> int:
@@ -97,6 +103,9 @@ class Stream:
         # Each term rotation may waste up to one frame in padding.
         self.reserve = (stream_log.capacity // stream_log.term_length + 2) * max_frame
         self._floor = max_frame
+        self._max_frame = max_frame
+        #: The stream's flow-control policy; None is plain credit.
+        self.flow: Flow | None = None
         self.writers: list[Writer] = []
         #: producer id -> next sequence, over everything appended.
         self.dedup: dict[int, int] = {}
@@ -220,8 +229,13 @@ class Stream:
         *,
         now: float,
         timestamp_us: int,
+        in_channel: bool = True,
     ) -> bool:
         """Store one batch that the writer's channel buffered; False for a duplicate.
+
+        With ``in_channel`` the batch stays in the writer's channel buffer
+        until Spark releases the log space behind it (credit); a policy that
+        processes the channel itself passes False.
 
         Raises:
             ProtocolError: the batch overlaps stored records without matching
@@ -241,8 +255,9 @@ class Stream:
             self.duplicate_batches += 1
             end = self.log.tail_position
             writer.pending_acks.append((next_sequence, end))
-            self._inflight.append((end, writer))
-            self._process_released()
+            if in_channel:
+                self._inflight.append((end, writer))
+                self._process_released()
             return False
         result = self.log.append(
             records,
@@ -254,7 +269,8 @@ class Stream:
         self.dedup[writer.producer_id] = end_sequence
         self._appends.append((result.end_position, writer.producer_id, end_sequence))
         writer.pending_acks.append((end_sequence, result.end_position))
-        self._inflight.append((result.end_position, writer))
+        if in_channel:
+            self._inflight.append((result.end_position, writer))
         self.appended_batches += 1
         self.appended_records += record_count
         return True
@@ -357,7 +373,19 @@ class Stream:
         out.update({id(w): floor for w in idle})
         return out
 
+    def set_capacity(self, capacity: int) -> None:
+        """Resize the log; the next :meth:`rebalance` grants or pleads to match."""
+        self.log.set_capacity(capacity)
+        self.reserve = (capacity // self.log.term_length + 2) * self._max_frame
+
     def rebalance(self, now: float) -> None:
+        """Let the stream's policy move credit (plain credit when it has none)."""
+        if self.flow is not None:
+            self.flow.rebalance(now)
+        else:
+            self.rebalance_credit(now)
+
+    def rebalance_credit(self, now: float) -> None:
         """Grant free space to writers below their share; plead those above it."""
         shares = self._shares(now)
         if not shares:
