@@ -7,6 +7,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,19 @@ def main(verbose: int) -> None:
 @click.option("--stream-capacity", help="Log capacity per stream, e.g. 64MiB.")
 @click.option("--term-length", help="Term file size, a power of two, e.g. 16MiB.")
 @click.option("--group-commit-ms", type=float, help="Group commit interval in milliseconds.")
+@click.option(
+    "--policy",
+    type=click.Choice(["credit", "window", "xonxoff"]),
+    help="Default flow-control policy of a stream (default credit).",
+)
+@click.option("--window", type=click.IntRange(min=1), help="Window policy: batches in flight.")
+@click.option(
+    "--stream-policy",
+    "stream_policies",
+    multiple=True,
+    metavar="STREAM=POLICY",
+    help="Policy of one stream, e.g. ticks=window (repeatable).",
+)
 def serve(
     config: Path | None,
     listen: str | None,
@@ -50,13 +64,25 @@ def serve(
     stream_capacity: str | None,
     term_length: str | None,
     group_commit_ms: float | None,
+    policy: str | None,
+    window: int | None,
+    stream_policies: tuple[str, ...],
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
 
     Settings come from the embedded defaults, then --config, then flags.
+    On SIGHUP the gateway reads --config again (flags still win) and applies
+    what can change while it runs: stream capacities, windows, watermarks.
     """
-    try:
-        cfg = load_gateway_config(
+    per_stream: dict[str, str] = {}
+    for item in stream_policies:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.UsageError(f"--stream-policy: expected STREAM=POLICY, got {item!r}")
+        per_stream[name] = value
+
+    def load() -> object:
+        return load_gateway_config(
             config,
             listen=None if listen is None else parse_address(listen),
             unix_socket=unix_socket,
@@ -64,13 +90,39 @@ def serve(
             stream_capacity=_size(stream_capacity, "--stream-capacity"),
             term_length=_size(term_length, "--term-length"),
             group_commit_interval_ms=group_commit_ms,
+            policy=policy,
+            window=window,
+            stream_policies=per_stream,
         )
+
+    try:
+        cfg = load()
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    asyncio.run(_serve(cfg))
+    asyncio.run(_serve(cfg, load))
 
 
-async def _serve(cfg: object) -> None:
+def _reload(gateway: object, load: Callable[[], object]) -> None:
+    from headgate.config import GatewayConfig
+    from headgate.gateway import Gateway
+    from headgate.log import LogError
+
+    assert isinstance(gateway, Gateway)
+    try:
+        cfg = load()
+        assert isinstance(cfg, GatewayConfig)
+        gateway.reconfigure(cfg)
+    except (ConfigError, LogError, click.UsageError) as exc:
+        # A bad edit must not take the running gateway down.
+        logging.getLogger("headgate.gateway").error(
+            "reload refused, keeping the old settings: %s", exc
+        )
+        click.echo(f"headgate serve: reload refused: {exc}", err=True)
+        return
+    click.echo("configuration reloaded", err=True)
+
+
+async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     from headgate.config import GatewayConfig
     from headgate.gateway import Gateway
     from headgate.log import LogError
@@ -90,6 +142,9 @@ async def _serve(cfg: object) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    if load is not None:
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, _reload, gateway, load)
     await stop.wait()
     await gateway.stop()
     click.echo("gateway stopped cleanly", err=True)
