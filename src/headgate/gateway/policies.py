@@ -113,6 +113,8 @@ class Flow:
         self._max_message_size = max_message_size
         self._mark_dirty = mark_dirty
         self._held: deque[_Held] = deque()
+        # Writers whose channel got its opening zero guarantee.
+        self._opened: set[Writer] = set()
         self.held_bytes = 0
         self.peak_held_bytes = 0
         self.max_in_flight = 0
@@ -143,8 +145,23 @@ class Flow:
 
     def rebalance(self, now: float) -> None:
         """Move credit: grant what is free, take back what must go."""
+        self._open_channels()
         self._reclaim(now)
         self.stream.rebalance_credit(now)
+
+    def _open_channels(self) -> None:
+        self._opened = {w for w in self._opened if w.alive}
+        for w in self.stream.writers:
+            if w not in self._opened:
+                self._opened.add(w)
+                # LCMUX: zero guarantees first say "this server issues in
+                # advance", so a client that never sends optimistically knows
+                # it will not wait forever.
+                w.session.issue(w.channel, 0)
+                self._opening(w)
+
+    def _opening(self, writer: Writer) -> None:
+        """What a policy grants a new writer right after the zero guarantee."""
 
     def _reclaim(self, now: float) -> None:
         # Lowering the capacity can leave more promised than the log holds.
@@ -252,7 +269,6 @@ class WindowFlow(Flow):
         super().__init__(stream, settings, max_message_size=max_message_size, mark_dirty=mark_dirty)
         #: Guarantees per window slot: what the largest batch costs.
         self.slot = batch_cost(max_message_size)
-        self._opened: set[Writer] = set()
         # Slot remainders the writer absolved, given back with its batches' acks.
         self._absolved: dict[Writer, int] = {}
         # Appended batches waiting to be durable: (end position, writer).
@@ -280,17 +296,13 @@ class WindowFlow(Flow):
     def on_absolved(self, writer: Writer, amount: int) -> None:
         self._absolved[writer] = self._absolved.get(writer, 0) + amount
 
+    def _opening(self, writer: Writer) -> None:
+        # The whole window at once: a producer that waits for guarantees has them.
+        writer.session.inbound(writer.channel).grow(self.settings.window * self.slot)
+
     def rebalance(self, now: float) -> None:
         s = self.stream
-        self._opened = {w for w in self._opened if w.alive}
-        for w in s.writers:
-            if w not in self._opened:
-                self._opened.add(w)
-                # LCMUX: zero guarantees first says "I issue in advance", then
-                # the whole window, so a producer that waits for guarantees
-                # has them.
-                w.session.issue(w.channel, 0)
-                w.session.inbound(w.channel).grow(self.settings.window * self.slot)
+        self._open_channels()
         self._drain(now)
         durable = s.log.durable_position
         while self._unacked and self._unacked[0][0] <= durable:
@@ -321,7 +333,6 @@ class XonXoffFlow(Flow):
         mark_dirty: Callable[[], None],
     ) -> None:
         super().__init__(stream, settings, max_message_size=max_message_size, mark_dirty=mark_dirty)
-        self._opened: set[Writer] = set()
         self.paused = False
         self.pauses = 0
         self.resumes = 0
@@ -363,23 +374,23 @@ class XonXoffFlow(Flow):
             if w.throttle is not None:
                 w.throttle(self.reason, pause)
 
+    def _opening(self, writer: Writer) -> None:
+        writer.session.inbound(writer.channel).grow(XONXOFF_CREDIT)
+        if self.paused and writer.throttle is not None:
+            writer.throttle(self.reason, True)
+
     def rebalance(self, now: float) -> None:
         s = self.stream
-        self._opened = {w for w in self._opened if w.alive}
-        for w in s.writers:
-            if w not in self._opened:
-                self._opened.add(w)
-                w.session.issue(w.channel, 0)
-                w.session.inbound(w.channel).grow(XONXOFF_CREDIT)
-                if self.paused and w.throttle is not None:
-                    w.throttle(self.reason, True)
+        self._open_channels()
         self._drain(now)
         if self.paused and self.level() <= self.settings.xon:
             self.paused = False
             self.resumes += 1
             self._throttle(False)
         for w in s.writers:
-            w.session.issue(w.channel)
+            # Top the formality up only when half is spent: no chatter per batch.
+            if w.session.inbound(w.channel).client_guarantees < XONXOFF_CREDIT // 2:
+                w.session.issue(w.channel)
 
     def statistics(self) -> FlowStatistics:
         return FlowStatistics(
