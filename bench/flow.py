@@ -34,7 +34,8 @@ Figures, per system:
   it belongs: headgate's bytes held in gateway memory beyond the log (window,
   xonxoff) or dropped; bytes stuck in kernel buffers (TCP); A's backlog in
   Redis memory; messages queued in ZeroMQ.
-* ``peak RSS``: the receiving server process (gateway, h2 server, Redis); the
+* ``peak RSS``: the receiving process (gateway, h2 server, Redis, TCP reader,
+  ZeroMQ puller); the
   gateway's budget is its RSS before the load plus each stream's mapped log
   (capacity and two terms) plus 16 MiB of working memory.
 * ``ctl/batch``: flow-control messages the sender had to receive per batch
@@ -259,15 +260,20 @@ def gateway_child(settings: dict[str, Any]) -> None:
             daemon=True,
         ).start()
         await done.wait()
-        stats = {}
+        stats: dict[str, Any] = {}
         for name in gw.streams:
             f = gw.flow_statistics(name)
             stats[name] = {
                 "held": f.peak_held_bytes,
                 "pauses": f.pauses,
+                "resumes": f.resumes,
+                "paused": f.paused,
                 "peak_level": f.peak_level,
                 "max_in_flight": f.max_in_flight,
             }
+        stats["held connections"] = {
+            str(c.conn_id): sorted(c._holds) for c in gw.connections.values() if c._holds
+        }
         print(json.dumps(stats), flush=True)
         await gw.stop()
 
@@ -290,12 +296,12 @@ def headgate_consumer(
     session = Session(Role.PRODUCER, data_cost=batch_cost)
     session.send_global(m.Hello(producer_id=random.getrandbits(62), client_name="consumer"))
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.setblocking(False)
+    sock.settimeout(None)  # blocking sends; receives use MSG_DONTWAIT
     readers: dict[str, LogReader] = {}
     positions: dict[str, int] = {}
     while time.monotonic() < end:
-        with contextlib.suppress(BlockingIOError):
-            data = sock.recv(1 << 16)
+        with contextlib.suppress(BlockingIOError, TimeoutError):
+            data = sock.recv(1 << 16, socket.MSG_DONTWAIT)
             if data:
                 session.receive_data(data)
         for name in streams:
@@ -318,10 +324,7 @@ def headgate_consumer(
                 positions[name] = durable
                 session.send_global(m.Release(stream=name, position=durable))
         out = session.data_to_send()
-        if out and session.opened:
-            with contextlib.suppress(BlockingIOError):
-                sock.sendall(out)
-        elif out:
+        if out:
             sock.sendall(out)
         time.sleep(0.003)
     sock.close()
@@ -420,11 +423,15 @@ async def run_headgate(policy: str, timing: Timing, solo: bool) -> Result:
         if policy == "xonxoff":
             over = max(0, a.get("peak_level", 0) - capacity * 3 // 4)
             result.overshoot = f"{over / KiB:.0f} KiB past xoff, {dropped} drops"
-            result.note = f"{a.get('pauses', 0)} pauses"
+            result.note = f"{a.get('pauses', 0)} pauses, {a.get('resumes', 0)} resumes"
+            if a.get("paused"):
+                result.note += ", still paused at the end"
         else:
             result.overshoot = f"{a.get('held', 0) / KiB:.0f} KiB held, {dropped} drops"
         if policy == "window":
             result.note = f"max {a.get('max_in_flight', 0)} in flight (window {WINDOW})"
+        if flow.get("held connections"):
+            result.note += f"; reads still paused at the end: {flow['held connections']}"
         return result
     finally:
         if child.poll() is None:
@@ -637,6 +644,7 @@ async def run_tcp(timing: Timing, solo: bool) -> Result:
     reader_proc = ctx.Process(target=tcp_reader, args=(kid, run))
     reader_proc.start()
     port = await asyncio.to_thread(parent.recv)
+    sampler = RssSampler(reader_proc.pid or 0)
     t0 = await start_child(parent, ready=False)
     _, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = os.urandom(BATCH)
@@ -661,6 +669,7 @@ async def run_tcp(timing: Timing, solo: bool) -> Result:
     writer.transport.abort()
     buckets, _ = await asyncio.to_thread(parent.recv)
     reader_proc.join(5)
+    result.peak_rss = sampler.stop()
     result.buckets = buckets
     delivered_by_then = sum(
         sum(b[: int((run.stall_at + 1.0) / BUCKET_S)]) for b in buckets.values()
@@ -839,6 +848,7 @@ async def run_zmq(timing: Timing, solo: bool) -> Result:
     puller = mp.Process(target=zmq_puller, args=(kid, run))
     puller.start()
     port = await asyncio.to_thread(parent.recv)
+    sampler = RssSampler(puller.pid or 0)
     t0 = await start_child(parent, ready=False)
     ctx = zmq.asyncio.Context()
     push = ctx.socket(zmq.PUSH)
@@ -864,6 +874,7 @@ async def run_zmq(timing: Timing, solo: bool) -> Result:
     ctx.term()
     buckets, peak_queue = await asyncio.to_thread(parent.recv)
     puller.join(5)
+    result.peak_rss = sampler.stop()
     result.buckets = buckets
     result.overshoot = f"{peak_queue} batches queued for A (HWM {ZMQ_HWM})"
     result.ctl_per_batch = 0.0
