@@ -423,7 +423,7 @@ async def run_headgate(policy: str, timing: Timing, solo: bool) -> Result:
         if policy == "xonxoff":
             over = max(0, a.get("peak_level", 0) - capacity * 3 // 4)
             result.overshoot = f"{over / KiB:.0f} KiB past xoff, {dropped} drops"
-            result.note = f"{a.get('pauses', 0)} pauses, {a.get('resumes', 0)} resumes"
+            result.note = f"{a.get('pauses', 0)} pause(s), {a.get('resumes', 0)} resume(s)"
             if a.get("paused"):
                 result.note += ", still paused at the end"
         else:

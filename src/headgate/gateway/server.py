@@ -381,7 +381,8 @@ class Gateway:
     def reconfigure(self, config: GatewayConfig) -> None:
         """Apply a reloaded configuration to the running gateway.
 
-        Capacities, windows and watermarks change at once. Settings that need
+        Capacities and XON/XOFF watermarks change at once; a new window size
+        applies to writers that bind after the reload. Settings that need
         a new socket or a new log layout (listen address, data directory,
         term length, maximum message size) and a stream's policy keep their
         running values until a restart; each one that differs is logged.
