@@ -104,6 +104,7 @@ class Result:
     stall_rate: float = 0.0
     overshoot: str = "0"
     peak_rss: int | None = None
+    peak_anon: int | None = None
     budget: int | None = None
     ctl_per_batch: float | None = None
     recovery: float | None = None
@@ -179,6 +180,8 @@ class RssSampler:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.peak = 0
+        #: Peak of the anonymous part (heap), without mapped files such as logs.
+        self.peak_anon = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -186,6 +189,7 @@ class RssSampler:
     def _run(self) -> None:
         while not self._stop.wait(0.05):
             self.peak = max(self.peak, proc_status(self.pid, "VmRSS"))
+            self.peak_anon = max(self.peak_anon, proc_status(self.pid, "RssAnon"))
 
     def stop(self) -> int:
         self._stop.set()
@@ -412,6 +416,7 @@ async def run_headgate(policy: str, timing: Timing, solo: bool) -> Result:
         buckets = await asyncio.to_thread(parent.recv)
         consumer.join(5)
         result.peak_rss = sampler.stop()
+        result.peak_anon = sampler.peak_anon
         result.budget = idle_rss + 2 * (capacity + 2 * TERM) + WORKING_MEMORY
         child.stdin.close()
         flow = json.loads(child.stdout.readline() or "{}")
@@ -933,7 +938,7 @@ def plot(result: Result, timing: Timing) -> Path:
 
 def table(results: list[Result], timing: Timing) -> str:
     rows = [
-        "| system | B ratio during A's stall | A overshoot / drops | peak RSS (budget) "
+        "| system | B ratio during A's stall | A overshoot / drops | peak RSS (budget), heap "
         "| ctl msgs / batch | A recovery | notes |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -944,6 +949,8 @@ def table(results: list[Result], timing: Timing) -> str:
         rss = "" if r.peak_rss is None else f"{r.peak_rss / MiB:.0f} MiB"
         if r.budget is not None:
             rss += f" ({r.budget / MiB:.0f} MiB)"
+        if r.peak_anon:
+            rss += f", heap {r.peak_anon / MiB:.0f} MiB"
         ctl = "" if r.ctl_per_batch is None else f"{r.ctl_per_batch:.2f}"
         rec = "not within the run" if r.recovery is None else f"{r.recovery:.1f} s"
         rows.append(

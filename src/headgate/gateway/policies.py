@@ -334,6 +334,8 @@ class XonXoffFlow(Flow):
     ) -> None:
         super().__init__(stream, settings, max_message_size=max_message_size, mark_dirty=mark_dirty)
         self.paused = False
+        # Writers whose connection this stream paused, to resume exactly those.
+        self._throttled: set[Writer] = set()
         self.pauses = 0
         self.resumes = 0
         self.peak_level = 0
@@ -370,14 +372,17 @@ class XonXoffFlow(Flow):
             self._throttle(True)
 
     def _throttle(self, pause: bool) -> None:
-        for w in self.stream.writers:
+        writers = set(self.stream.writers) if pause else self._throttled
+        for w in writers:
             if w.throttle is not None:
                 w.throttle(self.reason, pause)
+        self._throttled = writers if pause else set()
 
     def _opening(self, writer: Writer) -> None:
         writer.session.inbound(writer.channel).grow(XONXOFF_CREDIT)
         if self.paused and writer.throttle is not None:
             writer.throttle(self.reason, True)
+            self._throttled.add(writer)
 
     def rebalance(self, now: float) -> None:
         s = self.stream
