@@ -162,7 +162,13 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     show_default=True,
     help="jsonl: each line must be a JSON value (bad lines are reported, not sent).",
 )
-@click.option("--policy", type=click.Choice(["wait", "optimistic"]), default="wait")
+@click.option(
+    "--policy",
+    type=click.Choice(["wait", "optimistic", "window"]),
+    default="wait",
+    show_default=True,
+    help="window: for streams with the gateway's window policy (one batch per slot).",
+)
 @click.option("--producer-id", type=int, help="Reuse an id to resume after a crash.")
 @click.option(
     "--timeout",
@@ -226,7 +232,11 @@ async def _send(
     sent = bad = 0
     async with Producer(
         gateway,
-        policy="optimistic" if policy == "optimistic" else "wait",
+        policy="optimistic"
+        if policy == "optimistic"
+        else "window"
+        if policy == "window"
+        else "wait",
         producer_id=producer_id,
         client_name="headgate-send",
         reconnect_timeout=timeout,
