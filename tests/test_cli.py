@@ -93,3 +93,16 @@ def test_send_refuses_a_bad_stream_name_and_an_absent_gateway(tmp_path: Path) ->
     assert absent.returncode == 1
     assert "127.0.0.1:1" in absent.stderr
     assert "Traceback" not in absent.stderr
+
+
+def test_serve_refuses_bad_policy_flags_with_a_clear_message() -> None:
+    for args, needle in [
+        (["--stream-policy", "nonsense"], "STREAM=POLICY"),
+        (["--stream-policy", "ticks=fast"], "credit, window, xonxoff"),
+        (["--policy", "fast"], "credit"),
+        (["--window", "0"], "window"),
+    ]:
+        result = CliRunner().invoke(main, ["serve", *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert needle in result.output
+        assert "Traceback" not in result.output

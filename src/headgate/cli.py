@@ -8,6 +8,7 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,19 @@ def main(verbose: int) -> None:
     help=f"Serve Prometheus metrics at http://HOST:PORT/metrics (off unless given; "
     f"default port {DEFAULT_METRICS_PORT}).",
 )
+@click.option(
+    "--policy",
+    type=click.Choice(["credit", "window", "xonxoff"]),
+    help="Default flow-control policy of a stream (default credit).",
+)
+@click.option("--window", type=click.IntRange(min=1), help="Window policy: batches in flight.")
+@click.option(
+    "--stream-policy",
+    "stream_policies",
+    multiple=True,
+    metavar="STREAM=POLICY",
+    help="Policy of one stream, e.g. ticks=window (repeatable).",
+)
 def serve(
     config: Path | None,
     listen: str | None,
@@ -64,13 +78,25 @@ def serve(
     term_length: str | None,
     group_commit_ms: float | None,
     metrics: str | None,
+    policy: str | None,
+    window: int | None,
+    stream_policies: tuple[str, ...],
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
 
     Settings come from the embedded defaults, then --config, then flags.
+    On SIGHUP the gateway reads --config again (flags still win) and applies
+    what can change while it runs: stream capacities, windows, watermarks.
     """
-    try:
-        cfg = load_gateway_config(
+    per_stream: dict[str, str] = {}
+    for item in stream_policies:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise click.UsageError(f"--stream-policy: expected STREAM=POLICY, got {item!r}")
+        per_stream[name] = value
+
+    def load() -> object:
+        return load_gateway_config(
             config,
             listen=None if listen is None else parse_address(listen),
             unix_socket=unix_socket,
@@ -81,13 +107,39 @@ def serve(
             metrics=None
             if metrics is None
             else parse_address(metrics, what="--metrics", default_port=DEFAULT_METRICS_PORT),
+            policy=policy,
+            window=window,
+            stream_policies=per_stream,
         )
+
+    try:
+        cfg = load()
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-    asyncio.run(_serve(cfg))
+    asyncio.run(_serve(cfg, load))
 
 
-async def _serve(cfg: object) -> None:
+def _reload(gateway: object, load: Callable[[], object]) -> None:
+    from headgate.config import GatewayConfig
+    from headgate.gateway import Gateway
+    from headgate.log import LogError
+
+    assert isinstance(gateway, Gateway)
+    try:
+        cfg = load()
+        assert isinstance(cfg, GatewayConfig)
+        gateway.reconfigure(cfg)
+    except (ConfigError, LogError, click.UsageError) as exc:
+        # A bad edit must not take the running gateway down.
+        logging.getLogger("headgate.gateway").error(
+            "reload refused, keeping the old settings: %s", exc
+        )
+        click.echo(f"headgate serve: reload refused: {exc}", err=True)
+        return
+    click.echo("configuration reloaded", err=True)
+
+
+async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     from headgate.config import GatewayConfig
     from headgate.gateway import Gateway
     from headgate.log import LogError
@@ -109,6 +161,9 @@ async def _serve(cfg: object) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, stop.set)
+    if load is not None:
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(signal.SIGHUP, _reload, gateway, load)
     await stop.wait()
     await gateway.stop()
     click.echo("gateway stopped cleanly", err=True)
@@ -126,7 +181,13 @@ async def _serve(cfg: object) -> None:
     show_default=True,
     help="jsonl: each line must be a JSON value (bad lines are reported, not sent).",
 )
-@click.option("--policy", type=click.Choice(["wait", "optimistic"]), default="wait")
+@click.option(
+    "--policy",
+    type=click.Choice(["wait", "optimistic", "window"]),
+    default="wait",
+    show_default=True,
+    help="window: for streams with the gateway's window policy (one batch per slot).",
+)
 @click.option("--producer-id", type=int, help="Reuse an id to resume after a crash.")
 @click.option(
     "--timeout",
@@ -190,7 +251,11 @@ async def _send(
     sent = bad = 0
     async with Producer(
         gateway,
-        policy="optimistic" if policy == "optimistic" else "wait",
+        policy="optimistic"
+        if policy == "optimistic"
+        else "window"
+        if policy == "window"
+        else "wait",
         producer_id=producer_id,
         client_name="headgate-send",
         reconnect_timeout=timeout,

@@ -20,6 +20,15 @@ Example ``headgate.toml``::
 
     [streams.ticks]
     capacity = "8MiB"
+    policy = "window"        # credit (default), window or xonxoff
+    window = 8               # window: batches in flight per writer
+    # xonxoff: pause the writers' connections at `xoff` unreleased bytes,
+    # resume them at `xon` (defaults: 3/4 and 1/4 of the capacity)
+    # xoff = "6MiB"
+    # xon = "2MiB"
+
+``headgate serve`` re-reads the file on SIGHUP: capacities change at once
+(see :meth:`headgate.gateway.Gateway.reconfigure`).
 """
 
 from __future__ import annotations
@@ -47,6 +56,9 @@ _UNITS = {
 
 DEFAULT_PORT = 7878
 DEFAULT_METRICS_PORT = 9108
+
+#: The flow-control policies a stream can use (see PROTOCOL.md, "Flow-control policies").
+POLICIES = ("credit", "window", "xonxoff")
 
 
 class ConfigError(ValueError):
@@ -96,6 +108,28 @@ class StreamSettings:
 
     #: Log capacity (bytes between Spark's release position and the tail).
     capacity: int | None = None
+    #: Flow-control policy: ``credit``, ``window`` or ``xonxoff``.
+    policy: str | None = None
+    #: ``window``: batches in flight per writer.
+    window: int | None = None
+    #: ``xonxoff``: unreleased bytes at which the writers' connections pause.
+    xoff: int | None = None
+    #: ``xonxoff``: unreleased bytes at which they resume.
+    xon: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    """The resolved flow-control settings of one stream."""
+
+    #: ``credit``, ``window`` or ``xonxoff``.
+    policy: str
+    #: ``window``: batches in flight per writer.
+    window: int
+    #: ``xonxoff``: the high watermark (bytes unreleased or held).
+    xoff: int
+    #: ``xonxoff``: the low watermark.
+    xon: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +158,10 @@ class GatewayConfig:
     #: Address of the Prometheus metrics endpoint; ``None`` (the default)
     #: serves none.
     metrics: tuple[str, int] | None = None
+    #: Default flow-control policy of a stream: credit, window or xonxoff.
+    policy: str = "credit"
+    #: Default window (batches in flight per writer) of ``window`` streams.
+    window: int = 8
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -134,8 +172,43 @@ class GatewayConfig:
             return override.capacity
         return self.stream_capacity
 
+    def flow_for(self, name: str) -> FlowSettings:
+        """The flow-control settings of stream ``name``, overrides applied."""
+        over = self.streams.get(name, StreamSettings())
+        capacity = self.stream_capacity_for(name)
+        xoff = over.xoff if over.xoff is not None else capacity * 3 // 4
+        xon = over.xon if over.xon is not None else min(xoff, capacity // 4)
+        return FlowSettings(
+            policy=over.policy or self.policy,
+            window=over.window if over.window is not None else self.window,
+            xoff=xoff,
+            xon=xon,
+        )
+
     def validate(self) -> GatewayConfig:
         """Check relations between settings; return self for chaining."""
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.window < 1:
+            raise ConfigError(f"window must be at least 1 batch, got {self.window}")
+        for name, over in self.streams.items():
+            if over.policy is not None and over.policy not in POLICIES:
+                raise ConfigError(
+                    f"streams.{name}.policy must be one of {', '.join(POLICIES)}, "
+                    f"got {over.policy!r}"
+                )
+            if over.window is not None and over.window < 1:
+                raise ConfigError(f"streams.{name}.window must be at least 1, got {over.window}")
+            if over.capacity is not None and over.capacity < 2 * self.term_length:
+                raise ConfigError(
+                    f"streams.{name}.capacity ({over.capacity}) must be at least two terms "
+                    f"({2 * self.term_length})"
+                )
+            flow = self.flow_for(name)
+            if not 0 <= flow.xon <= flow.xoff:
+                raise ConfigError(
+                    f"streams.{name}: xon ({flow.xon}) must not exceed xoff ({flow.xoff})"
+                )
         tl = self.term_length
         if tl < 4096 or tl & (tl - 1):
             raise ConfigError(f"term_length must be a power of two >= 4096, got {tl}")
@@ -168,7 +241,22 @@ _GATEWAY_KEYS = {
     "max_connections",
     "max_connection_debt",
     "metrics",
+    "policy",
+    "window",
 }
+_STREAM_KEYS = {"capacity", "policy", "window", "xoff", "xon"}
+
+
+def _policy(value: object, what: str) -> str:
+    if not isinstance(value, str) or value not in POLICIES:
+        raise ConfigError(f"{what}: expected one of {', '.join(POLICIES)}, got {value!r}")
+    return value
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{what}: expected a whole number of at least 1, got {value!r}")
+    return value
 
 
 def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
@@ -200,7 +288,31 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
             out[key] = value
+        elif key == "policy":
+            out[key] = _policy(value, what)
+        elif key == "window":
+            out[key] = _count(value, what)
     return out
+
+
+def _stream_from_table(table: dict[str, Any], where: str) -> StreamSettings:
+    unknown = set(table) - _STREAM_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+
+    def size(key: str) -> int | None:
+        value = table.get(key)
+        return None if value is None else parse_size(value, what=f"{where}.{key}")
+
+    policy = table.get("policy")
+    window = table.get("window")
+    return StreamSettings(
+        capacity=size("capacity"),
+        policy=None if policy is None else _policy(policy, f"{where}.policy"),
+        window=None if window is None else _count(window, f"{where}.window"),
+        xoff=size("xoff"),
+        xon=size("xon"),
+    )
 
 
 def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:
@@ -234,13 +346,15 @@ def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayCo
             where = f"{path}: streams.{name}"
             if not isinstance(table, dict):
                 raise ConfigError(f"{where} must be a table")
-            unknown = set(table) - {"capacity"}
-            if unknown:
-                raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-            capacity = table.get("capacity")
-            if capacity is not None:
-                capacity = parse_size(capacity, what=f"{where}.capacity")
-            streams[name] = StreamSettings(capacity=capacity)
+            streams[name] = _stream_from_table(table, where)
         config = replace(config, streams=streams)
+    stream_policies = overrides.pop("stream_policies", None) or {}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if stream_policies:
+        streams = dict(config.streams)
+        for name, policy in stream_policies.items():
+            streams[name] = replace(
+                streams.get(name, StreamSettings()), policy=_policy(policy, f"policy of {name}")
+            )
+        config = replace(config, streams=streams)
     return config.validate()

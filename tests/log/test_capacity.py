@@ -209,3 +209,34 @@ def test_a_frame_that_needs_padding_fits_once_the_padding_is_released(tmp_path: 
         )
         assert (result.position, result.end_position) == (TERM, 2 * TERM)
         assert log.free_capacity == 0
+
+
+def test_a_capacity_lowered_below_the_unreleased_bytes_refuses_appends_until_released(
+    tmp_path: Path,
+) -> None:
+    with StreamLog.open(tmp_path, term_length=TERM, capacity=4 * TERM) as log:
+
+        def append(seq: int) -> None:
+            log.append(
+                b"c" * 900, producer_id=1, first_sequence=seq, record_count=1, timestamp_us=0
+            )
+
+        for seq in range(8):
+            append(seq)
+        unreleased = log.tail_position - log.release_position
+        assert unreleased > TERM
+        log.set_capacity(TERM)
+        assert log.capacity == TERM
+        assert log.free_capacity == 0  # never negative
+        with pytest.raises(LogFullError):
+            append(8)
+        log.release(log.sync())
+        assert log.free_capacity == TERM
+        append(8)
+        log.set_capacity(3 * TERM)
+        assert log.free_capacity == 3 * TERM - (log.tail_position - log.release_position)
+        for seq in range(9, 16):
+            append(seq)
+        assert log.tail_position - log.release_position > TERM
+        with pytest.raises(LogError, match="capacity"):
+            log.set_capacity(TERM + 1)

@@ -215,6 +215,24 @@ def test_plead_is_answered_with_exactly_the_absolution_needed() -> None:
     assert pair.gateway.inbound(2).capacity == 300
 
 
+def test_an_unasked_absolution_shrinks_both_books_and_cannot_exceed_the_guarantees() -> None:
+    # The window policy's producer gives back the rest of a slot after each batch.
+    pair = Pair()
+    pair.open()
+    pair.producer.bind_stream("s")
+    pair.flush_up()
+    pair.gateway.grant(2, 700)
+    pair.flush_down()
+    pair.producer.absolve(0, 250)
+    assert pair.producer.outbound(2).guarantees == 450
+    assert pair.flush_up() == [Absolved(channel=2, handle=0, amount=250)]
+    assert pair.gateway.inbound(2).capacity == 450
+    assert pair.gateway.inbound(2).client_guarantees == 450
+    with pytest.raises(ValueError, match="cannot absolve 451"):
+        pair.producer.absolve(0, 451)
+    assert pair.producer.outbound(2).guarantees == 450
+
+
 def test_three_step_free_deletes_the_binding_on_both_sides_once_unreferenced() -> None:
     pair = Pair()
     pair.open()

@@ -62,7 +62,7 @@ __all__ = [
 
 #: ``"wait"`` sends only within guarantees; ``"optimistic"`` sends at once and
 #: lets the session resend what the gateway drops.
-Policy = Literal["wait", "optimistic"]
+Policy = Literal["wait", "optimistic", "window"]
 
 # Records-block size accounting (see headgate.protocol.records): a block
 # without keys is exactly 12 bytes plus 4 + len(value) per record. With keys
@@ -406,7 +406,10 @@ class Producer:
         producer_id: identity the gateway deduplicates by, below 2**63; reuse
             it to resume after a crash. Random if None.
         policy: ``"wait"`` sends a batch only within guarantees; ``"optimistic"``
-            sends at once and resends what the gateway drops.
+            sends at once and resends what the gateway drops; ``"window"`` is
+            ``"wait"`` for streams with the gateway's window policy: each
+            batch spends a whole window slot (it absolves the rest), so the
+            window counts batches.
         linger_ms: an open batch is sealed this long after its first record,
             full or not.
         max_batch_bytes: the largest records block per batch (also bounded by
@@ -434,8 +437,8 @@ class Producer:
         client_name: str = "headgate-python",
         reconnect_timeout: float = 30.0,
     ) -> None:
-        if policy not in ("wait", "optimistic"):
-            raise ValueError(f"policy must be 'wait' or 'optimistic', not {policy!r}")
+        if policy not in ("wait", "optimistic", "window"):
+            raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
         if producer_id is None:
             producer_id = secrets.randbits(63)
         if not 0 <= producer_id < 1 << 63:
@@ -458,6 +461,8 @@ class Producer:
         self.producer_id = producer_id
         self._policy: Policy = policy
         self._optimistic = policy == "optimistic"
+        # Window policy: guarantees per batch slot, known from Welcome.
+        self._slot = 0
         self._linger = linger_ms / 1000.0
         self._max_batch_bytes = max_batch_bytes
         # The records-block limit: max_batch_bytes until Welcome says less.
@@ -942,6 +947,8 @@ class Producer:
             if not optimistic and not session.can_send_batch(handle, len(batch.block)):
                 continue  # no credit: GuaranteesReceived marks the stream again
             session.send_batch(handle, batch.first_sequence, batch.block, optimistic=optimistic)
+            if self._slot:
+                self._spend_slot(session, handle, len(batch.block))
             queue.popleft()
             s.unacked.append(batch)
             s.records_sent += batch.count
@@ -951,6 +958,13 @@ class Producer:
             if session.pending_output >= chunk:
                 self._write(conn)
         self._write(conn)
+
+    def _spend_slot(self, session: Session, handle: int, block_length: int) -> None:
+        # Window policy: a batch takes a whole slot, whatever its size.
+        rest = self._slot - session.batch_cost(block_length)
+        held = session.outbound(m.data_channel(handle)).guarantees
+        if rest > 0 and held > 0:
+            session.absolve(handle, min(rest, held))
 
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
@@ -1094,6 +1108,8 @@ class Producer:
         conn.welcome = welcome
         self._conn = conn
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
+        if self._policy == "window":
+            self._slot = batch_cost(welcome.max_message_size)
         if welcome.idle_timeout_ms > 0:
             interval = max(0.05, welcome.idle_timeout_ms / 3000.0)
             conn.keepalive = loop.call_later(interval, self._keepalive, conn, interval)

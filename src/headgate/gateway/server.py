@@ -39,12 +39,14 @@ import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
-from headgate.config import GatewayConfig
+from headgate.config import ConfigError, GatewayConfig, StreamSettings
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.metrics import MetricsServer
+from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
@@ -140,6 +142,14 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         self.reads.set("writing", False)
 
+    def throttle(self, reason: str, pause: bool) -> None:
+        """Pause reading the peer for ``reason`` (an XOFF stream), or drop that reason."""
+        self.reads.set(reason, pause)
+
+    @property
+    def reading_paused(self) -> bool:
+        return self.reads.paused
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
@@ -210,7 +220,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """The log writer's part: append one batch, borrow until it is durable."""
         gw = self.gateway
         stream = gw.streams[event.stream]
-        stream.append(
+        gw.flow(stream).receive(
             self.writers[event.handle],
             event.first_sequence,
             event.record_count,
@@ -288,6 +298,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     handle=handle,
                     producer_id=self.producer_id,
                     last_active=time.monotonic(),
+                    throttle=self.throttle,
                 )
                 self.writers[handle] = writer
                 stream.add_writer(writer)
@@ -313,6 +324,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 )
                 self.session.grant(m.STREAM_CHANNEL, BIND_BUDGET)
             case Absolved(handle=handle) if handle is not None and handle in self.writers:
+                writer = self.writers[handle]
+                gw.flow(gw.streams[writer.stream]).on_absolved(writer, event.amount)
                 # The absolved space is free now: share it with who pleaded for it.
                 self._rebalance_handle(handle)
             case HandleDeleted(handle=handle, ours=False):
@@ -438,15 +451,106 @@ class Gateway:
         """The stream called ``name``, opened (or created) on first use."""
         stream = self.streams.get(name)
         if stream is None:
+            capacity = self.config.stream_capacity_for(name)
             stream = Stream.open(
                 name,
                 Path(self.config.data_dir),
-                capacity=self.config.stream_capacity_for(name),
+                capacity=capacity,
                 term_length=self.config.term_length,
                 max_message_size=self.config.max_message_size,
             )
+            if stream.log.capacity != capacity:
+                # An existing log keeps the capacity it was created with; the
+                # configuration is what the operator wants now.
+                stream.set_capacity(capacity)
+            stream.flow = self._make_flow(stream)
             self.streams[name] = stream
         return stream
+
+    def _make_flow(self, stream: Stream) -> Flow:
+        return make_flow(
+            stream,
+            self.config.flow_for(stream.name),
+            max_message_size=self.config.max_message_size,
+            mark_dirty=lambda: self.mark_dirty(stream),
+        )
+
+    def flow(self, stream: Stream) -> Flow:
+        """The flow-control policy of an open stream."""
+        flow = stream.flow
+        assert flow is not None, "streams are opened through Gateway.stream"
+        return flow
+
+    def flow_statistics(self, name: str) -> FlowStatistics:
+        return self.flow(self.streams[name]).statistics()
+
+    def set_capacity(self, name: str, capacity: int) -> None:
+        """Resize stream ``name`` now (opening it if needed).
+
+        Raising it grants the new space at once. Lowering it takes back
+        guarantees not yet issued and pleads writers down to their new share;
+        once they have absolved, what is promised plus what is unreleased fits
+        the new capacity, and a log already fuller than that accepts nothing
+        until the consumer's releases bring it under.
+
+        Raises:
+            LogError: the capacity is not a valid log capacity.
+        """
+        if capacity < 2 * self.config.term_length:
+            raise ConfigError(
+                f"capacity of {name} ({capacity}) must be at least two terms "
+                f"({2 * self.config.term_length})"
+            )
+        stream = self.stream(name)
+        stream.set_capacity(capacity)
+        stream.rebalance(time.monotonic())
+        stream.flush_writers()
+
+    def reconfigure(self, config: GatewayConfig) -> None:
+        """Apply a reloaded configuration to the running gateway.
+
+        Capacities and XON/XOFF watermarks change at once; a new window size
+        applies to writers that bind after the reload. Settings that need
+        a new socket or a new log layout (listen address, data directory,
+        term length, maximum message size) and a stream's policy keep their
+        running values until a restart; each one that differs is logged.
+        """
+        config = config.validate()
+        old = self.config
+        for key in ("listen", "unix_socket", "data_dir", "term_length", "max_message_size"):
+            if getattr(old, key) != getattr(config, key):
+                log.warning("reload: %s changes only at restart", key)
+        kept = replace(
+            config,
+            listen=old.listen,
+            unix_socket=old.unix_socket,
+            data_dir=old.data_dir,
+            term_length=old.term_length,
+            max_message_size=old.max_message_size,
+        )
+        for name, stream in self.streams.items():
+            flow = self.flow(stream)
+            settings = kept.flow_for(name)
+            if settings.policy != flow.policy:
+                log.warning(
+                    "reload: stream %s keeps policy %s until restart (asked for %s)",
+                    name,
+                    flow.policy,
+                    settings.policy,
+                )
+                streams = dict(kept.streams)
+                streams[name] = replace(streams.get(name, StreamSettings()), policy=flow.policy)
+                kept = replace(kept, streams=streams)
+                settings = kept.flow_for(name)
+            flow.update(settings)
+        self.config = kept.validate()
+        for name in list(self.streams):
+            capacity = self.config.stream_capacity_for(name)
+            if capacity != self.streams[name].log.capacity:
+                log.info(
+                    "stream %s: capacity %d -> %d", name, self.streams[name].log.capacity, capacity
+                )
+                self.set_capacity(name, capacity)
 
     def mark_dirty(self, stream: Stream) -> None:
         self._dirty.add(stream)

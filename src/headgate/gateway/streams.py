@@ -39,11 +39,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headgate.log import LogError, StorageError, StreamLog, frame_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
+
+if TYPE_CHECKING:
+    from headgate.gateway.policies import Flow
 
 log = logging.getLogger("headgate.gateway")
 
@@ -74,6 +78,8 @@ class Writer:
     alive: bool = True
     #: The target of the last Plead sent, to avoid repeating it.
     pleaded: int | None = None
+    #: Pauses (True) or resumes (False) reading the connection, for a reason.
+    throttle: Callable[[str, bool], None] | None = None
 
     @property
     def channel(self) -> int:
@@ -83,7 +89,14 @@ class Writer:
 class HeldBatch:
     """A batch received while the stream's storage was failing, kept to store later."""
 
-    __slots__ = ("first_sequence", "record_count", "records", "timestamp_us", "writer")
+    __slots__ = (
+        "first_sequence",
+        "in_channel",
+        "record_count",
+        "records",
+        "timestamp_us",
+        "writer",
+    )
 
     def __init__(
         self,
@@ -92,12 +105,14 @@ class HeldBatch:
         record_count: int,
         records: bytes,
         timestamp_us: int,
+        in_channel: bool,
     ) -> None:
         self.writer = writer
         self.first_sequence = first_sequence
         self.record_count = record_count
         self.records = records
         self.timestamp_us = timestamp_us
+        self.in_channel = in_channel
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +146,9 @@ class Stream:
         # Each term rotation may waste up to one frame in padding.
         self.reserve = (stream_log.capacity // stream_log.term_length + 2) * max_frame
         self._floor = max_frame
+        self._max_frame = max_frame
+        #: The stream's flow-control policy; None is plain credit.
+        self.flow: Flow | None = None
         self.writers: list[Writer] = []
         #: producer id -> next sequence, over everything appended.
         self.dedup: dict[int, int] = {}
@@ -271,11 +289,15 @@ class Stream:
         *,
         now: float,
         timestamp_us: int,
+        in_channel: bool = True,
     ) -> bool:
         """Store one batch that the writer's channel buffered; False for a duplicate.
 
         While the stream is held (storage failing), the batch is kept in
         memory instead and stored by :meth:`retry_storage`; False then too.
+        With ``in_channel`` the batch stays in the writer's channel buffer
+        until Spark releases the log space behind it (credit); a policy that
+        processes the channel itself passes False.
 
         Raises:
             ProtocolError: the batch overlaps stored records without matching
@@ -284,11 +306,13 @@ class Stream:
         writer.last_active = now
         if self.storage_error is None:
             try:
-                return self._store(writer, first_sequence, record_count, records, timestamp_us)
+                return self._store(
+                    writer, first_sequence, record_count, records, timestamp_us, in_channel
+                )
             except StorageError as exc:
                 # Nothing was written: the log refused before the frame.
                 self._storage_failed(exc)
-        self._hold(writer, first_sequence, record_count, records, timestamp_us)
+        self._hold(writer, first_sequence, record_count, records, timestamp_us, in_channel)
         return False
 
     def _store(
@@ -298,6 +322,7 @@ class Stream:
         record_count: int,
         records: memoryview,
         timestamp_us: int,
+        in_channel: bool,
     ) -> bool:
         next_sequence = self.dedup.get(writer.producer_id, 0)
         end_sequence = first_sequence + record_count
@@ -312,8 +337,9 @@ class Stream:
             self.duplicate_batches += 1
             end = self.log.tail_position
             writer.pending_acks.append((next_sequence, end))
-            self._inflight.append((end, writer))
-            self._process_released()
+            if in_channel:
+                self._inflight.append((end, writer))
+                self._process_released()
             return False
         result = self.log.append(
             records,
@@ -325,7 +351,8 @@ class Stream:
         self.dedup[writer.producer_id] = end_sequence
         self._appends.append((result.end_position, writer.producer_id, end_sequence))
         writer.pending_acks.append((end_sequence, result.end_position))
-        self._inflight.append((result.end_position, writer))
+        if in_channel:
+            self._inflight.append((result.end_position, writer))
         self.appended_batches += 1
         self.appended_records += record_count
         return True
@@ -439,7 +466,19 @@ class Stream:
         out.update({id(w): floor for w in idle})
         return out
 
+    def set_capacity(self, capacity: int) -> None:
+        """Resize the log; the next :meth:`rebalance` grants or pleads to match."""
+        self.log.set_capacity(capacity)
+        self.reserve = (capacity // self.log.term_length + 2) * self._max_frame
+
     def rebalance(self, now: float) -> None:
+        """Let the stream's policy move credit (plain credit when it has none)."""
+        if self.flow is not None:
+            self.flow.rebalance(now)
+        else:
+            self.rebalance_credit(now)
+
+    def rebalance_credit(self, now: float) -> None:
         """Grant free space to writers below their share; plead those above it."""
         if self.storage_error is not None:
             return  # no guarantees while the storage fails
@@ -518,6 +557,7 @@ class Stream:
         record_count: int,
         records: memoryview,
         timestamp_us: int,
+        in_channel: bool,
     ) -> None:
         producer = writer.producer_id
         next_sequence = self._held_next.get(producer, self.dedup.get(producer, 0))
@@ -531,7 +571,9 @@ class Stream:
         self._held_next[producer] = max(next_sequence, end_sequence)
         # A copy: ``records`` is a view into the connection's receive buffer.
         self._held.append(
-            HeldBatch(writer, first_sequence, record_count, bytes(records), timestamp_us)
+            HeldBatch(
+                writer, first_sequence, record_count, bytes(records), timestamp_us, in_channel
+            )
         )
 
     def retry_storage(self) -> bool:
@@ -558,6 +600,7 @@ class Stream:
                         batch.record_count,
                         memoryview(batch.records),
                         batch.timestamp_us,
+                        batch.in_channel,
                     )
                 except ProtocolError as exc:  # checked on arrival; only a bug lands here
                     log.error("stream %s: dropping a held batch: %s", self.name, exc)

@@ -350,8 +350,26 @@ class StreamLog:
 
     @property
     def free_capacity(self) -> int:
-        """``capacity - (tail_position - release_position)``: padding counts as used."""
-        return self._capacity - (self._tail - self._release)
+        """``capacity - (tail_position - release_position)``: padding counts as used.
+
+        Never negative: after :meth:`set_capacity` lowers the capacity below
+        what is already unreleased, the log is simply full until releases
+        catch up.
+        """
+        return max(0, self._capacity - (self._tail - self._release))
+
+    def set_capacity(self, capacity: int) -> None:
+        """Change the capacity while the log is open (the operator resized the stream).
+
+        Frames already appended stay; a lower capacity only refuses appends
+        until releases bring the unreleased bytes under it. The capacity
+        stored at creation is not rewritten: whoever opens the log states
+        the capacity it wants (the gateway takes it from its configuration).
+        """
+        self._check_open()
+        _check_capacity(capacity)
+        self._capacity = capacity
+        self._refresh_fast_end()
 
     def append_cost(self, payload_length: int) -> int:
         """How far an append of ``payload_length`` bytes would move the tail right now.

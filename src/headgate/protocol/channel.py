@@ -682,6 +682,20 @@ class ClientChannel(Generic[T]):
         self._clamp_guarantees()
         return confirmed
 
+    def absolve(self, amount: int) -> Absolve:
+        """Give up ``amount`` guarantees unasked (the window policy spends a whole slot per batch).
+
+        Raises:
+            ValueError: more than the guarantees held.
+        """
+        _check_size("amount", amount)
+        if amount > self._guarantees:
+            raise ValueError(f"cannot absolve {amount}: only {self._guarantees} guarantees")
+        self._guarantees -= amount
+        if self._send_bound is not None:
+            self._send_bound -= amount
+        return Absolve(channel=self._channel, amount=amount)
+
     def on_plead(self, target: int) -> Absolve | None:
         """Absolve down to ``target`` guarantees, or ignore if already below."""
         if self._guarantees <= target:

@@ -780,6 +780,10 @@ class Session:
             raise ValueError(f"stream handle {handle} still has messages in doubt")
         self.send_global(self.streams.ours.free(handle))
 
+    def absolve(self, handle: int, amount: int) -> None:
+        """Give up ``amount`` guarantees on our stream ``handle`` without being pleaded."""
+        self._emit(self._outbound[m.data_channel(handle)].absolve(amount))
+
     def batch_cost(self, records_length: int) -> int:
         """What a batch with a records block of this length costs in guarantees."""
         return self._data_cost(m.BATCH_HEADER_SIZE + records_length)
