@@ -15,6 +15,16 @@ Example ``headgate.toml``::
     term_length = "16MiB"
     group_commit_interval_ms = 2
     max_message_size = "1MiB"
+    # Security and limits (see README, "Security"):
+    tls_cert = "gateway.crt"        # with tls_key: the listener speaks TLS
+    tls_key = "gateway.key"
+    tls_client_ca = "clients-ca.pem" # require client certificates signed by it
+    auth_file = "tokens.toml"       # require a token in Hello (headgate token)
+    idle_timeout_ms = 60000
+    handshake_timeout_ms = 10000
+    max_write_buffer = "1MiB"
+    bind_budget = "16KiB"
+    max_streams = 4096
 
     [streams.ticks]
     capacity = "8MiB"
@@ -113,6 +123,27 @@ class GatewayConfig:
     max_message_size: int = 1024**2
     #: Largest number of concurrent connections.
     max_connections: int = 1024
+    #: Certificate chain (PEM) of the TLS listener; None for plain TCP.
+    tls_cert: Path | None = None
+    #: Private key (PEM) of ``tls_cert``.
+    tls_key: Path | None = None
+    #: CA bundle (PEM) that client certificates must chain to; set = mutual TLS.
+    tls_client_ca: Path | None = None
+    #: Tokens file (see ``headgate.gateway.auth``); None lets every peer do anything.
+    auth_file: Path | None = None
+    #: How long a peer has to send Hello.
+    handshake_timeout_ms: float = 10_000.0
+    #: A connection that sends nothing for this long is closed (0: never).
+    #: Announced in Welcome; producers Ping at a third of it.
+    idle_timeout_ms: int = 60_000
+    #: Bytes queued for a peer that does not read, beyond which it is cut off.
+    max_write_buffer: int = 1024**2
+    #: Bind-channel guarantees per connection: the bytes of stream-name
+    #: bindings one connection may hold at once.
+    bind_budget: int = 16 * 1024
+    #: Largest number of streams the gateway opens; a bind of a new stream
+    #: beyond it is refused.
+    max_streams: int = 4096
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -141,6 +172,22 @@ class GatewayConfig:
             raise ConfigError("group_commit_interval_ms must be positive")
         if self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.handshake_timeout_ms <= 0:
+            raise ConfigError("handshake_timeout_ms must be positive")
+        if self.idle_timeout_ms < 0:
+            raise ConfigError("idle_timeout_ms must not be negative (0 disables it)")
+        if self.max_write_buffer < 64 * 1024:
+            raise ConfigError(
+                f"max_write_buffer must be at least 64KiB, got {self.max_write_buffer}"
+            )
+        if not 256 <= self.bind_budget <= 1 << 30:
+            raise ConfigError(f"bind_budget must be from 256 bytes to 1GiB, got {self.bind_budget}")
+        if self.max_streams < 1:
+            raise ConfigError("max_streams must be at least 1")
         return self
 
 
@@ -153,6 +200,15 @@ _GATEWAY_KEYS = {
     "group_commit_interval_ms",
     "max_message_size",
     "max_connections",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "auth_file",
+    "handshake_timeout_ms",
+    "idle_timeout_ms",
+    "max_write_buffer",
+    "bind_budget",
+    "max_streams",
 }
 
 
@@ -167,17 +223,30 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if not isinstance(value, str):
                 raise ConfigError(f'{what}: expected "host:port", got {value!r}')
             out[key] = parse_address(value, what=what)
-        elif key in ("unix_socket", "data_dir"):
+        elif key in (
+            "unix_socket",
+            "data_dir",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "auth_file",
+        ):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{what}: expected a path, got {value!r}")
             out[key] = Path(value)
-        elif key in ("stream_capacity", "term_length", "max_message_size"):
+        elif key in (
+            "stream_capacity",
+            "term_length",
+            "max_message_size",
+            "max_write_buffer",
+            "bind_budget",
+        ):
             out[key] = parse_size(value, what=what)
-        elif key == "group_commit_interval_ms":
+        elif key in ("group_commit_interval_ms", "handshake_timeout_ms"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
             out[key] = float(value)
-        elif key == "max_connections":
+        elif key in ("max_connections", "idle_timeout_ms", "max_streams"):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
             out[key] = value

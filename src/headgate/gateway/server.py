@@ -18,13 +18,16 @@ import contextlib
 import itertools
 import logging
 import os
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
+from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
+from headgate.gateway.tls import server_context
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -42,10 +45,9 @@ from headgate.protocol.session import (
 
 log = logging.getLogger("headgate.gateway")
 
-#: Bytes of stream-name bindings one connection may hold (bind-channel credit).
-BIND_BUDGET = 64 * 1024
-#: How long a peer has to send Hello.
-HANDSHAKE_TIMEOUT_S = 10.0
+#: How long a closing connection may take to deliver its last bytes before
+#: it is aborted (a peer that does not read would otherwise hold it forever).
+CLOSE_GRACE_S = 2.0
 #: How often idle writers are re-checked and credit re-shared.
 REBALANCE_INTERVAL_S = 0.1
 
@@ -53,7 +55,7 @@ REBALANCE_INTERVAL_S = 0.1
 class GatewayConnection(asyncio.Protocol):
     """One peer: a producer, a pipeline reporting releases, or a reader."""
 
-    def __init__(self, gateway: Gateway, conn_id: int) -> None:
+    def __init__(self, gateway: Gateway, conn_id: int, *, tls: bool = False) -> None:
         self.gateway = gateway
         self.conn_id = conn_id
         self.session = Session(
@@ -67,6 +69,15 @@ class GatewayConnection(asyncio.Protocol):
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
+        #: What the peer may do; None until its Hello is accepted.
+        self.rights: Rights | None = None
+        #: Stream handles of the peer's that were refused (nothing is stored for them).
+        self.refused: dict[int, str] = {}
+        #: Event-loop time of the last bytes received (for the idle timeout).
+        self.last_received = 0.0
+        self._idle: asyncio.TimerHandle | None = None
+        self._tls_pending = tls
+        self._tls_task: asyncio.Task[None] | None = None
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -76,9 +87,54 @@ class GatewayConnection(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "unix")
         loop = asyncio.get_running_loop()
-        self._handshake = loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
+        self.last_received = loop.time()
+        config = self.gateway.config
+        self._handshake = loop.call_later(
+            config.handshake_timeout_ms / 1000, self._handshake_expired
+        )
+        if not self.gateway.attach(self):
+            if self._tls_pending:
+                log.warning("refused %s: too many connections", self.peer)
+                self._closing = True
+                transport.abort()
+            else:
+                self.refuse(
+                    ProtocolError("too many connections", code=ErrorCode.RESOURCE_EXHAUSTED)
+                )
+            return
+        if self._tls_pending:
+            context = self.gateway.ssl_context
+            assert context is not None
+            transport.pause_reading()
+            self._tls_task = loop.create_task(self._start_tls(transport, context))
+
+    async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            tls = await loop.start_tls(
+                raw,
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=self.gateway.config.handshake_timeout_ms / 1000,
+            )
+        except (OSError, TimeoutError, ConnectionError) as exc:
+            if not self._closing:
+                log.warning("refused %s: TLS handshake failed: %s", self.peer, exc or "timeout")
+            self._closing = True
+            raw.abort()
+            self.connection_lost(None)
+            return
+        assert tls is not None
+        self._tls_pending = False
+        self.transport = tls
+        if self._closing:
+            tls.abort()
 
     def data_received(self, data: bytes) -> None:
+        if self._tls_pending:
+            return  # never: reading is paused until the TLS layer takes over
+        self.last_received = asyncio.get_running_loop().time()
         self.feed(data)
 
     def pause_writing(self) -> None:
@@ -94,7 +150,17 @@ class GatewayConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
+        if self._idle is not None:
+            self._idle.cancel()
         self.gateway.detach(self)
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this connection holds in memory: a partial frame in, output not yet sent."""
+        queued = 0
+        if self.transport is not None and not self._tls_pending:
+            queued = self.transport.get_write_buffer_size()
+        return self.session.receive_buffered + self.session.pending_output + queued
 
     # -- the receive seam ------------------------------------------------------
 
@@ -122,6 +188,15 @@ class GatewayConnection(asyncio.Protocol):
         out = self.session.data_to_send()
         if out:
             self.transport.write(out)
+            if self.transport.get_write_buffer_size() > self.gateway.config.max_write_buffer:
+                # Reading stopped long ago (pause_writing); what the timers
+                # still produce must not pile up either.
+                self.refuse(
+                    ProtocolError(
+                        "the peer does not read what the gateway sends",
+                        code=ErrorCode.RESOURCE_EXHAUSTED,
+                    )
+                )
 
     def refuse(self, error: ProtocolError) -> None:
         """Tell the peer what it did wrong, once, log it once, and close."""
@@ -132,20 +207,78 @@ class GatewayConnection(asyncio.Protocol):
         if self.transport is None or self._closing:
             return
         self._closing = True
+        if self._idle is not None:
+            self._idle.cancel()
+        transport = self.transport
+        if self._tls_pending:
+            transport.abort()  # nothing can be said before TLS is up
+            return
         if data:
-            self.transport.write(data)
-        self.transport.close()
+            transport.write(data)
+        transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
     def _handshake_expired(self) -> None:
-        if not self.session.opened:
+        if not self.session.opened and not self._closing:
             self.refuse(ProtocolError("no Hello in time", code=ErrorCode.TIMEOUT))
-            self.flush()
+
+    def _arm_idle(self, delay: float) -> None:
+        self._idle = asyncio.get_running_loop().call_later(delay, self._idle_check)
+
+    def _idle_check(self) -> None:
+        if self._closing:
+            return
+        timeout = self.gateway.config.idle_timeout_ms / 1000
+        silent = asyncio.get_running_loop().time() - self.last_received
+        if silent >= timeout:
+            self.refuse(
+                ProtocolError(f"nothing received for {silent:.1f} s", code=ErrorCode.TIMEOUT)
+            )
+        else:
+            self._arm_idle(timeout - silent)
+
+    def _bind_refusal(self, name: str) -> ProtocolError | None:
+        """Why the peer may not bind stream ``name``, or None if it may."""
+        rights = self.rights
+        assert rights is not None
+        if not rights.can_write(name):
+            return ProtocolError(
+                f"token {rights.name!r} may not write stream {name!r}", code=ErrorCode.FORBIDDEN
+            )
+        gw = self.gateway
+        if name not in gw.streams and len(gw.streams) >= gw.config.max_streams:
+            return ProtocolError(
+                f"the gateway holds its maximum of {gw.config.max_streams} streams",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        return None
+
+    def refuse_stream(self, handle: int, name: str, error: ProtocolError) -> None:
+        """Refuse one bound stream; the peer's other streams go on.
+
+        No guarantees are ever issued on its channel, so whatever the peer
+        sends there optimistically is dropped, never stored.
+        """
+        log.warning("refused stream %r to %s: %s", name, self.peer, error)
+        self.refused[handle] = name
+        text = str(error.args[0]) if error.args else ""
+        self.session.send_global(
+            m.Error(
+                code=error.code,
+                scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=handle),
+                text=text,
+            )
+        )
 
     # -- events ------------------------------------------------------------------
 
     def _handle(self, event: Event) -> None:
         gw = self.gateway
         match event:
+            case BatchReceived() if event.handle not in self.writers:
+                # A refused stream's channel has no buffer, so this cannot
+                # happen; if it did, the batch is let go, never stored.
+                self.session.process(event.handle, reissue=False)
             case BatchReceived():
                 writer = self.writers[event.handle]
                 stream = gw.streams[event.stream]
@@ -158,6 +291,10 @@ class GatewayConnection(asyncio.Protocol):
                     timestamp_us=time.time_ns() // 1000,
                 )
                 gw.mark_dirty(stream)
+            case StreamBound(handle=handle, stream=name) if (
+                refusal := self._bind_refusal(name)
+            ) is not None:
+                self.refuse_stream(handle, name, refusal)
             case StreamBound(handle=handle, stream=name):
                 stream = gw.stream(name)
                 writer = Writer(
@@ -182,25 +319,37 @@ class GatewayConnection(asyncio.Protocol):
                         f"producer id {hello.producer_id} must be below 2**63",
                         code=ErrorCode.BAD_HELLO,
                     )
+                self.rights = gw.authenticate(hello.token)
                 self.producer_id = hello.producer_id
                 self.session.send_global(
                     m.Welcome(
                         server_name=gw.name,
                         max_message_size=gw.config.max_message_size,
-                        idle_timeout_ms=0,
+                        idle_timeout_ms=gw.config.idle_timeout_ms,
                     )
                 )
-                self.session.grant(m.STREAM_CHANNEL, BIND_BUDGET)
+                self.session.grant(m.STREAM_CHANNEL, gw.config.bind_budget)
+                if gw.config.idle_timeout_ms > 0:
+                    self._arm_idle(gw.config.idle_timeout_ms / 1000)
             case Absolved(handle=handle) if handle is not None and handle in self.writers:
                 # The absolved space is free now: share it with who pleaded for it.
                 self._rebalance_handle(handle)
             case HandleDeleted(handle=handle, ours=False):
+                # The binding's bytes are bind-channel space again.
+                self.session.issue(m.STREAM_CHANNEL)
+                self.refused.pop(handle, None)
                 if handle in self.writers:
                     writer = self.writers.pop(handle)
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
                     stream.rebalance(time.monotonic())
             case MessageReceived(message=m.Release(stream=name, position=position)):
+                assert self.rights is not None
+                if not self.rights.can_administer():
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not release stream positions",
+                        code=ErrorCode.FORBIDDEN,
+                    )
                 gw.release(name, position)
             case MessageReceived(message=m.Goodbye()):
                 self.close_with(self.session.data_to_send())
@@ -226,6 +375,12 @@ class Gateway:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
         self._stopping = False
         self.address: tuple[str, int] = config.listen
+        #: The listener's TLS context, or None for plain TCP.
+        self.ssl_context = server_context(self.config)
+        #: Accepted tokens, or None when every peer may do anything.
+        self.tokens: TokenTable | None = (
+            None if self.config.auth_file is None else load_tokens(self.config.auth_file)
+        )
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -240,7 +395,13 @@ class Gateway:
                 self.stream(entry.name)
         loop = asyncio.get_running_loop()
         host, port = self.config.listen
-        server = await loop.create_server(lambda: self._accept(), host, port, reuse_address=True)
+        tls = self.ssl_context is not None
+        server = await loop.create_server(
+            lambda: GatewayConnection(self, next(self._ids), tls=tls),
+            host,
+            port,
+            reuse_address=True,
+        )
         self._servers.append(server)
         sockname = server.sockets[0].getsockname()
         self.address = (sockname[0], sockname[1])
@@ -248,21 +409,35 @@ class Gateway:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.unix_socket)
             self._servers.append(
-                await loop.create_unix_server(lambda: self._accept(), str(self.config.unix_socket))
+                await loop.create_unix_server(
+                    lambda: GatewayConnection(self, next(self._ids)), str(self.config.unix_socket)
+                )
             )
         self._tasks.append(asyncio.create_task(self._group_commit()))
         self._tasks.append(asyncio.create_task(self._rebalance_loop()))
         log.info("listening on %s:%d, data in %s", self.address[0], self.address[1], data)
 
-    def _accept(self) -> GatewayConnection:
-        conn = GatewayConnection(self, next(self._ids))
+    def attach(self, conn: GatewayConnection) -> bool:
+        """Count a new connection in; False if that is one too many."""
+        if len(self.connections) >= self.config.max_connections:
+            return False
         self.connections[conn.conn_id] = conn
-        if len(self.connections) > self.config.max_connections:
-            asyncio.get_running_loop().call_soon(
-                conn.refuse,
-                ProtocolError("too many connections", code=ErrorCode.RESOURCE_EXHAUSTED),
-            )
-        return conn
+        return True
+
+    def authenticate(self, token: bytes) -> Rights:
+        """The rights of a Hello's token; raises UNAUTHENTICATED if it has none."""
+        if self.tokens is None:
+            return ALL_RIGHTS
+        rights = self.tokens.authenticate(token)
+        if rights is None:
+            # The reason never includes the token, not even in part.
+            reason = "no token" if not token else "unknown token"
+            raise ProtocolError(f"authentication failed: {reason}", code=ErrorCode.UNAUTHENTICATED)
+        return rights
+
+    def buffered_bytes(self) -> int:
+        """Bytes all connections hold in memory (see GatewayConnection.buffered_bytes)."""
+        return sum(conn.buffered_bytes for conn in self.connections.values())
 
     async def stop(self) -> None:
         """Stop accepting, make everything durable, ack it, say goodbye, close."""

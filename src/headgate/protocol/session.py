@@ -329,6 +329,11 @@ class Session:
         return len(self._out)
 
     @property
+    def receive_buffered(self) -> int:
+        """Received bytes held for a frame that has not fully arrived (at most one frame)."""
+        return self._decoder.buffered
+
+    @property
     def opened(self) -> bool:
         """Whether the peer's opening message (Hello or Welcome) has arrived."""
         return self._opened
