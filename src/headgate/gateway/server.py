@@ -78,6 +78,7 @@ class GatewayConnection(asyncio.Protocol):
         self._idle: asyncio.TimerHandle | None = None
         self._tls_pending = tls
         self._tls_task: asyncio.Task[None] | None = None
+        self._early: list[bytes] = []
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -125,15 +126,25 @@ class GatewayConnection(asyncio.Protocol):
             raw.abort()
             self.connection_lost(None)
             return
-        assert tls is not None
+        if tls is None or self._closing:
+            # Cut off meanwhile (the handshake timeout), and logged then.
+            raw.abort()
+            if tls is not None:
+                tls.abort()
+            return
         self._tls_pending = False
         self.transport = tls
-        if self._closing:
-            tls.abort()
+        early, self._early = self._early, []
+        for data in early:
+            self.data_received(data)
 
     def data_received(self, data: bytes) -> None:
         if self._tls_pending:
-            return  # never: reading is paused until the TLS layer takes over
+            # Reading was paused until the TLS layer took over, so these are
+            # decrypted bytes that came with the end of the handshake, before
+            # start_tls returned the transport to answer on: keep them.
+            self._early.append(data)
+            return
         self.last_received = asyncio.get_running_loop().time()
         self.feed(data)
 
@@ -212,6 +223,7 @@ class GatewayConnection(asyncio.Protocol):
         transport = self.transport
         if self._tls_pending:
             transport.abort()  # nothing can be said before TLS is up
+            self.connection_lost(None)  # the TLS layer may never report it
             return
         if data:
             transport.write(data)
@@ -219,7 +231,10 @@ class GatewayConnection(asyncio.Protocol):
         asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
     def _handshake_expired(self) -> None:
-        if not self.session.opened and not self._closing:
+        if self._tls_pending and not self._closing:
+            log.warning("refused %s: TLS handshake failed: not finished in time", self.peer)
+            self.close_with(b"")
+        elif not self.session.opened and not self._closing:
             self.refuse(ProtocolError("no Hello in time", code=ErrorCode.TIMEOUT))
 
     def _arm_idle(self, delay: float) -> None:
