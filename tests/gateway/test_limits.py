@@ -1,0 +1,237 @@
+"""What no peer can make the gateway hold: connections, time, memory, streams.
+
+Every limit here is a configuration setting; the tests set it small so that
+reaching it takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from headgate.client import Producer, StreamRefused
+from headgate.gateway import Gateway
+from headgate.protocol import messages as m
+from headgate.protocol.codec import FrameDecoder, encode_frame
+from headgate.protocol.errors import ErrorCode
+from headgate.protocol.frames import AnnounceDropping, SendChannel, SendGlobal
+from headgate.protocol.records import encode_records
+from tests.gateway.test_gateway import RawPeer, config, stored
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def read_until_closed(reader: asyncio.StreamReader, timeout: float = 10) -> list[object]:
+    """Frames until the gateway closes (a reset after its last bytes counts as closing)."""
+    data = bytearray()
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                chunk = await reader.read(1 << 16)
+            except ConnectionError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    return list(FrameDecoder(max_payload=1 << 20).feed(data))
+
+
+def errors_in(frames: list[object]) -> list[m.Error]:
+    out = []
+    for frame in frames:
+        if isinstance(frame, SendGlobal):
+            message = m.decode_global(frame.payload)
+            if isinstance(message, m.Error):
+                out.append(message)
+    return out
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    gw = Gateway(
+        config(
+            tmp_path,
+            idle_timeout_ms=400,
+            handshake_timeout_ms=300,
+            max_connections=8,
+            max_write_buffer=64 * 1024,
+            max_streams=3,
+            bind_budget=512,
+        )
+    )
+    await gw.start()
+    yield gw
+    await gw.stop()
+
+
+async def test_welcome_announces_the_idle_timeout_and_a_silent_peer_is_closed(
+    gateway: Gateway,
+) -> None:
+    peer = RawPeer()
+    await peer.connect(gateway.address)
+    welcome = peer.session  # opened means Welcome arrived
+    assert welcome.opened
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    while not peer.closed and loop.time() - started < 5:
+        await peer.pump(0.1)
+    assert peer.closed
+    assert 0.3 < loop.time() - started < 3
+    assert [e.code for e in peer.errors()] == [ErrorCode.TIMEOUT]
+
+
+async def test_a_producer_keeps_an_idle_connection_alive_with_pings(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    async with Producer(gateway.address, reconnect_timeout=5) as producer:
+        await producer.send("s", b"before")
+        await producer.flush()
+        await asyncio.sleep(1.5)  # almost four idle timeouts
+        stats = producer.statistics()
+        assert stats.connected and stats.reconnects == 0
+        await producer.send("s", b"after")
+        await producer.flush()
+    assert [vs for _, _, vs in stored(tmp_path / "data", "s")] == [[b"before"], [b"after"]]
+
+
+async def test_a_slowloris_opening_is_cut_off_by_the_handshake_timeout(gateway: Gateway) -> None:
+    reader, writer = await asyncio.open_connection(*gateway.address)
+    hello = encode_frame(
+        SendGlobal(payload=m.encode_message(m.Hello(producer_id=1, client_name="slow")))
+    )
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    writer.write(hello[:3])  # and then one byte now and then, never all of it
+    closed = False
+    for byte in hello[3:-1]:
+        await asyncio.sleep(0.05)
+        if reader.at_eof():
+            closed = True
+            break
+        try:
+            writer.write(bytes([byte]))
+        except ConnectionError:
+            closed = True
+            break
+    frames = await read_until_closed(reader, 5)
+    elapsed = loop.time() - started
+    assert closed or elapsed < 2
+    assert [e.code for e in errors_in(frames)] == [ErrorCode.TIMEOUT]
+    writer.close()
+
+
+async def test_connections_beyond_the_limit_are_refused(gateway: Gateway) -> None:
+    peers = []
+    for _ in range(8):
+        peer = RawPeer()
+        await peer.connect(gateway.address)
+        peers.append(peer)
+    reader, writer = await asyncio.open_connection(*gateway.address)
+    frames = await read_until_closed(reader)
+    assert [e.code for e in errors_in(frames)] == [ErrorCode.RESOURCE_EXHAUSTED]
+    writer.close()
+    assert len(gateway.connections) == 8
+    for peer in peers:
+        await peer.close()
+
+
+async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(gateway: Gateway) -> None:
+    # A small receive buffer, so that the kernel does not absorb megabytes
+    # of Pongs before the gateway's own buffer is put to the test.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, gateway.address)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    writer.transport.pause_reading()  # never read again
+    hello = m.Hello(producer_id=3, client_name="deaf")
+    ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1))))
+    writer.write(encode_frame(SendGlobal(payload=m.encode_message(hello))))
+    peak = 0
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    # Every Ping asks for a Pong: 6 MB of Pongs would be asked for, more than
+    # the kernel buffers of both ends absorb.
+    sent = 0
+    while sent < 600_000 and loop.time() < deadline and gateway.connections:
+        writer.write(ping * 1000)
+        sent += 1000
+        with_drain = asyncio.wait_for(writer.drain(), 0.2)
+        try:
+            await with_drain
+        except (TimeoutError, ConnectionError):
+            pass
+        peak = max(peak, gateway.buffered_bytes())
+    # Held in memory: never more than the write cap plus one read chunk of Pongs.
+    print(f"peak buffered {peak} bytes after {sent} pings")
+    assert 0 < peak <= 64 * 1024 + 256 * 1024
+    # And the peer does not hold its connection forever: cut off within the
+    # idle timeout (reading stopped) plus the close grace.
+    while gateway.connections and loop.time() < deadline + 5:
+        await asyncio.sleep(0.1)
+    assert not gateway.connections
+    writer.close()
+
+
+async def test_binds_beyond_the_stream_limit_are_refused_per_stream(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    async with Producer(gateway.address, reconnect_timeout=5) as producer:
+        for name in ("a", "b", "c", "d"):
+            await producer.send(name, name.encode())
+        with pytest.raises(StreamRefused) as refused:
+            await producer.flush()
+        assert refused.value.stream == "d" and refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        await producer.send("a", b"more")
+        await producer.flush("a")
+    assert [vs for _, _, vs in stored(tmp_path / "data", "a")] == [[b"a"], [b"more"]]
+    assert not (tmp_path / "data" / "streams" / "d").exists()
+
+
+async def test_binds_beyond_the_bind_guarantees_are_dropped_not_bound(gateway: Gateway) -> None:
+    peer = RawPeer()
+    await peer.connect(gateway.address)
+    # 512 bytes of guarantees: a 101-byte bind payload fits five times.
+    name = "n" * 100
+    raw = encode_frame(SendChannel(channel=0, payload=m.encode_message(m.BindStream(stream=name))))
+    peer.writer.write(raw * 50)
+    await peer.writer.drain()
+    data = await asyncio.wait_for(peer.reader.read(1 << 16), 5)
+    frames = FrameDecoder(max_payload=1 << 20).feed(data)
+    assert AnnounceDropping(channel=0) in frames
+    conn = next(iter(gateway.connections.values()))
+    assert len(conn.session.streams.theirs) <= 5
+    assert conn.buffered_bytes < 64 * 1024
+    await peer.close()
+
+
+async def test_optimistic_batches_beyond_guarantees_are_dropped_until_an_apology(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    peer = RawPeer()
+    await peer.connect(gateway.address)
+    handle = await peer.bind("opt")
+    await peer.until(lambda: peer.session.outbound(m.data_channel(handle)).guarantees > 0)
+    granted = peer.session.outbound(m.data_channel(handle)).guarantees
+    records = encode_records([b"x" * 1000])
+    # Far beyond the guarantees, bypassing the session so no apology is ever sent.
+    frame = encode_frame(
+        SendChannel(channel=m.data_channel(handle), payload=m.encode_batch_header(0) + records)
+    )
+    count = 2 * granted // 1000 + 10
+    peer.writer.write(frame * count)
+    await peer.writer.drain()
+    data = await asyncio.wait_for(peer.reader.read(1 << 16), 5)
+    frames = FrameDecoder(max_payload=1 << 20).feed(data)
+    assert any(isinstance(f, AnnounceDropping) for f in frames)
+    await asyncio.sleep(0.2)
+    kept = stored(tmp_path / "data", "opt")
+    # What fit was stored once (sequence 0 deduplicated); the rest was dropped.
+    assert len(kept) <= 1
+    conn = next(iter(gateway.connections.values()))
+    assert conn.buffered_bytes < 64 * 1024
+    await peer.close()
