@@ -7,6 +7,7 @@ reaching it takes milliseconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -146,7 +147,7 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(gateway: G
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, gateway.address)
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
+    _reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
     writer.transport.pause_reading()  # never read again
     hello = m.Hello(producer_id=3, client_name="deaf")
     ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1))))
@@ -160,11 +161,8 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(gateway: G
     while sent < 600_000 and loop.time() < deadline and gateway.connections:
         writer.write(ping * 1000)
         sent += 1000
-        with_drain = asyncio.wait_for(writer.drain(), 0.2)
-        try:
-            await with_drain
-        except (TimeoutError, ConnectionError):
-            pass
+        with contextlib.suppress(TimeoutError, ConnectionError):
+            await asyncio.wait_for(writer.drain(), 0.2)
         peak = max(peak, gateway.buffered_bytes())
     # Held in memory: never more than the write cap plus one read chunk of Pongs.
     print(f"peak buffered {peak} bytes after {sent} pings")
