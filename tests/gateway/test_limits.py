@@ -148,7 +148,9 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(gateway: G
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, gateway.address)
     _reader, writer = await asyncio.open_connection(sock=sock, limit=1024)
-    writer.transport.pause_reading()  # never read again
+    transport = writer.transport
+    assert isinstance(transport, asyncio.Transport)
+    transport.pause_reading()  # never read again
     hello = m.Hello(producer_id=3, client_name="deaf")
     ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1))))
     writer.write(encode_frame(SendGlobal(payload=m.encode_message(hello))))
