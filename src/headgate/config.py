@@ -25,6 +25,7 @@ Example ``headgate.toml``::
     max_write_buffer = "1MiB"
     bind_budget = "16KiB"
     max_streams = 4096
+    streams_per_token = 1024
 
     [streams.ticks]
     capacity = "8MiB"
@@ -144,6 +145,11 @@ class GatewayConfig:
     #: Largest number of streams the gateway opens; a bind of a new stream
     #: beyond it is refused.
     max_streams: int = 4096
+    #: How many new streams the peers of one token may create together (a
+    #: token's own ``max_streams`` overrides it), so that one token cannot use
+    #: up ``max_streams`` for the others. Without a tokens file every peer
+    #: counts as the same token.
+    streams_per_token: int = 1024
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -188,6 +194,8 @@ class GatewayConfig:
             raise ConfigError(f"bind_budget must be from 256 bytes to 1GiB, got {self.bind_budget}")
         if self.max_streams < 1:
             raise ConfigError("max_streams must be at least 1")
+        if self.streams_per_token < 0:
+            raise ConfigError("streams_per_token must not be negative")
         return self
 
 
@@ -209,6 +217,7 @@ _GATEWAY_KEYS = {
     "max_write_buffer",
     "bind_budget",
     "max_streams",
+    "streams_per_token",
 }
 
 
@@ -246,7 +255,7 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
             out[key] = float(value)
-        elif key in ("max_connections", "idle_timeout_ms", "max_streams"):
+        elif key in ("max_connections", "idle_timeout_ms", "max_streams", "streams_per_token"):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
             out[key] = value

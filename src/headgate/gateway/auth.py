@@ -8,6 +8,7 @@ A token file is TOML with one ``[[token]]`` table per token::
     write = ["clicks", "sensor-*"]  # fnmatch patterns of writable streams
     read = ["clicks"]               # tail subscriptions and Spark Fetch
     admin = false                   # Release of positions, runtime changes
+    max_streams = 100               # new streams it may create (optional)
 
 The gateway never sees a token at rest, only its SHA-256. A plain hash and
 not a slow KDF (scrypt, PBKDF2) is deliberate: ``headgate token`` makes
@@ -46,7 +47,7 @@ __all__ = [
 ]
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_KEYS = {"name", "sha256", "write", "read", "admin"}
+_KEYS = {"name", "sha256", "write", "read", "admin", "max_streams"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,9 @@ class Rights:
     read: tuple[str, ...] = ()
     #: Whether the peer may release stream positions and change settings.
     admin: bool = False
+    #: How many new streams the token's peers may create, together; None for
+    #: the gateway's ``streams_per_token``.
+    max_streams: int | None = None
 
     def can_write(self, stream: str) -> bool:
         """Whether the peer may bind ``stream`` and append records to it."""
@@ -177,11 +181,17 @@ def load_tokens(path: Path) -> TokenTable:
         admin = table.get("admin", False)
         if not isinstance(admin, bool):
             raise ConfigError(f"{where} ({name}).admin: expected true or false")
+        max_streams = table.get("max_streams")
+        if max_streams is not None and (
+            isinstance(max_streams, bool) or not isinstance(max_streams, int) or max_streams < 0
+        ):
+            raise ConfigError(f"{where} ({name}).max_streams: expected a whole number >= 0")
         rights = Rights(
             name=name,
             write=_patterns(table.get("write", []), f"{where} ({name}).write"),
             read=_patterns(table.get("read", []), f"{where} ({name}).read"),
             admin=admin,
+            max_streams=max_streams,
         )
         entries.append((digest, rights))
     return TokenTable(entries)

@@ -28,6 +28,7 @@ from headgate.costs import batch_cost
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
+from headgate.gateway.turns import TurnTaker
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -79,6 +80,11 @@ class GatewayConnection(asyncio.Protocol):
         self._tls_pending = tls
         self._tls_task: asyncio.Task[None] | None = None
         self._early: list[bytes] = []
+        self._write_paused = False
+        self._backlogged = False
+        self._turns = TurnTaker(
+            self._receive, self.flush, self._set_backlogged, lambda: self._closing
+        )
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -146,23 +152,37 @@ class GatewayConnection(asyncio.Protocol):
             self._early.append(data)
             return
         self.last_received = asyncio.get_running_loop().time()
-        self.feed(data)
+        self._turns.received(data)
 
     def pause_writing(self) -> None:
         # The peer does not read what we send: stop reading what it sends,
         # so that nothing it makes us produce can pile up here.
-        if self.transport is not None:
-            self.transport.pause_reading()
+        self._write_paused = True
+        self._update_reading()
 
     def resume_writing(self) -> None:
-        if self.transport is not None and not self._closing:
-            self.transport.resume_reading()
+        self._write_paused = False
+        self._update_reading()
+
+    def _set_backlogged(self, backlogged: bool) -> None:
+        self._backlogged = backlogged
+        self._update_reading()
+
+    def _update_reading(self) -> None:
+        transport = self.transport
+        if transport is None or self._closing or self._tls_pending:
+            return
+        if self._write_paused or self._backlogged:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
         if self._idle is not None:
             self._idle.cancel()
+        self._turns.cancel()
         self.gateway.detach(self)
 
     @property
@@ -171,12 +191,21 @@ class GatewayConnection(asyncio.Protocol):
         queued = 0
         if self.transport is not None and not self._tls_pending:
             queued = self.transport.get_write_buffer_size()
-        return self.session.receive_buffered + self.session.pending_output + queued
+        return (
+            self._turns.backlog
+            + self.session.receive_buffered
+            + self.session.pending_output
+            + queued
+        )
 
     # -- the receive seam ------------------------------------------------------
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Bytes from the peer: hand them to the session, act, answer."""
+        self._receive(data)
+        self.flush()
+
+    def _receive(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing:
             return
         try:
@@ -189,8 +218,6 @@ class GatewayConnection(asyncio.Protocol):
         except LogError as error:
             log.error("stream storage failed for %s: %s", self.peer, error)
             self.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
-            return
-        self.flush()
 
     def flush(self) -> None:
         """Write whatever the session has queued, in one write."""
@@ -261,7 +288,17 @@ class GatewayConnection(asyncio.Protocol):
                 f"token {rights.name!r} may not write stream {name!r}", code=ErrorCode.FORBIDDEN
             )
         gw = self.gateway
-        if name not in gw.streams and len(gw.streams) >= gw.config.max_streams:
+        if name in gw.streams:
+            return None
+        quota = rights.max_streams
+        if quota is None:
+            quota = gw.config.streams_per_token
+        if gw.created_by.get(rights.name, 0) >= quota:
+            return ProtocolError(
+                f"token {rights.name!r} created its maximum of {quota} streams",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        if len(gw.streams) >= gw.config.max_streams:
             return ProtocolError(
                 f"the gateway holds its maximum of {gw.config.max_streams} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
@@ -311,6 +348,9 @@ class GatewayConnection(asyncio.Protocol):
             ) is not None:
                 self.refuse_stream(handle, name, refusal)
             case StreamBound(handle=handle, stream=name):
+                if name not in gw.streams:
+                    assert self.rights is not None
+                    gw.created_by[self.rights.name] = gw.created_by.get(self.rights.name, 0) + 1
                 stream = gw.stream(name)
                 writer = Writer(
                     session=self.session,
@@ -392,6 +432,8 @@ class Gateway:
         self.address: tuple[str, int] = config.listen
         #: The listener's TLS context, or None for plain TCP.
         self.ssl_context = server_context(self.config)
+        #: New streams created by the peers of each token, by token name.
+        self.created_by: dict[str, int] = {}
         #: Accepted tokens, or None when every peer may do anything.
         self.tokens: TokenTable | None = (
             None if self.config.auth_file is None else load_tokens(self.config.auth_file)
