@@ -379,6 +379,8 @@ class Session:
         events: list[Event] = []
         self._events = events
         for frame in self._decoder.feed(data):
+            if self._closed:
+                break  # a refusal in place of Welcome ends the session; the rest is moot
             self._dispatch(frame, events)
         self._bind_pending(events)
         return events
