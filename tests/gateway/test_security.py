@@ -19,7 +19,7 @@ from click.testing import CliRunner
 from headgate.cli import main
 from headgate.client import Producer, ProducerError, StreamRefused
 from headgate.client.tls import client_context
-from headgate.config import ConfigError
+from headgate.config import ConfigError, load_gateway_config
 from headgate.gateway import Gateway
 from headgate.gateway.auth import Rights, TokenTable, generate_token, hash_token, load_tokens
 from headgate.protocol import messages as m
@@ -365,3 +365,42 @@ def test_tls_settings_must_come_in_pairs(tmp_path: Path, authority: Authority) -
     with pytest.raises(ValueError, match="cannot load"):
         client_context(ca_file=tmp_path / "missing.pem")
     assert isinstance(client_context(), ssl.SSLContext)
+
+
+# -- configuration ------------------------------------------------------------------
+
+
+def test_security_settings_come_from_the_config_file(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text(
+        "[gateway]\n"
+        'tls_cert = "c.pem"\ntls_key = "k.pem"\ntls_client_ca = "ca.pem"\n'
+        'auth_file = "tokens.toml"\nidle_timeout_ms = 5000\nhandshake_timeout_ms = 250\n'
+        'max_write_buffer = "256KiB"\nbind_budget = "4KiB"\nmax_streams = 10\n'
+        "streams_per_token = 3\nmax_connections = 7\n"
+    )
+    cfg = load_gateway_config(path)
+    assert cfg.tls_cert == Path("c.pem") and cfg.tls_client_ca == Path("ca.pem")
+    assert cfg.auth_file == Path("tokens.toml")
+    assert (cfg.idle_timeout_ms, cfg.handshake_timeout_ms) == (5000, 250.0)
+    assert (cfg.max_write_buffer, cfg.bind_budget) == (256 * 1024, 4096)
+    assert (cfg.max_streams, cfg.streams_per_token, cfg.max_connections) == (10, 3, 7)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ("idle_timeout_ms = -1\n", "must not be negative"),
+        ("idle_timeout_ms = 1.5\n", "whole number"),
+        ("handshake_timeout_ms = 0\n", "must be positive"),
+        ('max_write_buffer = "1KiB"\n', "at least 64KiB"),
+        ("bind_budget = 10\n", "bind_budget"),
+        ("max_streams = 0\n", "at least 1"),
+        ("auth_file = 3\n", "expected a path"),
+    ],
+)
+def test_bad_security_settings_are_clear_errors(tmp_path: Path, body: str, fragment: str) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text("[gateway]\n" + body)
+    with pytest.raises(ConfigError, match=fragment):
+        load_gateway_config(path)
