@@ -235,3 +235,17 @@ async def test_optimistic_batches_beyond_guarantees_are_dropped_until_an_apology
     conn = next(iter(gateway.connections.values()))
     assert conn.buffered_bytes < 64 * 1024
     await peer.close()
+
+
+async def test_bind_guarantees_come_back_when_a_binding_is_freed(gateway: Gateway) -> None:
+    peer = RawPeer()
+    await peer.connect(gateway.address)
+    bind_channel = peer.session.outbound(m.STREAM_CHANNEL)
+    await peer.until(lambda: bind_channel.guarantees == 512)
+    handle = await peer.bind("x" * 200)
+    assert bind_channel.guarantees < 512
+    peer.session.free_stream(handle)
+    await peer.send()
+    # The gateway confirms the free and issues the binding's bytes again.
+    await peer.until(lambda: bind_channel.guarantees == 512)
+    await peer.close()
