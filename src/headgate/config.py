@@ -26,6 +26,7 @@ Example ``headgate.toml``::
     bind_budget = "16KiB"
     max_streams = 4096
     streams_per_token = 1024
+    max_control_rate = 5000
 
     [streams.ticks]
     capacity = "8MiB"
@@ -150,6 +151,10 @@ class GatewayConfig:
     #: up ``max_streams`` for the others. Without a tokens file every peer
     #: counts as the same token.
     streams_per_token: int = 1024
+    #: Control frames (and dropped data messages) per second one connection
+    #: may send, in bursts of as many; beyond, it is not read from until its
+    #: budget refills. Data within guarantees is not counted.
+    max_control_rate: int = 5000
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -196,6 +201,8 @@ class GatewayConfig:
             raise ConfigError("max_streams must be at least 1")
         if self.streams_per_token < 0:
             raise ConfigError("streams_per_token must not be negative")
+        if self.max_control_rate < 10:
+            raise ConfigError("max_control_rate must be at least 10 frames per second")
         return self
 
 
@@ -218,6 +225,7 @@ _GATEWAY_KEYS = {
     "bind_budget",
     "max_streams",
     "streams_per_token",
+    "max_control_rate",
 }
 
 
@@ -255,7 +263,13 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
             out[key] = float(value)
-        elif key in ("max_connections", "idle_timeout_ms", "max_streams", "streams_per_token"):
+        elif key in (
+            "max_connections",
+            "idle_timeout_ms",
+            "max_streams",
+            "streams_per_token",
+            "max_control_rate",
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
             out[key] = value

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from headgate.client import Producer, StreamRefused
 from headgate.gateway import Gateway
+from headgate.gateway.turns import FIRST_SLICE, TurnTaker
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
@@ -249,3 +251,56 @@ async def test_bind_guarantees_come_back_when_a_binding_is_freed(gateway: Gatewa
     # The gateway confirms the free and issues the binding's bytes again.
     await peer.until(lambda: bind_channel.guarantees == 512)
     await peer.close()
+
+
+async def test_a_ping_flood_is_slowed_to_the_control_budget(tmp_path: Path) -> None:
+    gw = Gateway(config(tmp_path, max_control_rate=200, idle_timeout_ms=0))
+    await gw.start()
+    try:
+        reader, writer = await asyncio.open_connection(*gw.address)
+        hello = m.Hello(producer_id=3, client_name="pinger")
+        ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1))))
+        writer.write(encode_frame(SendGlobal(payload=m.encode_message(hello))) + ping * 5000)
+        decoder = FrameDecoder(max_payload=1 << 20)
+        pongs = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 1.0
+        while loop.time() < deadline:
+            with contextlib.suppress(TimeoutError):
+                data = await asyncio.wait_for(reader.read(1 << 16), deadline - loop.time())
+                pongs += sum(
+                    1
+                    for f in decoder.feed(data)
+                    if isinstance(f, SendGlobal) and isinstance(m.decode_global(f.payload), m.Pong)
+                )
+        # A burst of 200, then 200 a second; the budget is charged after each
+        # slice, so the first slice (16 KiB, 1638 Pings) goes through whole.
+        assert 200 <= pongs <= 200 + 200 + FIRST_SLICE // 10
+        assert pongs < 5000 // 2
+        writer.close()
+    finally:
+        await gw.stop()
+
+
+async def test_connections_take_turns_with_what_they_received() -> None:
+    order: list[str] = []
+
+    def taker(name: str) -> TurnTaker:
+        def feed(piece: memoryview) -> None:
+            time.sleep(0.001)  # an expensive slice: many tiny frames
+            order.append(name)
+
+        return TurnTaker(feed, lambda: None, lambda backlogged: None, lambda: False)
+
+    a, b = taker("a"), taker("b")
+    a.received(bytes(200_000))
+    b.received(bytes(200_000))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 10
+    while (a.backlog or b.backlog) and loop.time() < deadline:
+        await asyncio.sleep(0.001)
+    assert not a.backlog and not b.backlog
+    # b got its first turn long before a was done: a's first turn stopped at
+    # the time budget, after a few slices.
+    assert order.index("b") < len(order) // 4
+    assert order.count("a") == order.count("b")

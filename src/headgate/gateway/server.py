@@ -26,6 +26,7 @@ from pathlib import Path
 from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
+from headgate.gateway.budget import FrameBudget
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
 from headgate.gateway.turns import TurnTaker
@@ -34,6 +35,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import (
     Absolved,
+    BatchDropped,
     BatchReceived,
     Event,
     HandleDeleted,
@@ -85,6 +87,8 @@ class GatewayConnection(asyncio.Protocol):
         self._turns = TurnTaker(
             self._receive, self.flush, self._set_backlogged, lambda: self._closing
         )
+        rate = gateway.config.max_control_rate
+        self._budget = FrameBudget(rate, rate, time.monotonic())
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -125,7 +129,7 @@ class GatewayConnection(asyncio.Protocol):
                 server_side=True,
                 ssl_handshake_timeout=self.gateway.config.handshake_timeout_ms / 1000,
             )
-        except (OSError, TimeoutError, ConnectionError) as exc:
+        except Exception as exc:  # ssl.SSLError, OSError, TimeoutError, a closed transport
             if not self._closing:
                 log.warning("refused %s: TLS handshake failed: %s", self.peer, exc or "timeout")
             self._closing = True
@@ -208,10 +212,19 @@ class GatewayConnection(asyncio.Protocol):
     def _receive(self, data: bytes | bytearray | memoryview) -> None:
         if self._closing:
             return
+        session = self.session
+        control = session.control_received
         try:
-            events = self.session.receive_data(data)
+            events = session.receive_data(data)
+            spent = session.control_received - control
             for event in events:
+                if type(event) is BatchDropped:
+                    spent += 1
                 self._handle(event)
+            if spent:
+                wait = self._budget.charge(spent, time.monotonic())
+                if wait > 0:
+                    self._turns.hold(wait)
         except ProtocolError as error:
             self.refuse(error)
             return

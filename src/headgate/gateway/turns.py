@@ -4,15 +4,19 @@ One read from a socket can bring 256 KiB. As a few large batches that is
 cheap to handle, but as 26,000 ten-byte Pings it costs hundreds of
 milliseconds of Python, during which no other connection is served: a
 cheap way for one peer to stall every producer on the gateway. So a
-connection's bytes go to its session in small slices, and a connection gets
-one *turn* at a time: slices until ``turn_bytes`` or ``turn_seconds`` is
-used up, then the rest waits (with the socket's reading paused) for a later
-pass of the event loop, after every other connection that is ready has had
-its turn.
+connection's bytes go to its session in slices, and a connection gets one
+*turn* at a time: slices until ``TURN_BYTES`` or ``TURN_SECONDS`` is used
+up, then the rest waits (with the socket's reading paused) for a later pass
+of the event loop, after every other connection that is ready has had its
+turn.
 
-The cost of a turn is bounded by one slice past the time budget, whatever
-the bytes are; a peer of large batches keeps nearly all of its speed,
-because its slices cost little.
+A slice's size follows what the connection's bytes cost: it shrinks at once
+to what fits a quarter of the time budget at the cost per byte just seen
+(down to ``MIN_SLICE``), and grows back by ``SLICE_STEP`` per cheap slice
+(up to ``MAX_SLICE``). Large batches are cheap per byte and go in large
+slices, which is as fast as feeding whole reads; a flood of tiny frames goes
+in small ones. Growing slowly means a peer cannot buy a large slice of
+expensive bytes with a short stretch of cheap ones.
 """
 
 from __future__ import annotations
@@ -23,8 +27,12 @@ from collections.abc import Callable
 
 __all__ = ["TurnTaker"]
 
-#: Bytes handed to the session at once.
-FEED_SLICE = 2048
+#: Bounds of the bytes handed to the session at once, and its first size.
+MIN_SLICE = 2048
+MAX_SLICE = 32 * 1024
+FIRST_SLICE = 16 * 1024
+#: How much a slice grows after a cheap one.
+SLICE_STEP = 4096
 #: Bytes one connection may have processed in one turn.
 TURN_BYTES = 256 * 1024
 #: Time one connection may spend in one turn (checked after each slice).
@@ -42,7 +50,16 @@ class TurnTaker:
         closing: whether the connection is closing (stop feeding).
     """
 
-    __slots__ = ("_backlog", "_closing", "_done", "_feed", "_handle", "_set_backlogged")
+    __slots__ = (
+        "_backlog",
+        "_closing",
+        "_done",
+        "_feed",
+        "_handle",
+        "_held_until",
+        "_set_backlogged",
+        "_slice",
+    )
 
     def __init__(
         self,
@@ -57,11 +74,17 @@ class TurnTaker:
         self._closing = closing
         self._backlog: memoryview | None = None
         self._handle: asyncio.Handle | None = None
+        self._slice = FIRST_SLICE
+        self._held_until = 0.0
 
     @property
     def backlog(self) -> int:
         """Received bytes waiting for a turn."""
         return 0 if self._backlog is None else len(self._backlog)
+
+    def hold(self, seconds: float) -> None:
+        """Feed nothing more for ``seconds`` (the connection's budget is spent)."""
+        self._held_until = max(self._held_until, time.monotonic() + seconds)
 
     def received(self, data: bytes) -> None:
         """Bytes from the socket: process a turn's worth now, the rest later."""
@@ -70,26 +93,41 @@ class TurnTaker:
             self._backlog = memoryview(bytes(self._backlog) + data)
             return
         self._backlog = memoryview(data)
-        self._turn()
+        if self._held_until > time.monotonic():
+            self._schedule()
+        else:
+            self._turn()
+
+    def _schedule(self) -> None:
+        self._set_backlogged(True)
+        loop = asyncio.get_running_loop()
+        wait = self._held_until - time.monotonic()
+        if wait > 0:
+            self._handle = loop.call_later(wait, self._turn)
+        else:
+            self._handle = loop.call_soon(self._turn)
 
     def _turn(self) -> None:
         self._handle = None
         view = self._backlog
         assert view is not None
-        started = time.perf_counter()
+        started = now = time.monotonic()
         fed = 0
         while view and not self._closing():
-            piece = view[:FEED_SLICE]
-            view = view[FEED_SLICE:]
+            piece = view[: self._slice]
+            view = view[self._slice :]
+            before = now
             self._feed(piece)
+            now = time.monotonic()
             fed += len(piece)
-            if fed >= TURN_BYTES or time.perf_counter() - started >= TURN_SECONDS:
+            fits = (TURN_SECONDS / 4) * len(piece) / max(now - before, 1e-9)
+            self._slice = max(MIN_SLICE, min(MAX_SLICE, int(fits), self._slice + SLICE_STEP))
+            if fed >= TURN_BYTES or now - started >= TURN_SECONDS or self._held_until > now:
                 break
         self._done()
         if view and not self._closing():
-            self._set_backlogged(True)
             self._backlog = view
-            self._handle = asyncio.get_running_loop().call_soon(self._turn)
+            self._schedule()
         else:
             self._backlog = None
             self._set_backlogged(False)

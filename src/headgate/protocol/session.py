@@ -312,6 +312,9 @@ class Session:
         self._announced_schemas = 0
         # Events of the receive_data call in progress.
         self._events: list[Event] = []
+        #: Frames received that carry no channel message (SendGlobal and the
+        #: control frames): what a peer can make us do without any credit.
+        self.control_received = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -386,6 +389,8 @@ class Session:
         return events
 
     def _dispatch(self, frame: Frame, events: list[Event]) -> None:
+        if type(frame) is not SendChannel:
+            self.control_received += 1
         if not self._opened and not isinstance(frame, SendGlobal):
             expected = "Hello" if self.role is Role.GATEWAY else "Welcome"
             raise ProtocolError(
