@@ -432,7 +432,9 @@ DOCUMENTED = {int(code) for code in ErrorCode if code is not ErrorCode.NONE}
 
 def main() -> None:
     name, address, token, seconds = sys.argv[1:5]
-    report = asyncio.run(ATTACKS[name](parse_address(address), token, float(seconds)))
+    attack = ATTACKS[name]
+    print("attacking", flush=True)
+    report = asyncio.run(attack(parse_address(address), token, float(seconds)))
     print(json.dumps(asdict(report)))
 
 

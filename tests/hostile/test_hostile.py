@@ -49,9 +49,10 @@ BAD_TOKEN = "hostile-" + "h" * 40
 FLOOD_TOKEN = "flood-" + "f" * 40
 #: How long each attack lasts (seconds).
 ATTACK_SECONDS = 2.0
-#: Records the good producer sends per run, at most, and for how long at most.
-GOOD_RECORDS = 20_000
-GOOD_SECONDS = 2.0
+#: Records the good producer sends per run, at most, and for how long at most
+#: (it runs while the attack is at full force).
+GOOD_RECORDS = 200_000
+GOOD_SECONDS = 1.0
 #: The good producer keeps at least this share of its unattacked throughput.
 #: Tolerant, because two cores are shared by the gateway, the attacker, this
 #: process and whatever else runs; a gateway that stalls for an attack fails it.
@@ -67,7 +68,7 @@ CONFIG = """
 [gateway]
 listen = "127.0.0.1:0"
 data_dir = "{data}"
-stream_capacity = "16MiB"
+stream_capacity = "32MiB"
 term_length = "1MiB"
 max_message_size = "32KiB"
 group_commit_interval_ms = 2
@@ -221,7 +222,10 @@ async def run_attack(served: Served, name: str) -> tuple[dict[str, Any], float, 
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     try:
-        await asyncio.sleep(0.6)  # the attacker's interpreter starts and begins
+        assert attacker.stdout is not None
+        started = await asyncio.wait_for(attacker.stdout.readline(), 30)
+        assert started.strip() == b"attacking", started
+        await asyncio.sleep(0.2)  # under way
         rate, count, peak = await good_producer(served, f"good-{name}")
         out, _ = await asyncio.wait_for(attacker.communicate(), 60)
     finally:
