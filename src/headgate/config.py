@@ -24,8 +24,8 @@ Example ``headgate.toml``::
     handshake_timeout_ms = 10000
     max_write_buffer = "1MiB"
     bind_budget = "16KiB"
-    max_streams = 4096
-    streams_per_token = 1024
+    max_streams = 256
+    streams_per_token = 64
     max_control_rate = 5000
 
     [streams.ticks]
@@ -144,13 +144,15 @@ class GatewayConfig:
     #: bindings one connection may hold at once.
     bind_budget: int = 16 * 1024
     #: Largest number of streams the gateway opens; a bind of a new stream
-    #: beyond it is refused.
-    max_streams: int = 4096
+    #: beyond it is refused. Each stream reserves two terms on disk as soon
+    #: as it exists, and up to its capacity when used: size this so that
+    #: ``max_streams * stream_capacity`` fits the disk.
+    max_streams: int = 256
     #: How many new streams the peers of one token may create together (a
     #: token's own ``max_streams`` overrides it), so that one token cannot use
     #: up ``max_streams`` for the others. Without a tokens file every peer
     #: counts as the same token.
-    streams_per_token: int = 1024
+    streams_per_token: int = 64
     #: Control frames (and dropped data messages) per second one connection
     #: may send, in bursts of as many; beyond, it is not read from until its
     #: budget refills. Data within guarantees is not counted.
