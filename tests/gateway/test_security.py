@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
-from headgate.client import Producer, ProducerError, StreamRefused
+from headgate.client import Producer, ProducerError, StreamRefused, SyncProducer
 from headgate.client.tls import client_context
 from headgate.config import ConfigError, load_gateway_config
 from headgate.gateway import Gateway
@@ -404,3 +404,22 @@ def test_bad_security_settings_are_clear_errors(tmp_path: Path, body: str, fragm
     path.write_text("[gateway]\n" + body)
     with pytest.raises(ConfigError, match=fragment):
         load_gateway_config(path)
+
+
+async def test_the_blocking_producer_takes_a_token_and_tls(
+    tls_gateway: Gateway, tmp_path: Path, authority: Authority
+) -> None:
+    tls_gateway.tokens = load_tokens(tokens_file(tmp_path / "tokens.toml"))
+
+    def produce() -> None:
+        context = client_context(ca_file=authority.ca)
+        with SyncProducer(
+            tls_gateway.address, token=WRITER, ssl=context, server_hostname="localhost"
+        ) as producer:
+            for i in range(10):
+                producer.send("events", b"sync-%d" % i)
+            producer.flush(timeout=10)
+
+    await asyncio.to_thread(produce)
+    values = [v for _, _, vs in stored(tmp_path / "data", "events") for v in vs]
+    assert values == [b"sync-%d" % i for i in range(10)]

@@ -6,6 +6,14 @@ seam, :meth:`GatewayConnection.feed`: bytes in, session events handled, bytes
 out. A later change replaces what calls it (a preallocated ring buffer read
 with ``BufferedProtocol``) without touching what it does.
 
+Who gets in and what a peer can make the gateway hold are decided here too,
+with the pieces in their own modules: TLS (``tls``), tokens and rights
+(``auth``: a Hello is authenticated, a bind is checked against the token's
+write patterns and stream quota, a Release against its admin right), turns
+and slices of received bytes (``turns``), and the budget of credit-free
+frames (``budget``). Timeouts (handshake, idle) and the cap on bytes queued
+for a peer that does not read are per connection, from ``GatewayConfig``.
+
 Durability is a group commit: a task wakes every ``group_commit_interval_ms``,
 fsyncs every log with new appends in a worker thread, then sends the
 cumulative acks that the new durable positions allow.
