@@ -17,7 +17,13 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
-from headgate.client import Producer, ProducerError, StreamRefused, SyncProducer
+from headgate.client import (
+    Producer,
+    ProducerError,
+    SessionRefused,
+    StreamRefused,
+    SyncProducer,
+)
 from headgate.client.tls import client_context
 from headgate.config import ConfigError, load_gateway_config
 from headgate.gateway import Gateway
@@ -184,8 +190,9 @@ async def test_a_producer_with_a_wrong_token_gives_up_at_once_and_writes_nothing
     producer = Producer(auth_gateway.address, token="nope", reconnect_timeout=5)
     loop = asyncio.get_running_loop()
     started = loop.time()
-    with pytest.raises(ProducerError, match="UNAUTHENTICATED"):
+    with pytest.raises(SessionRefused, match="UNAUTHENTICATED") as refused:
         await producer.connect()
+    assert refused.value.code is ErrorCode.UNAUTHENTICATED
     assert loop.time() - started < 3  # not retried: a token does not get better
     await producer.abort()
     assert not any((tmp_path / "data" / "streams").iterdir())

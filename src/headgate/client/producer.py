@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from headgate.client.errors import ProducerError, StreamRefused
+from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
 from headgate.config import parse_address
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
@@ -1095,7 +1095,7 @@ class Producer:
             if message.text:
                 text += f": {message.text}"
             if message.code not in _RETRYABLE:
-                conn.fatal = ProducerError(text)
+                conn.fatal = SessionRefused(text, message.code, message.text)
             conn.close(text)
         elif isinstance(message, m.Goodbye):
             text = f"the gateway said goodbye ({message.code.name})"
