@@ -142,7 +142,36 @@ async def test_connections_beyond_the_limit_are_refused(gateway: Gateway) -> Non
         await peer.close()
 
 
-async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(gateway: Gateway) -> None:
+@pytest.mark.parametrize("control_rate", [5000, 10_000_000])
+async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, control_rate: int
+) -> None:
+    """Pings by the megabyte, never a byte read.
+
+    With the default control budget the Pings are slowed down long before
+    the Pongs fill anything, and the peer meets the idle timeout. Without
+    it (a huge budget), the Pongs fill the socket, reading stops, the write
+    cap is reached and the peer is cut off for that.
+    """
+    gateway = Gateway(
+        config(
+            tmp_path,
+            idle_timeout_ms=400,
+            max_write_buffer=64 * 1024,
+            max_control_rate=control_rate,
+        )
+    )
+    await gateway.start()
+    try:
+        await _never_read(gateway)
+    finally:
+        await gateway.stop()
+    reasons = [r.getMessage() for r in caplog.records if r.name == "headgate.gateway"]
+    expected = "TIMEOUT" if control_rate == 5000 else "RESOURCE_EXHAUSTED"
+    assert any(expected in reason for reason in reasons), reasons
+
+
+async def _never_read(gateway: Gateway) -> None:
     # A small receive buffer, so that the kernel does not absorb megabytes
     # of Pongs before the gateway's own buffer is put to the test.
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -169,7 +198,6 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(gateway: G
             await asyncio.wait_for(writer.drain(), 0.2)
         peak = max(peak, gateway.buffered_bytes())
     # Held in memory: never more than the write cap plus one read chunk of Pongs.
-    print(f"peak buffered {peak} bytes after {sent} pings")
     assert 0 < peak <= 64 * 1024 + 256 * 1024
     # And the peer does not hold its connection forever: cut off within the
     # idle timeout (reading stopped) plus the close grace.
