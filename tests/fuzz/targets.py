@@ -21,7 +21,15 @@ from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ProtocolError
 from headgate.protocol.frames import SendGlobal
-from headgate.protocol.session import Role, Session
+from headgate.protocol.session import (
+    BatchReceived,
+    Event,
+    HandleDeleted,
+    HelloReceived,
+    Role,
+    Session,
+    StreamBound,
+)
 
 #: The largest payload the targets accept; small, so that "too large" is reachable.
 MAX_PAYLOAD = 4096
@@ -84,6 +92,19 @@ def _hello(role: Role) -> bytes:
     return encode_frame(SendGlobal(payload=m.encode_message(message)))
 
 
+def _act_as_gateway(session: Session, events: list[Event]) -> None:
+    """What the gateway does with a session's events, minus the log."""
+    for event in events:
+        if isinstance(event, HelloReceived):
+            session.grant(m.STREAM_CHANNEL, 512)
+        elif isinstance(event, StreamBound):
+            session.grant(m.data_channel(event.handle), 2048)
+        elif isinstance(event, BatchReceived):
+            session.process(event.handle)
+        elif isinstance(event, HandleDeleted) and not event.ours:
+            session.issue(m.STREAM_CHANNEL)
+
+
 def check_session(data: bytes) -> None:
     """Feed a session (gateway or producer side) the input after a valid opening.
 
@@ -118,6 +139,8 @@ def check_session(data: bytes) -> None:
             assert session.closed
             return
         assert isinstance(events, list)
+        if role is Role.GATEWAY:
+            _act_as_gateway(session, events)
         if (
             role is Role.PRODUCER
             and session.opened
