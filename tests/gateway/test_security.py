@@ -31,7 +31,8 @@ from headgate.gateway.auth import Rights, TokenTable, generate_token, hash_token
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
-from headgate.protocol.frames import SendGlobal
+from headgate.protocol.frames import SendChannel, SendGlobal
+from headgate.protocol.records import encode_records
 from tests.gateway._certs import Authority, make_authority
 from tests.gateway.test_gateway import config, stored
 
@@ -182,6 +183,27 @@ async def test_a_peer_that_fails_authentication_gets_one_error_and_is_closed(
     assert not (tmp_path / "data" / "streams").exists() or not any(
         (tmp_path / "data" / "streams").iterdir()
     )
+
+
+async def test_a_bad_hello_with_binds_and_batches_behind_it_gets_one_frame_and_stores_nothing(
+    auth_gateway: Gateway, tmp_path: Path
+) -> None:
+    reader, writer = await asyncio.open_connection(*auth_gateway.address)
+    hello = m.Hello(producer_id=7, client_name="raw", token=b"bad")
+    bind = SendChannel(channel=0, payload=m.encode_message(m.BindStream(stream="events")))
+    batch = SendChannel(channel=2, payload=m.encode_batch_header(0) + encode_records([b"x"]))
+    writer.write(
+        encode_frame(SendGlobal(payload=m.encode_message(hello)))
+        + encode_frame(bind)
+        + encode_frame(batch)
+    )
+    data = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    frames = FrameDecoder(max_payload=1 << 20).feed(data)
+    assert len(frames) == 1 and isinstance(frames[0], SendGlobal)
+    error = m.decode_global(frames[0].payload)
+    assert isinstance(error, m.Error) and error.code is ErrorCode.UNAUTHENTICATED
+    assert not any((tmp_path / "data" / "streams").iterdir())
 
 
 async def test_a_producer_with_a_wrong_token_gives_up_at_once_and_writes_nothing(

@@ -260,6 +260,10 @@ class GatewayConnection(asyncio.Protocol):
     def refuse(self, error: ProtocolError) -> None:
         """Tell the peer what it did wrong, once, log it once, and close."""
         log.warning("closing %s: %s", self.peer, error)
+        if self.rights is None:
+            # Not welcomed: the refusal is the only frame it gets (not, say,
+            # an AnnounceDropping for a bind it sent along with its Hello).
+            self.session.data_to_send()
         self.close_with(self.session.fail(error))
 
     def close_with(self, data: bytes) -> None:
