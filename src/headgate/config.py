@@ -150,8 +150,8 @@ class GatewayConfig:
     max_streams: int = 256
     #: How many new streams the peers of one token may create together (a
     #: token's own ``max_streams`` overrides it), so that one token cannot use
-    #: up ``max_streams`` for the others. Without a tokens file every peer
-    #: counts as the same token.
+    #: up ``max_streams`` for the others. Without a tokens file only
+    #: ``max_streams`` applies.
     streams_per_token: int = 64
     #: Control frames (and dropped data messages) per second one connection
     #: may send, in bursts of as many; beyond, it is not read from until its

@@ -318,7 +318,7 @@ class GatewayConnection(asyncio.Protocol):
         quota = rights.max_streams
         if quota is None:
             quota = gw.config.streams_per_token
-        if gw.created_by.get(rights.name, 0) >= quota:
+        if gw.tokens is not None and gw.created_by.get(rights.name, 0) >= quota:
             return ProtocolError(
                 f"token {rights.name!r} created its maximum of {quota} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
