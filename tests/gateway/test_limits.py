@@ -87,17 +87,20 @@ async def test_welcome_announces_the_idle_timeout_and_a_silent_peer_is_closed(
     assert [e.code for e in peer.errors()] == [ErrorCode.TIMEOUT]
 
 
-async def test_a_producer_keeps_an_idle_connection_alive_with_pings(
-    gateway: Gateway, tmp_path: Path
-) -> None:
-    async with Producer(gateway.address, reconnect_timeout=5) as producer:
-        await producer.send("s", b"before")
-        await producer.flush()
-        await asyncio.sleep(1.5)  # almost four idle timeouts
-        stats = producer.statistics()
-        assert stats.connected and stats.reconnects == 0
-        await producer.send("s", b"after")
-        await producer.flush()
+async def test_a_producer_keeps_an_idle_connection_alive_with_pings(tmp_path: Path) -> None:
+    gateway = Gateway(config(tmp_path, idle_timeout_ms=900))
+    await gateway.start()
+    try:
+        async with Producer(gateway.address, reconnect_timeout=5) as producer:
+            await producer.send("s", b"before")
+            await producer.flush()
+            await asyncio.sleep(2.5)  # almost three idle timeouts
+            stats = producer.statistics()
+            assert stats.connected and stats.reconnects == 0
+            await producer.send("s", b"after")
+            await producer.flush()
+    finally:
+        await gateway.stop()
     assert [vs for _, _, vs in stored(tmp_path / "data", "s")] == [[b"before"], [b"after"]]
 
 
