@@ -23,6 +23,7 @@ from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import AnnounceDropping, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
+from headgate.protocol.session import WelcomeReceived
 from tests.gateway.test_gateway import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,8 +77,8 @@ async def test_welcome_announces_the_idle_timeout_and_a_silent_peer_is_closed(
 ) -> None:
     peer = RawPeer()
     await peer.connect(gateway.address)
-    welcome = peer.session  # opened means Welcome arrived
-    assert welcome.opened
+    welcomes = [e.welcome for e in peer.events if isinstance(e, WelcomeReceived)]
+    assert [w.idle_timeout_ms for w in welcomes] == [400]
     loop = asyncio.get_running_loop()
     started = loop.time()
     while not peer.closed and loop.time() - started < 5:
