@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -335,4 +336,8 @@ async def test_connections_take_turns_with_what_they_received() -> None:
     # b got its first turn long before a was done: a's first turn stopped at
     # the time budget, after a few slices.
     assert order.index("b") < len(order) // 4
-    assert order.count("a") == order.count("b")
+    # Turns alternate: a slice costs 1 ms and a turn at most 2 ms (checked
+    # after each slice), so while both have bytes waiting, neither gets more
+    # than a few slices in a row (the last run is whoever finished last).
+    runs = [len(list(group)) for _, group in itertools.groupby(order)]
+    assert len(runs) > 10 and max(runs[:-1]) <= 4, runs
