@@ -6,9 +6,11 @@ import asyncio
 import contextlib
 import logging
 import signal
+import ssl
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,13 @@ from headgate.config import (
     parse_size,
 )
 from headgate.protocol.messages import is_valid_name
+
+
+@dataclass(frozen=True)
+class _Security:
+    token: str | None
+    ssl: ssl.SSLContext | None
+    server_hostname: str | None
 
 
 def _size(value: str | None, what: str) -> int | None:
@@ -69,6 +78,21 @@ def main(verbose: int) -> None:
     metavar="STREAM=POLICY",
     help="Policy of one stream, e.g. ticks=window (repeatable).",
 )
+@click.option("--tls-cert", type=click.Path(path_type=Path), help="TLS certificate chain (PEM).")
+@click.option("--tls-key", type=click.Path(path_type=Path), help="TLS private key (PEM).")
+@click.option(
+    "--tls-client-ca",
+    type=click.Path(path_type=Path),
+    help="Require client certificates signed by this CA (mutual TLS).",
+)
+@click.option(
+    "--auth-file",
+    type=click.Path(path_type=Path),
+    help="Tokens file: require a token in Hello (see `headgate token`).",
+)
+@click.option("--idle-timeout-ms", type=int, help="Close connections silent this long (0: never).")
+@click.option("--handshake-timeout-ms", type=float, help="Time a peer has to send Hello.")
+@click.option("--max-connections", type=int, help="Largest number of concurrent connections.")
 def serve(
     config: Path | None,
     listen: str | None,
@@ -81,6 +105,13 @@ def serve(
     policy: str | None,
     window: int | None,
     stream_policies: tuple[str, ...],
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    tls_client_ca: Path | None,
+    auth_file: Path | None,
+    idle_timeout_ms: int | None,
+    handshake_timeout_ms: float | None,
+    max_connections: int | None,
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
 
@@ -110,6 +141,13 @@ def serve(
             policy=policy,
             window=window,
             stream_policies=per_stream,
+            tls_cert=tls_cert,
+            tls_key=tls_key,
+            tls_client_ca=tls_client_ca,
+            auth_file=auth_file,
+            idle_timeout_ms=idle_timeout_ms,
+            handshake_timeout_ms=handshake_timeout_ms,
+            max_connections=max_connections,
         )
 
     try:
@@ -145,7 +183,11 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     from headgate.log import LogError
 
     assert isinstance(cfg, GatewayConfig)
-    gateway = Gateway(cfg)
+    try:
+        gateway = Gateway(cfg)
+    except ConfigError as exc:
+        click.echo(f"headgate serve: {exc}", err=True)
+        sys.exit(2)
     try:
         await gateway.start()
     except (LogError, OSError) as exc:
@@ -196,6 +238,26 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     show_default=True,
     help="Seconds to keep trying to reach the gateway before giving up.",
 )
+@click.option(
+    "--token",
+    envvar="HEADGATE_TOKEN",
+    help="Authentication token (or set HEADGATE_TOKEN, which keeps it out of `ps`).",
+)
+@click.option("--tls", is_flag=True, help="Use TLS; the gateway's certificate is verified.")
+@click.option(
+    "--ca-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="CA bundle to verify the gateway with (implies --tls; default: the system's).",
+)
+@click.option(
+    "--cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Client certificate for mutual TLS (implies --tls).",
+)
+@click.option(
+    "--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Its key."
+)
+@click.option("--server-name", help="Name the gateway's certificate must carry (default: host).")
 def send(
     stream: str,
     source: Any,
@@ -204,6 +266,12 @@ def send(
     policy: str,
     producer_id: int | None,
     timeout: float,
+    token: str | None,
+    tls: bool,
+    ca_file: Path | None,
+    cert: Path | None,
+    key: Path | None,
+    server_name: str | None,
 ) -> None:
     """Send the lines of SOURCE (a file, or - for stdin) as records of STREAM.
 
@@ -217,9 +285,20 @@ def send(
             f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "
             "up to 255, starting with a letter or digit"
         )
+    context = None
+    if tls or ca_file is not None or cert is not None:
+        from headgate.client.tls import client_context
+
+        try:
+            context = client_context(ca_file=ca_file, cert_file=cert, key_file=key)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    elif key is not None:
+        raise click.UsageError("--key needs --cert")
+    security = _Security(token=token, ssl=context, server_hostname=server_name)
     try:
         sent, acked, nbytes, bad = asyncio.run(
-            _send(stream, source, gateway, fmt, policy, producer_id, timeout)
+            _send(stream, source, gateway, fmt, policy, producer_id, timeout, security)
         )
     except ProducerError as exc:
         click.echo(f"headgate send: {exc}", err=True)
@@ -241,6 +320,7 @@ async def _send(
     policy: str,
     producer_id: int | None,
     timeout: float,
+    security: _Security,
 ) -> tuple[int, int, int, int]:
     import json
 
@@ -259,6 +339,9 @@ async def _send(
         producer_id=producer_id,
         client_name="headgate-send",
         reconnect_timeout=timeout,
+        token=security.token,
+        ssl=security.ssl,
+        server_hostname=security.server_hostname,
     ) as producer:
         with Progress(transient=True) as progress:
             task = progress.add_task(f"sending to {stream}", total=None)
@@ -280,6 +363,37 @@ async def _send(
         acked = stats.records_acked if stats is not None else 0
         nbytes = stats.bytes_acked if stats is not None else 0
     return sent, acked, nbytes, bad
+
+
+@main.command()
+@click.option("--name", default="producer", show_default=True, help="Shown in gateway logs.")
+@click.option(
+    "--write", "write", multiple=True, help="Stream pattern it may write (repeatable): 'sensor-*'."
+)
+@click.option("--read", "read", multiple=True, help="Stream pattern it may read (repeatable).")
+@click.option("--admin", is_flag=True, help="May release positions and change settings.")
+def token(name: str, write: tuple[str, ...], read: tuple[str, ...], admin: bool) -> None:
+    """Make a new random token and print the tokens-file entry for it.
+
+    The token itself goes to stderr, once: give it to the producer (for
+    example as HEADGATE_TOKEN). Only its SHA-256 goes to stdout, as a
+    [[token]] table to append to the gateway's tokens file (--auth-file).
+    """
+    import json
+
+    from headgate.gateway.auth import generate_token, hash_token
+
+    secret = generate_token()
+    click.echo(f"token (keep it secret, it is shown only now): {secret}", err=True)
+    lines = [
+        "[[token]]",
+        f"name = {json.dumps(name)}",
+        f'sha256 = "{hash_token(secret.encode())}"',
+        f"write = {json.dumps(list(write))}",
+        f"read = {json.dumps(list(read))}",
+        f"admin = {'true' if admin else 'false'}",
+    ]
+    click.echo("\n".join(lines))
 
 
 @main.command()

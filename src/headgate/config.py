@@ -17,6 +17,18 @@ Example ``headgate.toml``::
     max_message_size = "1MiB"
     max_connection_debt = 4096
     metrics = "127.0.0.1:9108"
+    # Security and limits (see README, "Security"):
+    tls_cert = "gateway.crt"        # with tls_key: the listener speaks TLS
+    tls_key = "gateway.key"
+    tls_client_ca = "clients-ca.pem" # require client certificates signed by it
+    auth_file = "tokens.toml"       # require a token in Hello (headgate token)
+    idle_timeout_ms = 60000
+    handshake_timeout_ms = 10000
+    max_write_buffer = "1MiB"
+    bind_budget = "16KiB"
+    max_streams = 256
+    streams_per_token = 64
+    max_control_rate = 5000
 
     [streams.ticks]
     capacity = "8MiB"
@@ -162,6 +174,38 @@ class GatewayConfig:
     policy: str = "credit"
     #: Default window (batches in flight per writer) of ``window`` streams.
     window: int = 8
+    #: Certificate chain (PEM) of the TLS listener; None for plain TCP.
+    tls_cert: Path | None = None
+    #: Private key (PEM) of ``tls_cert``.
+    tls_key: Path | None = None
+    #: CA bundle (PEM) that client certificates must chain to; set = mutual TLS.
+    tls_client_ca: Path | None = None
+    #: Tokens file (see ``headgate.gateway.auth``); None lets every peer do anything.
+    auth_file: Path | None = None
+    #: How long a peer has to send Hello.
+    handshake_timeout_ms: float = 10_000.0
+    #: A connection that sends nothing for this long is closed (0: never).
+    #: Announced in Welcome; producers Ping at a third of it.
+    idle_timeout_ms: int = 60_000
+    #: Bytes queued for a peer that does not read, beyond which it is cut off.
+    max_write_buffer: int = 1024**2
+    #: Bind-channel guarantees per connection: the bytes of stream-name
+    #: bindings one connection may hold at once.
+    bind_budget: int = 16 * 1024
+    #: Largest number of streams the gateway opens; a bind of a new stream
+    #: beyond it is refused. Each stream reserves two terms on disk as soon
+    #: as it exists, and up to its capacity when used: size this so that
+    #: ``max_streams * stream_capacity`` fits the disk.
+    max_streams: int = 256
+    #: How many new streams the peers of one token may create together (a
+    #: token's own ``max_streams`` overrides it), so that one token cannot use
+    #: up ``max_streams`` for the others. Without a tokens file only
+    #: ``max_streams`` applies.
+    streams_per_token: int = 64
+    #: Control frames (and dropped data messages) per second one connection
+    #: may send, in bursts of as many; beyond, it is not read from until its
+    #: budget refills. Data within guarantees is not counted.
+    max_control_rate: int = 5000
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -227,6 +271,26 @@ class GatewayConfig:
             raise ConfigError("max_connections must be at least 1")
         if self.max_connection_debt < 1:
             raise ConfigError("max_connection_debt must be at least 1")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ConfigError("tls_cert and tls_key go together: set both or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key")
+        if self.handshake_timeout_ms <= 0:
+            raise ConfigError("handshake_timeout_ms must be positive")
+        if self.idle_timeout_ms < 0:
+            raise ConfigError("idle_timeout_ms must not be negative (0 disables it)")
+        if self.max_write_buffer < 64 * 1024:
+            raise ConfigError(
+                f"max_write_buffer must be at least 64KiB, got {self.max_write_buffer}"
+            )
+        if not 256 <= self.bind_budget <= 1 << 30:
+            raise ConfigError(f"bind_budget must be from 256 bytes to 1GiB, got {self.bind_budget}")
+        if self.max_streams < 1:
+            raise ConfigError("max_streams must be at least 1")
+        if self.streams_per_token < 0:
+            raise ConfigError("streams_per_token must not be negative")
+        if self.max_control_rate < 10:
+            raise ConfigError("max_control_rate must be at least 10 frames per second")
         return self
 
 
@@ -243,6 +307,17 @@ _GATEWAY_KEYS = {
     "metrics",
     "policy",
     "window",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+    "auth_file",
+    "handshake_timeout_ms",
+    "idle_timeout_ms",
+    "max_write_buffer",
+    "bind_budget",
+    "max_streams",
+    "streams_per_token",
+    "max_control_rate",
 }
 _STREAM_KEYS = {"capacity", "policy", "window", "xoff", "xon"}
 
@@ -270,13 +345,26 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if not isinstance(value, str):
                 raise ConfigError(f'{what}: expected "host:port", got {value!r}')
             out[key] = parse_address(value, what=what)
-        elif key in ("unix_socket", "data_dir"):
+        elif key in (
+            "unix_socket",
+            "data_dir",
+            "tls_cert",
+            "tls_key",
+            "tls_client_ca",
+            "auth_file",
+        ):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{what}: expected a path, got {value!r}")
             out[key] = Path(value)
-        elif key in ("stream_capacity", "term_length", "max_message_size"):
+        elif key in (
+            "stream_capacity",
+            "term_length",
+            "max_message_size",
+            "max_write_buffer",
+            "bind_budget",
+        ):
             out[key] = parse_size(value, what=what)
-        elif key == "group_commit_interval_ms":
+        elif key in ("group_commit_interval_ms", "handshake_timeout_ms"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
             out[key] = float(value)
@@ -284,7 +372,14 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             if not isinstance(value, str):
                 raise ConfigError(f'{what}: expected "host:port", got {value!r}')
             out[key] = parse_address(value, what=what, default_port=DEFAULT_METRICS_PORT)
-        elif key in ("max_connections", "max_connection_debt"):
+        elif key in (
+            "max_connections",
+            "max_connection_debt",
+            "idle_timeout_ms",
+            "max_streams",
+            "streams_per_token",
+            "max_control_rate",
+        ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
             out[key] = value

@@ -7,7 +7,7 @@ and resend without duplicates (the gateway deduplicates by producer id,
 stream and sequence number).
 """
 
-from headgate.client.errors import ProducerError, StreamRefused
+from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
 from headgate.client.producer import (
     BatchResult,
     Delivery,
@@ -25,6 +25,7 @@ __all__ = [
     "Producer",
     "ProducerError",
     "ProducerStatistics",
+    "SessionRefused",
     "StreamRefused",
     "StreamStatistics",
     "SyncProducer",

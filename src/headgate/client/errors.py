@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from headgate.protocol.errors import ErrorCode
 
-__all__ = ["ProducerError", "StreamRefused"]
+__all__ = ["ProducerError", "SessionRefused", "StreamRefused"]
 
 
 class ProducerError(Exception):
@@ -14,6 +14,20 @@ class ProducerError(Exception):
     the producer gave up (gateway unreachable past ``reconnect_timeout``, the
     session refused, a protocol violation) or was closed.
     """
+
+
+class SessionRefused(ProducerError):
+    """The gateway refused the whole session for good (for example a bad token).
+
+    Trying again cannot help: the producer gave up at once.
+    """
+
+    def __init__(self, message: str, code: ErrorCode, text: str) -> None:
+        super().__init__(message)
+        #: The gateway's reason, as an error code (``UNAUTHENTICATED``, ...).
+        self.code = code
+        #: The gateway's explanation, for people.
+        self.text = text
 
 
 class StreamRefused(ProducerError):

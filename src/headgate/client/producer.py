@@ -26,13 +26,14 @@ import asyncio
 import bisect
 import random
 import secrets
+import ssl as ssl_module
 from collections import deque
 from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from headgate.client.errors import ProducerError, StreamRefused
+from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
 from headgate.config import parse_address
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
@@ -420,6 +421,12 @@ class Producer:
         reconnect_timeout: how long to keep trying to reach the gateway
             (from the moment the connection is lost, or ``connect`` starts)
             before every pending and later call raises :class:`ProducerError`.
+        token: the authentication token for a gateway with a tokens file
+            (``headgate token`` makes one); sent in Hello.
+        ssl: a TLS context (see :func:`headgate.client.tls.client_context`,
+            which verifies the gateway by default); None for plain TCP.
+        server_hostname: the name the gateway's certificate must carry; the
+            host of ``address`` by default.
 
     Use it as ``async with Producer(...) as p:``; leaving the block normally
     flushes and closes, leaving it by an exception aborts.
@@ -436,6 +443,9 @@ class Producer:
         max_buffered_bytes: int = 64 * 1024 * 1024,
         client_name: str = "headgate-python",
         reconnect_timeout: float = 30.0,
+        token: bytes | str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> None:
         if policy not in ("wait", "optimistic", "window"):
             raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
@@ -470,6 +480,11 @@ class Producer:
         self._max_buffered = max_buffered_bytes
         self._client_name = client_name
         self._reconnect_timeout = reconnect_timeout
+        self._token = token.encode() if isinstance(token, str) else (token or b"")
+        if len(self._token) > m.MAX_TOKEN_BYTES:
+            raise ValueError(f"a token is at most {m.MAX_TOKEN_BYTES} bytes")
+        self._ssl = ssl
+        self._server_hostname = server_hostname
         self._streams: dict[str, _Stream] = {}
         self._dirty: deque[_Stream] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -1018,6 +1033,7 @@ class Producer:
             m.Hello(
                 producer_id=self.producer_id,
                 client_name=self._client_name,
+                token=self._token,
                 flags=m.HelloFlags.OPTIMISTIC if self._optimistic else m.HelloFlags.NONE,
             )
         )
@@ -1028,9 +1044,20 @@ class Producer:
             # that its error (say, refused) is what the give-up reports.
             async with asyncio.timeout(max(_MIN_ATTEMPT, deadline - loop.time())):
                 transport, conn = await loop.create_connection(
-                    lambda: _Connection(self, session), host, port
+                    lambda: _Connection(self, session),
+                    host,
+                    port,
+                    ssl=self._ssl,
+                    server_hostname=(None if self._ssl is None else self._server_hostname or host),
                 )
                 await conn.opened
+        except ssl_module.SSLCertVerificationError as exc:
+            # Trying again will meet the same certificate.
+            raise _Fatal(
+                ProducerError(
+                    f"the gateway at {host}:{port} failed TLS verification: {exc.verify_message}"
+                )
+            ) from None
         except BaseException:
             if transport is not None:
                 transport.abort()
@@ -1094,7 +1121,7 @@ class Producer:
             if message.text:
                 text += f": {message.text}"
             if message.code not in _RETRYABLE:
-                conn.fatal = ProducerError(text)
+                conn.fatal = SessionRefused(text, message.code, message.text)
             conn.close(text)
         elif isinstance(message, m.Goodbye):
             text = f"the gateway said goodbye ({message.code.name})"

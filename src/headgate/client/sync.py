@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ssl as ssl_module
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -74,6 +75,9 @@ class SyncProducer:
         handoff_records: int = 1000,
         max_pending_records: int = 200_000,
         connect_timeout: float | None = None,
+        token: bytes | str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> None:
         self._producer = Producer(
             address,
@@ -84,6 +88,9 @@ class SyncProducer:
             max_buffered_bytes=max_buffered_bytes,
             client_name=client_name,
             reconnect_timeout=reconnect_timeout,
+            token=token,
+            ssl=ssl,
+            server_hostname=server_hostname,
         )
         self._linger = max(linger_ms / 1000.0, 0.001)
         self._handoff = max(1, handoff_records)

@@ -25,6 +25,14 @@ threshold (``max_connection_debt``) the connection stops reading its socket;
 so does it while its ring is full at its limit, or while the peer does not
 read what the gateway sends. It reads again when no reason holds.
 
+Who gets in and what a peer can make the gateway hold are decided here too,
+with the pieces in their own modules: TLS (``tls``), tokens and rights
+(``auth``: a Hello is authenticated, a bind is checked against the token's
+write patterns and stream quota, a Release against its admin right), turns
+and slices of received bytes (``turns``), and the budget of credit-free
+frames (``budget``). Timeouts (handshake, idle) and the cap on bytes queued
+for a peer that does not read are per connection, from ``GatewayConfig``.
+
 Durability is a group commit: a task wakes every ``group_commit_interval_ms``,
 fsyncs every log with new appends in a worker thread, then sends the
 cumulative acks that the new durable positions allow.
@@ -37,6 +45,7 @@ import contextlib
 import itertools
 import logging
 import os
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -45,11 +54,15 @@ from pathlib import Path
 from headgate.config import ConfigError, GatewayConfig, StreamSettings
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
+from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
+from headgate.gateway.budget import FrameBudget
 from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
+from headgate.gateway.tls import server_context
+from headgate.gateway.turns import TurnTaker
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -68,10 +81,9 @@ from headgate.protocol.session import (
 
 log = logging.getLogger("headgate.gateway")
 
-#: Bytes of stream-name bindings one connection may hold (bind-channel credit).
-BIND_BUDGET = 64 * 1024
-#: How long a peer has to send Hello.
-HANDSHAKE_TIMEOUT_S = 10.0
+#: How long a closing connection may take to deliver its last bytes before
+#: it is aborted (a peer that does not read would otherwise hold it forever).
+CLOSE_GRACE_S = 2.0
 #: How often idle writers are re-checked and credit re-shared.
 REBALANCE_INTERVAL_S = 0.1
 #: Bytes of a connection's first receive ring.
@@ -88,7 +100,7 @@ def ring_limit(max_message_size: int) -> int:
 class GatewayConnection(asyncio.BufferedProtocol):
     """One peer: a producer, a pipeline reporting releases, or a reader."""
 
-    def __init__(self, gateway: Gateway, conn_id: int) -> None:
+    def __init__(self, gateway: Gateway, conn_id: int, *, tls: bool = False) -> None:
         self.gateway = gateway
         self.conn_id = conn_id
         self.session = Session(
@@ -111,6 +123,23 @@ class GatewayConnection(asyncio.BufferedProtocol):
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
         self.reads = ReadPauses(self._pause_transport, self._resume_transport)
+        #: What the peer may do; None until its Hello is accepted.
+        self.rights: Rights | None = None
+        #: Stream handles of the peer's that were refused (nothing is stored for them).
+        self.refused: dict[int, str] = {}
+        #: Event-loop time of the last bytes received (for the idle timeout).
+        self.last_received = 0.0
+        self._idle: asyncio.TimerHandle | None = None
+        self._tls_pending = tls
+        self._tls_task: asyncio.Task[None] | None = None
+        self._turns = TurnTaker(
+            self._decode_slice,
+            self._after_turn,
+            lambda backlogged: self.reads.set("turn", backlogged),
+            lambda: self._closing,
+        )
+        rate = gateway.config.max_control_rate
+        self._budget = FrameBudget(rate, rate, time.monotonic())
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
 
@@ -120,16 +149,71 @@ class GatewayConnection(asyncio.BufferedProtocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "unix")
         loop = asyncio.get_running_loop()
-        self._handshake = loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_expired)
+        self.last_received = loop.time()
+        config = self.gateway.config
+        self._handshake = loop.call_later(
+            config.handshake_timeout_ms / 1000, self._handshake_expired
+        )
+        if not self.gateway.attach(self):
+            if self._tls_pending:
+                log.warning("refused %s: too many connections", self.peer)
+                self._closing = True
+                transport.abort()
+            else:
+                self.refuse(
+                    ProtocolError("too many connections", code=ErrorCode.RESOURCE_EXHAUSTED)
+                )
+            return
+        if self._tls_pending:
+            context = self.gateway.ssl_context
+            assert context is not None
+            transport.pause_reading()
+            self._tls_task = loop.create_task(self._start_tls(transport, context))
+
+    async def _start_tls(self, raw: asyncio.Transport, context: ssl.SSLContext) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            tls = await loop.start_tls(
+                raw,
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=self.gateway.config.handshake_timeout_ms / 1000,
+            )
+        except Exception as exc:  # ssl.SSLError, OSError, TimeoutError, a closed transport
+            if not self._closing:
+                log.warning("refused %s: TLS handshake failed: %s", self.peer, exc or "timeout")
+            self._closing = True
+            raw.abort()
+            self.connection_lost(None)
+            return
+        if tls is None or self._closing:
+            # Cut off meanwhile (the handshake timeout), and logged then.
+            raw.abort()
+            if tls is not None:
+                tls.abort()
+            return
+        self._tls_pending = False
+        self.transport = tls
+        if self.reads.paused:
+            tls.pause_reading()
+        self.last_received = loop.time()
+        # Bytes that came with the end of the handshake wait in the ring.
+        self._turns.received()
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.ring.writable()
 
     def buffer_updated(self, nbytes: int) -> None:
-        view = self.ring.received(nbytes)
-        if view is not None and not self._closing:
-            self._receive(view)
-        del view
+        self.ring.received(nbytes)
+        if self._tls_pending:
+            # Decrypted bytes that came with the end of the TLS handshake,
+            # before start_tls returned the transport to answer on: they wait
+            # in the ring until then.
+            return
+        self.last_received = asyncio.get_running_loop().time()
+        if not self._closing:
+            self._turns.received()
         if not self._closing and not self.ring.can_read():
             # Full at its limit: read again once the writer has handled some.
             self.reads.set("ring", True)
@@ -153,18 +237,34 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
+        if self._idle is not None:
+            self._idle.cancel()
+        self._turns.cancel()
         # What arrived before the end is stored, as it arrived, before the
         # connection's writers leave their streams.
         self.gateway.write_messages()
         self.gateway.detach(self)
 
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes this connection holds in memory: its ring, and output not yet sent."""
+        queued = 0
+        if self.transport is not None and not self._tls_pending:
+            queued = self.transport.get_write_buffer_size()
+        return self.ring.statistics().in_use + self.session.pending_output + queued
+
     def _pause_transport(self) -> None:
-        if self.transport is not None:
+        if self.transport is not None and not self._tls_pending:
             self.transport.pause_reading()
 
     def _resume_transport(self) -> None:
-        if self.transport is not None and not self._closing:
+        if self.transport is not None and not self._closing and not self._tls_pending:
             self.transport.resume_reading()
+
+    def _after_turn(self) -> None:
+        self.flush()
+        if "ring" in self.reads.reasons and self.ring.can_read():
+            self.reads.set("ring", False)
 
     def _on_debt(self, over: bool) -> None:
         self.reads.set("debt", over)
@@ -172,7 +272,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
     # -- the receive path ----------------------------------------------------------
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Bytes from the peer, as if read from the socket (the seam for tests)."""
+        """Bytes from the peer, as if read from the socket (the seam for tests).
+
+        Everything fed is decoded before this returns (no turns are taken).
+        """
         source = memoryview(data).cast("B")
         pos = 0
         while pos < len(source) and not self._closing:
@@ -184,37 +287,68 @@ class GatewayConnection(asyncio.BufferedProtocol):
             room[:count] = source[pos : pos + count]
             pos += count
             del room
-            self.buffer_updated(count)
+            self.ring.received(count)
+            while not self._closing and self._decode_slice(1 << 30):
+                pass
+            if not self._closing and not self.ring.can_read():
+                self.reads.set("ring", True)
+        self.flush()
 
-    def _receive(self, view: memoryview) -> None:
-        """Decode what the ring holds: queue batches for the writer, act on the rest."""
+    def _decode_slice(self, limit: int) -> int:
+        """Decode about ``limit`` bytes of what the ring holds; how many were taken.
+
+        Batches go to the log writer's queue as headers pointing into the ring;
+        anything else is handled at once, after the batches queued before it.
+        Returns 0 when nothing more can be decoded until more bytes arrive.
+        """
+        if self._closing:
+            return 0
+        view = self.ring.received(0)
+        if view is None or not len(view):
+            return 0
         gw = self.gateway
         queue = gw.queue
         ring = self.ring
+        session = self.session
+        control = session.control_received
+        spent = 0
         try:
-            events, consumed, need = self.session.receive_in_place(view)
+            piece = view[:limit]
+            events, consumed, need = session.receive_in_place(piece)
+            while not consumed and len(piece) < need <= len(view):
+                # One frame larger than the slice: take it whole (large frames
+                # are cheap per byte; the flood that slices bound is of small ones).
+                piece = view[:need]
+                events, consumed, need = session.receive_in_place(piece)
             for event in events:
-                if type(event) is BatchReceived:
+                if type(event) is BatchReceived and event.handle in self.writers:
                     message = ring.message(event.end, len(event.records))
                     message.origin = self
                     message.event = event
                     message.loan = self.account.loan(1)
                     queue.push(message)
                 else:
+                    if type(event) is BatchDropped:
+                        spent += 1
                     if len(queue):
                         gw.write_messages()  # what came before goes first
                     self._handle(event)
             ring.consumed(consumed, need)
+            spent += session.control_received - control
+            if spent:
+                wait = self._budget.charge(spent, time.monotonic())
+                if wait > 0:
+                    self._turns.hold(wait)
+            return consumed
         except ProtocolError as error:
             gw.write_messages()
             self.refuse(error)
-            return
+            return 0
         except LogError as error:
             gw.write_messages()
             log.error("stream storage failed for %s: %s", self.peer, error)
             self.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
-            return
-        self.flush()
+            return 0
 
     def write_batch(self, event: BatchReceived, now: float, timestamp_us: int) -> None:
         """The log writer's part: append one batch, borrow until it is durable."""
@@ -263,24 +397,105 @@ class GatewayConnection(asyncio.BufferedProtocol):
         out = self.session.data_to_send()
         if out:
             self.transport.write(out)
+            if self.transport.get_write_buffer_size() > self.gateway.config.max_write_buffer:
+                # Reading stopped long ago (pause_writing); what the timers
+                # still produce must not pile up either.
+                self.refuse(
+                    ProtocolError(
+                        "the peer does not read what the gateway sends",
+                        code=ErrorCode.RESOURCE_EXHAUSTED,
+                    )
+                )
 
     def refuse(self, error: ProtocolError) -> None:
         """Tell the peer what it did wrong, once, log it once, and close."""
         log.warning("closing %s: %s", self.peer, error)
+        if self.rights is None:
+            # Not welcomed: the refusal is the only frame it gets (not, say,
+            # an AnnounceDropping for a bind it sent along with its Hello).
+            self.session.data_to_send()
         self.close_with(self.session.fail(error))
 
     def close_with(self, data: bytes) -> None:
         if self.transport is None or self._closing:
             return
         self._closing = True
+        if self._idle is not None:
+            self._idle.cancel()
+        transport = self.transport
+        if self._tls_pending:
+            transport.abort()  # nothing can be said before TLS is up
+            self.connection_lost(None)  # the TLS layer may never report it
+            return
         if data:
-            self.transport.write(data)
-        self.transport.close()
+            transport.write(data)
+        transport.close()
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
     def _handshake_expired(self) -> None:
-        if not self.session.opened:
+        if self._tls_pending and not self._closing:
+            log.warning("refused %s: TLS handshake failed: not finished in time", self.peer)
+            self.close_with(b"")
+        elif not self.session.opened and not self._closing:
             self.refuse(ProtocolError("no Hello in time", code=ErrorCode.TIMEOUT))
-            self.flush()
+
+    def _arm_idle(self, delay: float) -> None:
+        self._idle = asyncio.get_running_loop().call_later(delay, self._idle_check)
+
+    def _idle_check(self) -> None:
+        if self._closing:
+            return
+        timeout = self.gateway.config.idle_timeout_ms / 1000
+        silent = asyncio.get_running_loop().time() - self.last_received
+        if silent >= timeout:
+            self.refuse(
+                ProtocolError(f"nothing received for {silent:.1f} s", code=ErrorCode.TIMEOUT)
+            )
+        else:
+            self._arm_idle(timeout - silent)
+
+    def _bind_refusal(self, name: str) -> ProtocolError | None:
+        """Why the peer may not bind stream ``name``, or None if it may."""
+        rights = self.rights
+        assert rights is not None
+        if not rights.can_write(name):
+            return ProtocolError(
+                f"token {rights.name!r} may not write stream {name!r}", code=ErrorCode.FORBIDDEN
+            )
+        gw = self.gateway
+        if name in gw.streams:
+            return None
+        quota = rights.max_streams
+        if quota is None:
+            quota = gw.config.streams_per_token
+        if gw.tokens is not None and gw.created_by.get(rights.name, 0) >= quota:
+            return ProtocolError(
+                f"token {rights.name!r} created its maximum of {quota} streams",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        if len(gw.streams) >= gw.config.max_streams:
+            return ProtocolError(
+                f"the gateway holds its maximum of {gw.config.max_streams} streams",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        return None
+
+    def refuse_stream(self, handle: int, name: str, error: ProtocolError) -> None:
+        """Refuse one bound stream; the peer's other streams go on.
+
+        No guarantees are ever issued on its channel, so whatever the peer
+        sends there optimistically is dropped, never stored.
+        """
+        log.warning("refused stream %r to %s: %s", name, self.peer, error)
+        self.refused[handle] = name
+        text = str(error.args[0]) if error.args else ""
+        self.session.send_global(
+            m.Error(
+                code=error.code,
+                scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=handle),
+                text=text,
+            )
+        )
 
     # -- events ------------------------------------------------------------------
 
@@ -289,7 +504,19 @@ class GatewayConnection(asyncio.BufferedProtocol):
         match event:
             case BatchDropped(handle=handle) if handle in self.writers:
                 gw.counters(self.writers[handle].stream).dropped_batches += 1
+            case BatchReceived():
+                # Batches of bound streams go to the log writer's queue; this
+                # is one of a refused stream, whose channel has no buffer, so
+                # it cannot happen; if it did, the batch is let go, never stored.
+                self.session.process(event.handle, reissue=False)
+            case StreamBound(handle=handle, stream=name) if (
+                refusal := self._bind_refusal(name)
+            ) is not None:
+                self.refuse_stream(handle, name, refusal)
             case StreamBound(handle=handle, stream=name):
+                if name not in gw.streams:
+                    assert self.rights is not None
+                    gw.created_by[self.rights.name] = gw.created_by.get(self.rights.name, 0) + 1
                 stream = gw.stream(name)
                 writer = Writer(
                     session=self.session,
@@ -314,27 +541,39 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"producer id {hello.producer_id} must be below 2**63",
                         code=ErrorCode.BAD_HELLO,
                     )
+                self.rights = gw.authenticate(hello.token)
                 self.producer_id = hello.producer_id
                 self.session.send_global(
                     m.Welcome(
                         server_name=gw.name,
                         max_message_size=gw.config.max_message_size,
-                        idle_timeout_ms=0,
+                        idle_timeout_ms=gw.config.idle_timeout_ms,
                     )
                 )
-                self.session.grant(m.STREAM_CHANNEL, BIND_BUDGET)
+                self.session.grant(m.STREAM_CHANNEL, gw.config.bind_budget)
+                if gw.config.idle_timeout_ms > 0:
+                    self._arm_idle(gw.config.idle_timeout_ms / 1000)
             case Absolved(handle=handle) if handle is not None and handle in self.writers:
                 writer = self.writers[handle]
                 gw.flow(gw.streams[writer.stream]).on_absolved(writer, event.amount)
                 # The absolved space is free now: share it with who pleaded for it.
                 self._rebalance_handle(handle)
             case HandleDeleted(handle=handle, ours=False):
+                # The binding's bytes are bind-channel space again.
+                self.session.issue(m.STREAM_CHANNEL)
+                self.refused.pop(handle, None)
                 if handle in self.writers:
                     writer = self.writers.pop(handle)
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
                     stream.rebalance(time.monotonic())
             case MessageReceived(message=m.Release(stream=name, position=position)):
+                assert self.rights is not None
+                if not self.rights.can_administer():
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not release stream positions",
+                        code=ErrorCode.FORBIDDEN,
+                    )
                 gw.release(name, position)
             case MessageReceived(message=m.Goodbye()):
                 self.close_with(self.session.data_to_send())
@@ -368,6 +607,14 @@ class Gateway:
         self._metrics: MetricsServer | None = None
         #: Where the Prometheus endpoint listens, once started (None: off).
         self.metrics_address: tuple[str, int] | None = None
+        #: The listener's TLS context, or None for plain TCP.
+        self.ssl_context = server_context(self.config)
+        #: New streams created by the peers of each token, by token name.
+        self.created_by: dict[str, int] = {}
+        #: Accepted tokens, or None when every peer may do anything.
+        self.tokens: TokenTable | None = (
+            None if self.config.auth_file is None else load_tokens(self.config.auth_file)
+        )
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -386,7 +633,13 @@ class Gateway:
             self.metrics_address = self._metrics.start(*self.config.metrics)
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         host, port = self.config.listen
-        server = await loop.create_server(lambda: self._accept(), host, port, reuse_address=True)
+        tls = self.ssl_context is not None
+        server = await loop.create_server(
+            lambda: GatewayConnection(self, next(self._ids), tls=tls),
+            host,
+            port,
+            reuse_address=True,
+        )
         self._servers.append(server)
         sockname = server.sockets[0].getsockname()
         self.address = (sockname[0], sockname[1])
@@ -394,21 +647,35 @@ class Gateway:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.unix_socket)
             self._servers.append(
-                await loop.create_unix_server(lambda: self._accept(), str(self.config.unix_socket))
+                await loop.create_unix_server(
+                    lambda: GatewayConnection(self, next(self._ids)), str(self.config.unix_socket)
+                )
             )
         self._tasks.append(asyncio.create_task(self._group_commit()))
         self._tasks.append(asyncio.create_task(self._rebalance_loop()))
         log.info("listening on %s:%d, data in %s", self.address[0], self.address[1], data)
 
-    def _accept(self) -> GatewayConnection:
-        conn = GatewayConnection(self, next(self._ids))
+    def attach(self, conn: GatewayConnection) -> bool:
+        """Count a new connection in; False if that is one too many."""
+        if len(self.connections) >= self.config.max_connections:
+            return False
         self.connections[conn.conn_id] = conn
-        if len(self.connections) > self.config.max_connections:
-            asyncio.get_running_loop().call_soon(
-                conn.refuse,
-                ProtocolError("too many connections", code=ErrorCode.RESOURCE_EXHAUSTED),
-            )
-        return conn
+        return True
+
+    def authenticate(self, token: bytes) -> Rights:
+        """The rights of a Hello's token; raises UNAUTHENTICATED if it has none."""
+        if self.tokens is None:
+            return ALL_RIGHTS
+        rights = self.tokens.authenticate(token)
+        if rights is None:
+            # The reason never includes the token, not even in part.
+            reason = "no token" if not token else "unknown token"
+            raise ProtocolError(f"authentication failed: {reason}", code=ErrorCode.UNAUTHENTICATED)
+        return rights
+
+    def buffered_bytes(self) -> int:
+        """Bytes all connections hold in memory (see GatewayConnection.buffered_bytes)."""
+        return sum(conn.buffered_bytes for conn in self.connections.values())
 
     async def stop(self) -> None:
         """Stop accepting, make everything durable, ack it, say goodbye, close."""

@@ -88,6 +88,9 @@ __all__ = [
 ]
 
 
+_U64_MAX = (1 << 64) - 1
+
+
 def _check_size(name: str, value: int) -> None:
     # Frames carry unsigned integers, so a negative value is a local bug.
     if value < 0:
@@ -667,6 +670,13 @@ class ClientChannel(Generic[T]):
         docstring for why that identifies buffered messages).
         """
         _check_size("amount", amount)
+        if self._guarantees + amount > _U64_MAX:
+            # Found by fuzzing: such guarantees cannot be absolved on the
+            # wire (an Absolve carries a u64), and no buffer is that large.
+            raise FlowControlError(
+                f"guarantees on channel {self._channel} would exceed 2**64-1",
+                code=ErrorCode.UNEXPECTED_FRAME,
+            )
         payment = amount
         confirmed: list[T] = []
         while self._in_doubt:

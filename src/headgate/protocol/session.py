@@ -317,6 +317,9 @@ class Session:
         self._events: list[Event] = []
         # With receive_in_place: the end offset of the frame being dispatched.
         self._frame_end = 0
+        #: Frames received that carry no channel message (SendGlobal and the
+        #: control frames): what a peer can make us do without any credit.
+        self.control_received = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -332,6 +335,11 @@ class Session:
     def pending_output(self) -> int:
         """Bytes queued for the peer and not yet taken by :meth:`data_to_send`."""
         return len(self._out)
+
+    @property
+    def receive_buffered(self) -> int:
+        """Received bytes held for a frame that has not fully arrived (at most one frame)."""
+        return self._decoder.buffered
 
     @property
     def opened(self) -> bool:
@@ -379,6 +387,8 @@ class Session:
         events: list[Event] = []
         self._events = events
         for frame in self._decoder.feed(data):
+            if self._closed:
+                break  # a refusal in place of Welcome ends the session; the rest is moot
             self._dispatch(frame, events)
         self._bind_pending(events)
         return events
@@ -415,6 +425,8 @@ class Session:
         return events, consumed, need
 
     def _dispatch(self, frame: Frame, events: list[Event]) -> None:
+        if type(frame) is not SendChannel:
+            self.control_received += 1
         if not self._opened and not isinstance(frame, SendGlobal):
             expected = "Hello" if self.role is Role.GATEWAY else "Welcome"
             raise ProtocolError(

@@ -1,0 +1,112 @@
+"""Write the hand-made seeds of the fuzz corpora (run once; the fuzzers grow them).
+
+python -m tests.fuzz.seeds
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from headgate.protocol import messages as m
+from headgate.protocol.codec import encode_frame
+from headgate.protocol.errors import ErrorCode
+from headgate.protocol.frames import (
+    Absolve,
+    AnnounceDropping,
+    Apologise,
+    IssueGuarantees,
+    LimitReceiving,
+    LimitSending,
+    Plead,
+    SendChannel,
+    SendGlobal,
+)
+from headgate.protocol.records import encode_records
+
+CORPUS = Path(__file__).parent / "corpus"
+
+
+def glob(message: m.GlobalMessage) -> bytes:
+    return encode_frame(SendGlobal(payload=m.encode_message(message)))
+
+
+def producer_side() -> list[bytes]:
+    """What a producer sends a gateway (the gateway session's input)."""
+    bind = encode_frame(
+        SendChannel(channel=0, payload=m.encode_message(m.BindStream(stream="clicks")))
+    )
+    batch = encode_frame(
+        SendChannel(channel=2, payload=m.encode_batch_header(0) + encode_records([b"r1", b"r2"]))
+    )
+    keyed = encode_frame(
+        SendChannel(channel=2, payload=m.encode_batch_header(2) + encode_records([b"v"], [b"k"]))
+    )
+    free = glob(m.FreeHandle(handle_type=m.HandleType.STREAM, handle=0, mine=True))
+    return [
+        bind + batch + keyed,
+        bind + batch + encode_frame(Absolve(channel=2, amount=10)) + free,
+        bind + encode_frame(Apologise(channel=2)) + batch,
+        bind + encode_frame(LimitSending(channel=2, bound=100)) + batch + batch,
+        bind + bind + free + free,
+        glob(m.Ping(nonce=7)) + glob(m.Release(stream="clicks", position=64)),
+        glob(m.Goodbye(code=ErrorCode.NONE)),
+        glob(m.Subscribe(stream="clicks", start=m.StartAt.EARLIEST)),
+        encode_frame(
+            SendChannel(
+                channel=1,
+                payload=m.encode_message(m.BindSchema(name="s.v1", text="a INT")),
+            )
+        ),
+        encode_frame(IssueGuarantees(channel=2, amount=4096))
+        + encode_frame(Plead(channel=2, target=0)),
+    ]
+
+
+def gateway_side() -> list[bytes]:
+    """What a gateway sends a producer (the producer session's input)."""
+    return [
+        encode_frame(IssueGuarantees(channel=0, amount=4096))
+        + encode_frame(IssueGuarantees(channel=2, amount=65536))
+        + glob(m.Ack(handle=0, next_sequence=0, durable_position=0)),
+        encode_frame(IssueGuarantees(channel=0, amount=100))
+        + encode_frame(Plead(channel=0, target=0))
+        + encode_frame(AnnounceDropping(channel=2)),
+        encode_frame(IssueGuarantees(channel=0, amount=100))
+        + encode_frame(LimitReceiving(channel=2, bound=0))
+        + glob(
+            m.Error(
+                code=ErrorCode.FORBIDDEN,
+                scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=0),
+            )
+        ),
+        glob(m.Error(code=ErrorCode.UNAUTHENTICATED)),
+        encode_frame(
+            SendChannel(
+                channel=2,
+                payload=m.encode_tail_header(0, 4096) + encode_records([b"t"]),
+            )
+        ),
+    ]
+
+
+def write(directory: Path, data: bytes) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / hashlib.sha1(data).hexdigest()).write_bytes(data)
+
+
+def main() -> None:
+    for split in (0, 3, 16):
+        for frames in producer_side():
+            write(CORPUS / "decoder", bytes([split]) + frames)
+            write(CORPUS / "session", bytes([split, 0]) + frames)
+        for frames in gateway_side():
+            write(CORPUS / "decoder", bytes([split]) + frames)
+            write(CORPUS / "session", bytes([split, 1]) + frames)
+    hello = glob(m.Hello(producer_id=1, client_name="x", token=b"t"))
+    write(CORPUS / "session", bytes([0, 2]) + hello + producer_side()[0])
+    write(CORPUS / "decoder", b"\x00\x8f" + b"\xff" * 8)
+
+
+if __name__ == "__main__":
+    main()
