@@ -84,6 +84,8 @@ async def _serve(cfg: object) -> None:
         sys.exit(1)
     host, port = gateway.address
     click.echo(f"listening on {host}:{port}", nl=True)
+    if cfg.unix_socket is not None:
+        click.echo(f"listening on unix:{cfg.unix_socket}")
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -98,7 +100,12 @@ async def _serve(cfg: object) -> None:
 @main.command()
 @click.argument("stream")
 @click.argument("source", type=click.File("rb"), default="-")
-@click.option("--gateway", default="127.0.0.1:7878", show_default=True, help="host:port.")
+@click.option(
+    "--gateway",
+    default="127.0.0.1:7878",
+    show_default=True,
+    help="host:port, or unix:PATH for the gateway's Unix socket.",
+)
 @click.option(
     "--format",
     "fmt",
@@ -130,8 +137,12 @@ def send(
     Each line (without its newline) is one record. Shows progress while it
     sends and reports the records and bytes the gateway acknowledged durable.
     """
-    from headgate.client import ProducerError
+    from headgate.client import GatewayAddress, ProducerError
 
+    try:
+        GatewayAddress.parse(gateway, what="--gateway")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     if not is_valid_name(stream):
         raise click.UsageError(
             f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "

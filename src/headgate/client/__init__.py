@@ -7,6 +7,7 @@ and resend without duplicates (the gateway deduplicates by producer id,
 stream and sequence number).
 """
 
+from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.producer import (
     BatchResult,
@@ -21,6 +22,7 @@ from headgate.client.sync import SyncProducer
 __all__ = [
     "BatchResult",
     "Delivery",
+    "GatewayAddress",
     "Policy",
     "Producer",
     "ProducerError",
