@@ -91,7 +91,7 @@ def test_a_release_reaches_the_gateway_and_frees_log_space(
             client.release("s", ends[1])  # older than what was asked: changes nothing
             assert client.flush(10)
             stats = client.statistics()
-            assert stats.settled == {"s": ends[-1]} and stats.pending == {}
+            assert stats.settled == stats.applied == {"s": ends[-1]} and stats.pending == {}
             assert stats.connected and stats.connections == 1
         after = served.stats("s")
         assert after.release_position == ends[-1]
@@ -142,7 +142,9 @@ def test_a_refused_release_is_reported_and_later_releases_still_flow(
             with caplog.at_level(logging.ERROR, logger="headgate.release"):
                 client.release("nosuch", 64)  # a stream the gateway does not have
                 assert client.flush(10)
-            assert client.statistics().refusals == 1
+            stats = client.statistics()
+            assert stats.refusals == 1
+            assert stats.settled == {"nosuch": 64} and stats.applied == {}
             assert any("refused a release" in r.getMessage() for r in caplog.records)
             client.release("s", ends[0])
             assert client.flush(10)

@@ -59,6 +59,8 @@ class ReleaseStatistics:
     #: Connections the gateway closed with an Error after our releases.
     refusals: int
     #: Per stream, the newest position the gateway confirmed having applied.
+    applied: dict[str, int]
+    #: Per stream, the newest position done with: applied, or given up after a refusal.
     settled: dict[str, int]
     #: Per stream, the newest position asked for and not settled yet.
     pending: dict[str, int]
@@ -106,6 +108,7 @@ class ReleaseClient:
         self._settled_cv = threading.Condition(self._lock)
         self._wanted: dict[str, int] = {}
         self._settled: dict[str, int] = {}
+        self._applied: dict[str, int] = {}
         self._closing = False
         self._connected = False
         self._connections = 0
@@ -181,6 +184,7 @@ class ReleaseClient:
                 connections=self._connections,
                 releases_sent=self._sent,
                 refusals=self._refusals,
+                applied=dict(self._applied),
                 settled=dict(self._settled),
                 pending=self._unsettled(),
                 last_error=self._last_error,
@@ -359,6 +363,8 @@ class ReleaseClient:
                     for stream, position in confirmed.items():
                         if position > self._settled.get(stream, -1):
                             self._settled[stream] = position
+                        if position > self._applied.get(stream, -1):
+                            self._applied[stream] = position
                     self._settled_cv.notify_all()
 
 
