@@ -37,7 +37,11 @@ def main(verbose: int) -> None:
 @main.command()
 @click.option("-c", "--config", type=click.Path(path_type=Path), help="TOML configuration file.")
 @click.option("--listen", help="TCP address host:port (default 127.0.0.1:7878; port 0 = any).")
-@click.option("--unix-socket", type=click.Path(path_type=Path), help="Also listen on this path.")
+@click.option(
+    "--unix-socket",
+    type=click.Path(path_type=Path),
+    help="Also listen on this Unix socket (clients connect to unix:PATH).",
+)
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Where stream logs live.")
 @click.option("--stream-capacity", help="Log capacity per stream, e.g. 64MiB.")
 @click.option("--term-length", help="Term file size, a power of two, e.g. 16MiB.")
@@ -237,6 +241,53 @@ def run(data_dir: Path, seconds: float) -> None:
     if lost:
         click.echo(f"records acknowledged but not written: {', '.join(lost)}", err=True)
         sys.exit(1)
+
+
+@main.command(name="pipeline")
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option(
+    "--available-now",
+    "--once",
+    "available_now",
+    is_flag=True,
+    help="Process what the logs hold now, in as many micro-batches as the "
+    "read limits ask, then stop (Trigger.AvailableNow).",
+)
+def pipeline_command(config: Path, available_now: bool) -> None:
+    """Run the Spark pipeline that CONFIG (a TOML file) describes.
+
+    One Structured Streaming query per stream reads the gateway's log,
+    parses each value (json or csv with a DDL schema, or raw bytes), applies
+    an optional SQL transform over a view named after the stream, and writes
+    Parquet exactly once. Records that do not parse go to
+    <output_dir>/_dead_letters/<stream>. After each committed micro-batch the
+    gateway is told the committed position, which becomes credit for that
+    stream's producers. Runs until Ctrl-C or SIGTERM, or with --available-now
+    until the data there now is written. Example CONFIG:
+
+    \b
+        data_dir = "headgate-data"    # the gateway's data directory
+        gateway = "127.0.0.1:7878"    # releases go here (or "unix:/path.sock")
+        [streams.ticks]
+        format = "json"
+        schema = "symbol STRING, price DOUBLE"
+        transform = "SELECT * FROM ticks WHERE price > 0"
+        partition_by = ["symbol"]
+        max_records_per_trigger = 100000
+        [streams.radius]
+        format = "csv"
+        schema = "user STRING, octets BIGINT"
+        options = { sep = ";" }
+
+    examples/pipeline.toml in the repository lists every key.
+    """
+    from headgate.spark.command import run_pipeline_file
+
+    try:
+        status = run_pipeline_file(config, available_now=available_now, echo=click.echo)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.exit(status)
 
 
 @main.command()

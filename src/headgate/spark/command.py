@@ -1,0 +1,189 @@
+"""``headgate pipeline CONFIG.toml``: the pipeline as a command of its own.
+
+It runs next to a gateway (``headgate serve``), reads the gateway's logs and
+writes Parquet, one Structured Streaming query per stream, as the TOML file
+describes (:mod:`headgate.spark.pipeline`). After each committed micro-batch
+it sends the gateway a Release over its own connection
+(:class:`~headgate.client.control.ReleaseClient`), which turns into credit
+for the stream's producers.
+
+The order of the checks is the user's order of mistakes: the file's structure
+first, without starting Spark; then the data directory; then schemas, SQL and
+partition columns with Spark's analyser, before any query starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from headgate.config import ConfigError
+from headgate.spark.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    load_pipeline_config,
+    spark_session,
+)
+
+Echo = Callable[[str], None]
+
+
+class _Stop(Exception):
+    """SIGTERM or Ctrl-C: stop the queries and exit cleanly."""
+
+
+def run_pipeline_file(
+    path: Path,
+    *,
+    available_now: bool,
+    echo: Echo,
+    status_seconds: float = 10.0,
+) -> int:
+    """Load ``path``, run the pipeline, return the exit status.
+
+    Raises:
+        ConfigError: anything wrong in the file, or a data directory that
+            is not there; the message names the file and the key.
+    """
+    config = load_pipeline_config(path)
+    if not config.read_through_gateway and not config.data_dir.is_dir():
+        raise ConfigError(
+            f"{config.origin}: data_dir {config.data_dir} does not exist; it must be the "
+            "gateway's data directory (headgate serve --data-dir)"
+        )
+    return run_pipeline(
+        config, available_now=available_now, echo=echo, status_seconds=status_seconds
+    )
+
+
+def run_pipeline(
+    config: PipelineConfig,
+    *,
+    available_now: bool,
+    echo: Echo,
+    status_seconds: float = 10.0,
+) -> int:
+    """Run the configured queries until they are done (``available_now``) or stopped."""
+    from pyspark import SparkContext
+
+    from headgate.client.control import ReleaseClient
+
+    # A session that already runs in this process (a notebook, the tests) is
+    # reused and left running; one started here is stopped here.
+    owned = SparkContext._active_spark_context is None
+    echo("starting Spark ..." if owned else "using the running Spark session")
+    spark = spark_session("headgate-pipeline")
+    client = ReleaseClient(config.gateway) if config.gateway is not None else None
+    pipeline = Pipeline(spark, config, release=client.release if client is not None else None)
+    status = 0
+    try:
+        pipeline.start(available_now=available_now)
+        where = config.gateway if config.read_through_gateway else config.data_dir
+        echo(
+            f"reading {', '.join(s.name for s in config.streams)} from {where}"
+            + ("" if client is None else f"; releases go to {client.address}")
+            + ("; until all available data is processed" if available_now else "")
+        )
+        with _stop_on_signals():
+            failure = _wait(pipeline, available_now, echo, status_seconds)
+        if failure is not None:
+            echo(f"headgate pipeline: {failure}")
+            status = 1
+    except _Stop:
+        echo("stopping ...")
+    finally:
+        with contextlib.suppress(Exception):
+            pipeline.stop()  # waits until the last progress (and release) is out
+        confirmed = client.close(10.0) if client is not None else True
+        if pipeline.queries:
+            _summary(pipeline, config, client, echo)
+        if client is not None and not confirmed:
+            echo(
+                f"warning: the gateway at {client.address} did not confirm every release; "
+                "the next run sends them again"
+            )
+        if owned:
+            spark.stop()
+    return status
+
+
+def _wait(pipeline: Pipeline, available_now: bool, echo: Echo, every: float) -> str | None:
+    """Wait for the queries; return why one failed, or None."""
+    last = time.monotonic()
+    while True:
+        running = 0
+        for name, query in pipeline.queries.items():
+            if query.isActive:
+                running += 1
+                continue
+            error = query.exception()
+            if error is not None:
+                return f"the query of stream {name} failed: {_first_line(error)}"
+        if running == 0:
+            if not available_now:
+                return "every query stopped"
+            return None
+        if not available_now and time.monotonic() - last >= every:
+            last = time.monotonic()
+            echo(_status_line(pipeline))
+        # Wakes for a query's end at once; bounded so that signals get handled.
+        with contextlib.suppress(Exception):
+            pipeline.spark.streams.awaitAnyTermination(0.5)
+        pipeline.spark.streams.resetTerminated()
+
+
+def _first_line(error: Any) -> str:
+    text = str(getattr(error, "desc", None) or error)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _status_line(pipeline: Pipeline) -> str:
+    parts = []
+    for name in pipeline.queries:
+        parts.append(
+            f"{name}: {pipeline.batches[name]} batches, {pipeline.rows_written[name]:,} rows, "
+            f"{pipeline.dead_letters[name]:,} dead"
+        )
+    return " | ".join(parts)
+
+
+def _summary(pipeline: Pipeline, config: PipelineConfig, client: Any, echo: Echo) -> None:
+    applied = client.statistics().applied if client is not None else {}
+    for name in pipeline.queries:
+        committed = pipeline.committed.get(name)
+        line = (
+            f"{name}: {pipeline.batches[name]} batches, {pipeline.rows_written[name]:,} rows "
+            f"to {config.output(name)}, {pipeline.dead_letters[name]:,} dead letters"
+        )
+        if committed is None and pipeline.batches[name]:
+            line += ", progress not reported (nothing released)"
+        elif committed is not None:
+            line += f", committed up to position {committed:,}"
+            if client is not None:
+                released = applied.get(name)
+                line += ", released" if released == committed else ", release not confirmed"
+        echo(line)
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[None]:
+    """Turn SIGTERM and SIGINT into :class:`_Stop` (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: object) -> None:
+        raise _Stop()
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,212 @@
+"""``headgate pipeline CONFIG.toml`` end to end, in this process's shared SparkSession.
+
+A real gateway (TCP and a Unix socket) fed by a real producer; the command
+runs availableNow twice, and after each run every stream's Parquet holds
+exactly its good records (json with a transform and partitions, csv with
+options, raw), the bad ones are dead letters, and the releases reached the
+gateway over its Unix socket: its logs' release positions are at their tails.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from headgate.cli import main
+from headgate.client import SyncProducer
+from headgate.config import GatewayConfig
+from headgate.demo import BackgroundLoop
+from headgate.gateway import Gateway, StreamStatistics
+
+
+class Served:
+    def __init__(self, data_dir: Path, sock: Path) -> None:
+        self.loop = BackgroundLoop("test-gateway")
+        self.gateway = Gateway(
+            GatewayConfig(
+                listen=("127.0.0.1", 0),
+                unix_socket=sock,
+                data_dir=data_dir,
+                term_length=64 * 1024,
+                max_message_size=16 * 1024,
+                stream_capacity=512 * 1024,
+            )
+        )
+        self.loop.run(self.gateway.start(), 30)
+        host, port = self.gateway.address
+        self.tcp = f"{host}:{port}"
+
+    def stats(self) -> dict[str, StreamStatistics]:
+        async def snapshot() -> dict[str, StreamStatistics]:
+            return {s.name: s for s in self.gateway.statistics()}
+
+        result: dict[str, StreamStatistics] = self.loop.run(snapshot(), 10)
+        return result
+
+    def stop(self) -> None:
+        self.loop.run(self.gateway.stop(), 30)
+        self.loop.stop()
+
+
+@pytest.fixture
+def sock() -> Iterator[Path]:
+    directory = Path(tempfile.mkdtemp(prefix="hg-", dir="/tmp"))
+    try:
+        yield directory / "gw.sock"
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def tick(i: int) -> bytes:
+    price = -1.0 if i % 20 == 5 else float(i + 1)  # the transform drops price <= 0
+    return json.dumps({"symbol": "AB" if i % 2 else "CD", "price": price}).encode()
+
+
+BAD_TICKS = {7: b"{not json", 11: b'{"symbol": "AB", "price": "cheap"}', 13: b'{"other": 1}'}
+BAD_CSV = {3: b"u3;many;Start", 8: b"only;two"}
+
+
+def make_ticks(first: int, count: int) -> list[bytes]:
+    return [BAD_TICKS.get(i, tick(i)) for i in range(first, first + count)]
+
+
+def make_csv(first: int, count: int) -> list[bytes]:
+    rows = range(first, first + count)
+    return [BAD_CSV.get(i, b"u%d;%s;Start" % (i, b"-" if i % 4 else b"%d" % i)) for i in rows]
+
+
+def expected_ticks(total: int) -> set[tuple[str, float, int]]:
+    out = set()
+    for i in range(total):
+        if i in BAD_TICKS:
+            continue
+        value = json.loads(tick(i))
+        if value["price"] > 0:
+            out.add((value["symbol"], value["price"] * 2, i))
+    return out
+
+
+def run_command(config: Path) -> str:
+    result = CliRunner().invoke(main, ["pipeline", str(config), "--available-now"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    return result.output
+
+
+def test_the_command_writes_each_format_exactly_once_and_releases_to_the_gateway(
+    spark: Any, tmp_path: Path, sock: Path
+) -> None:
+    data = tmp_path / "data"
+    out = tmp_path / "out"
+    served = Served(data, sock)
+    config = tmp_path / "pipeline.toml"
+    config.write_text(
+        f"""
+data_dir = "{data}"
+gateway = "unix:{sock}"
+output_dir = "{out}"
+checkpoint_dir = "{tmp_path / "checkpoints"}"
+
+[streams.ticks]
+format = "json"
+schema = "symbol STRING, price DOUBLE"
+transform = "SELECT symbol, price * 2 AS doubled, sequence FROM ticks WHERE price > 0"
+partition_by = ["symbol"]
+max_records_per_trigger = 25
+
+[streams.radius-acct]
+format = "csv"
+schema = "user STRING, octets BIGINT, status STRING"
+options = {{ sep = ";", nullValue = "-" }}
+transform = "SELECT user, octets, status FROM `radius-acct`"
+
+[streams.audit]
+format = "raw"
+output = "{tmp_path / "audit-out"}"
+"""
+    )
+    try:
+        with SyncProducer(served.tcp, producer_id=5, connect_timeout=10) as producer:
+            for phase, (first, count) in enumerate([(0, 60), (60, 15)]):
+                for value in make_ticks(first, count):
+                    producer.send("ticks", value)
+                for value in make_csv(first, count):
+                    producer.send("radius-acct", value)
+                for i in range(first, first + count):
+                    producer.send_many("audit", [b"audit-%d" % i], [b"k%d" % i])
+                producer.flush(30)
+
+                output = run_command(config)
+
+                total = first + count
+                assert "ticks:" in output and "released" in output, output
+                assert "not confirmed" not in output and "not reported" not in output, output
+                ticks = pq.read_table(out / "ticks").to_pydict()
+                rows = list(zip(ticks["symbol"], ticks["doubled"], ticks["sequence"], strict=True))
+                assert len(rows) == len(set(rows)), "nothing twice"
+                assert set(rows) == expected_ticks(total)
+                assert (out / "ticks" / "symbol=AB").is_dir(), "partitioned by symbol"
+                dead = pq.read_table(out / "_dead_letters" / "ticks").to_pydict()
+                assert sorted(dead["sequence"]) == sorted(BAD_TICKS)
+                assert dead["raw"][dead["sequence"].index(7)] == b"{not json"
+                assert any("none of the fields" in e for e in dead["error"])
+
+                radius = pq.read_table(out / "radius-acct").to_pydict()
+                good_csv = [i for i in range(total) if i not in BAD_CSV]
+                users = sorted(zip(radius["user"], radius["octets"], strict=True))
+                assert users == sorted((f"u{i}", None if i % 4 else i) for i in good_csv), (
+                    "each good row once; nullValue '-' reads as null"
+                )
+                dead_csv = pq.read_table(out / "_dead_letters" / "radius-acct").to_pydict()
+                assert sorted(dead_csv["sequence"]) == sorted(BAD_CSV)
+
+                audit = pq.read_table(tmp_path / "audit-out").to_pydict()
+                assert sorted(audit["value"]) == sorted(b"audit-%d" % i for i in range(total))
+                assert sorted(audit["key"]) == sorted(b"k%d" % i for i in range(total))
+
+                for name, stats in served.stats().items():
+                    assert stats.release_position == stats.tail_position, (phase, name, output)
+                    assert stats.free_capacity == stats.capacity, "credit came back"
+    finally:
+        served.stop()
+    assert spark.range(3).count() == 3, "the shared session is still running"
+
+
+@pytest.mark.parametrize(
+    ("stream", "fragments"),
+    [
+        ("format = 'json'\nschema = 'a INT b'", ["streams.s.schema: not a DDL schema"]),
+        ("format = 'csv'\nschema = 'a INTEGRAL'", ["streams.s.schema: not a DDL schema"]),
+        ("format = 'json'\nschema = 'position INT'", ["streams.s.schema: field 'position'"]),
+        (
+            "format = 'json'\nschema = 'a INT'\ntransform = 'SELECT nope FROM s'",
+            ["streams.s.transform:", "`nope` cannot be resolved"],
+        ),
+        ("transform = 'SELEC value FROM s'", ["streams.s.transform:", "SELEC"]),
+        (
+            "format = 'json'\nschema = 'a INT'\npartition_by = ['b']",
+            ["streams.s.partition_by: b not among the output columns", "stream, position"],
+        ),
+    ],
+)
+def test_schemas_sql_and_partitions_are_checked_before_any_query_starts(
+    spark: Any, tmp_path: Path, stream: str, fragments: list[str]
+) -> None:
+    (tmp_path / "data").mkdir()
+    config = tmp_path / "p.toml"
+    config.write_text(f"data_dir = '{tmp_path / 'data'}'\n[streams.s]\n{stream}\n")
+    result = CliRunner().invoke(main, ["pipeline", str(config), "--available-now"])
+    assert result.exit_code == 2, result.output
+    assert str(config) in result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+    assert "Traceback" not in result.output and "at org.apache" not in result.output
+    assert not (tmp_path / "data" / "checkpoints").exists(), "no query started"
+    assert not spark.streams.active
