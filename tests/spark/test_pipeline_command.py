@@ -275,3 +275,71 @@ def test_schemas_sql_and_partitions_are_checked_before_any_query_starts(
     assert "Traceback" not in result.output and "at org.apache" not in result.output
     assert not (tmp_path / "data" / "checkpoints").exists(), "no query started"
     assert not spark.streams.active
+
+
+def parquet_values(path: Path) -> list[bytes]:
+    try:
+        # Before the first batch lands there may be only a hidden staging directory.
+        values: list[bytes] = pq.read_table(path).to_pydict().get("value", [])
+    except (FileNotFoundError, OSError):
+        return []
+    return values
+
+
+def wait_for_rows(path: Path, count: int, runner: threading.Thread) -> list[bytes]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and runner.is_alive():
+        values = parquet_values(path)
+        if len(values) >= count:
+            return values
+        time.sleep(0.2)
+    raise AssertionError(f"only {len(parquet_values(path))} of {count} rows reached {path}")
+
+
+def test_the_running_pipeline_follows_the_log_until_told_to_stop(
+    spark: Any, tmp_path: Path, sock: Path
+) -> None:
+    from headgate.spark.command import run_pipeline_file
+
+    data = tmp_path / "data"
+    served = Served(data, sock)
+    config = tmp_path / "pipeline.toml"
+    config.write_text(
+        f'data_dir = "{data}"\ngateway = "{served.tcp}"\n'
+        "[streams.live]\nformat = 'raw'\ntrigger_seconds = 0.2\n"
+    )
+    lines: list[str] = []
+    stop = threading.Event()
+    status: list[int] = []
+
+    def run() -> None:
+        status.append(
+            run_pipeline_file(
+                config, available_now=False, echo=lines.append, status_seconds=0.5, stop=stop
+            )
+        )
+
+    runner = threading.Thread(target=run, daemon=True)
+    output = data / "parquet" / "live"
+    try:
+        with SyncProducer(served.tcp, producer_id=9, connect_timeout=10) as producer:
+            producer.send_many("live", [b"a%d" % i for i in range(100)])
+            producer.flush(30)
+            runner.start()
+            wait_for_rows(output, 100, runner)
+            producer.send_many("live", [b"b%d" % i for i in range(100)])  # while it runs
+            producer.flush(30)
+            values = wait_for_rows(output, 200, runner)
+        stop.set()
+        runner.join(120)
+        assert not runner.is_alive() and status == [0], lines
+        stats = served.stats()["live"]
+    finally:
+        stop.set()
+        served.stop()
+    expected = [b"a%d" % i for i in range(100)] + [b"b%d" % i for i in range(100)]
+    assert sorted(values) == sorted(expected) == sorted(parquet_values(output))
+    assert any(line.startswith("live: ") and "batches" in line for line in lines), lines
+    assert any(line.startswith("stopping") for line in lines), lines
+    assert lines[-1].endswith("released"), lines
+    assert stats.release_position == stats.tail_position

@@ -33,18 +33,15 @@ from headgate.spark.pipeline import (
 Echo = Callable[[str], None]
 
 
-class _Stop(Exception):
-    """SIGTERM or Ctrl-C: stop the queries and exit cleanly."""
-
-
 def run_pipeline_file(
     path: Path,
     *,
     available_now: bool,
     echo: Echo,
     status_seconds: float = 10.0,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Load ``path``, run the pipeline, return the exit status.
+    """Load ``path``, run the pipeline (see :func:`run_pipeline`), return the exit status.
 
     Raises:
         ConfigError: anything wrong in the file, or a data directory that
@@ -57,7 +54,11 @@ def run_pipeline_file(
             "gateway's data directory (headgate serve --data-dir)"
         )
     return run_pipeline(
-        config, available_now=available_now, echo=echo, status_seconds=status_seconds
+        config,
+        available_now=available_now,
+        echo=echo,
+        status_seconds=status_seconds,
+        stop=stop,
     )
 
 
@@ -67,8 +68,12 @@ def run_pipeline(
     available_now: bool,
     echo: Echo,
     status_seconds: float = 10.0,
+    stop: threading.Event | None = None,
 ) -> int:
-    """Run the configured queries until they are done (``available_now``) or stopped."""
+    """Run the configured queries until they are done (``available_now``) or stopped.
+
+    ``stop``: set it to stop (SIGTERM and Ctrl-C set it too, in the main thread).
+    """
     from pyspark import SparkContext
 
     from headgate.client.control import ReleaseClient
@@ -89,16 +94,18 @@ def run_pipeline(
             + ("" if client is None else f"; releases go to {client.address}")
             + ("; until all available data is processed" if available_now else "")
         )
-        with _stop_on_signals():
-            failure = _wait(pipeline, available_now, echo, status_seconds)
-        if failure is not None:
+        stop = stop if stop is not None else threading.Event()
+        with _stop_on_signals(stop):
+            failure = _wait(pipeline, available_now, echo, status_seconds, stop)
+        if stop.is_set():
+            echo("stopping: letting the running micro-batches finish (up to 60 s) ...")
+        elif failure is not None:
             echo(f"headgate pipeline: {failure}")
             status = 1
-    except _Stop:
-        echo("stopping ...")
     finally:
         with contextlib.suppress(Exception):
-            pipeline.stop()  # waits until the last progress (and release) is out
+            # Waits for the last progress (and release) to be out.
+            pipeline.stop(finish_batches=60.0)
         confirmed = client.close(10.0) if client is not None else True
         if pipeline.queries:
             _summary(pipeline, config, client, echo)
@@ -112,10 +119,12 @@ def run_pipeline(
     return status
 
 
-def _wait(pipeline: Pipeline, available_now: bool, echo: Echo, every: float) -> str | None:
-    """Wait for the queries; return why one failed, or None."""
+def _wait(
+    pipeline: Pipeline, available_now: bool, echo: Echo, every: float, stop: threading.Event
+) -> str | None:
+    """Wait for the queries (or ``stop``); return why one failed, or None."""
     last = time.monotonic()
-    while True:
+    while not stop.is_set():
         running = 0
         for name, query in pipeline.queries.items():
             if query.isActive:
@@ -135,6 +144,7 @@ def _wait(pipeline: Pipeline, available_now: bool, echo: Echo, every: float) -> 
         with contextlib.suppress(Exception):
             pipeline.spark.streams.awaitAnyTermination(0.5)
         pipeline.spark.streams.resetTerminated()
+    return None
 
 
 def _first_line(error: Any) -> str:
@@ -172,16 +182,20 @@ def _summary(pipeline: Pipeline, config: PipelineConfig, client: Any, echo: Echo
 
 
 @contextlib.contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """Turn SIGTERM and SIGINT into :class:`_Stop` (main thread only)."""
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Let SIGTERM and SIGINT set ``stop`` (main thread only).
+
+    Only a flag: an exception raised inside a py4j call would leave its
+    connection to the JVM half-read, and nothing could stop the queries.
+    """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def stop(signum: int, frame: object) -> None:
-        raise _Stop()
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:

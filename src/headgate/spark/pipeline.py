@@ -678,9 +678,21 @@ class Pipeline:
             query.processAllAvailable()
         self.drain_progress()
 
-    def stop(self) -> None:
-        """Stop the queries; every progress event (so every release) is out first."""
+    def stop(self, *, finish_batches: float = 0.0) -> None:
+        """Stop the queries; every progress event (so every release) is out first.
+
+        ``finish_batches``: wait up to this many seconds for each query's
+        running micro-batch to end, rather than interrupt it (an interrupted
+        batch is not lost: the next run does it again).
+        """
+        import time
+
+        deadline = time.monotonic() + finish_batches
         for query in self.queries.values():
+            while time.monotonic() < deadline and query.isActive:
+                if not query.status.get("isTriggerActive"):
+                    break
+                time.sleep(0.1)
             query.stop()
         if self._listener is not None:
             # Removing the listener drops the events still on Spark's bus,
