@@ -117,3 +117,17 @@ def test_options_become_text_and_outputs_can_move(tmp_path: Path) -> None:
     assert config.output("a") == Path("out/a") and config.checkpoint("a") == Path("cp/a")
     with pytest.raises(ConfigError, match="is a directory"):
         load_pipeline_config(tmp_path)
+
+
+def test_spark_errors_are_cut_to_the_line_that_says_what_went_wrong() -> None:
+    from headgate.spark.pipeline import error_text
+
+    wrapped = Exception(
+        "[PYTHON_DATA_SOURCE_ERROR] Failed to create Python data source instance: "
+        'Traceback (most recent call last):\n  File "source.py", line 171, in parse\n'
+        "    raise ValueError(NOT_YET)\nValueError: headgate: not available yet\n SQLSTATE: 38000"
+    )
+    assert error_text(wrapped) == "headgate: not available yet"
+    parse = Exception("\n[PARSE_SYNTAX_ERROR] Syntax error at or near 'b'. SQLSTATE: 42601")
+    assert error_text(parse) == "[PARSE_SYNTAX_ERROR] Syntax error at or near 'b'."
+    assert error_text(Exception("")) == "Exception"

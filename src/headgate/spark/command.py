@@ -26,6 +26,7 @@ from headgate.config import ConfigError
 from headgate.spark.pipeline import (
     Pipeline,
     PipelineConfig,
+    error_text,
     load_pipeline_config,
     spark_session,
 )
@@ -87,7 +88,13 @@ def run_pipeline(
     pipeline = Pipeline(spark, config, release=client.release if client is not None else None)
     status = 0
     try:
-        pipeline.start(available_now=available_now)
+        try:
+            pipeline.start(available_now=available_now)
+        except ConfigError:
+            raise
+        except Exception as exc:  # Spark refused a query: say why in one line
+            echo(f"headgate pipeline: cannot start the queries: {error_text(exc)}")
+            return 1
         where = config.gateway if config.read_through_gateway else config.data_dir
         echo(
             f"reading {', '.join(s.name for s in config.streams)} from {where}"
@@ -132,7 +139,7 @@ def _wait(
                 continue
             error = query.exception()
             if error is not None:
-                return f"the query of stream {name} failed: {_first_line(error)}"
+                return f"the query of stream {name} failed: {error_text(error)}"
         if running == 0:
             if not available_now:
                 return "every query stopped"
@@ -145,12 +152,6 @@ def _wait(
             pipeline.spark.streams.awaitAnyTermination(0.5)
         pipeline.spark.streams.resetTerminated()
     return None
-
-
-def _first_line(error: Any) -> str:
-    text = str(getattr(error, "desc", None) or error)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def _status_line(pipeline: Pipeline) -> str:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -398,10 +399,24 @@ class _Plan:
     view: str
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    text = lines[0] if lines else type(exc).__name__
-    return text.split(" SQLSTATE:")[0]
+_PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): (.+)$")
+
+
+def error_text(exc: BaseException) -> str:
+    """One line that says what went wrong in an error from Spark, without its traces.
+
+    An error raised by Python code that Spark ran (a data source) arrives as
+    Spark's message around that code's traceback: its last line is the one
+    that matters.
+    """
+    text = str(getattr(exc, "desc", None) or exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in text:
+        raised = [m.group(1) for line in lines if (m := _PYTHON_ERROR.match(line))]
+        if raised:
+            return raised[-1].split(" SQLSTATE:")[0]
+    first = lines[0] if lines else type(exc).__name__
+    return first.split(" SQLSTATE:")[0]
 
 
 def _quiet_spark_errors() -> Callable[[], None]:
@@ -450,7 +465,7 @@ def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _
         try:
             parsed = _parse_datatype_string(stream.schema)
         except Exception as exc:
-            raise ConfigError(f"{at}.schema: not a DDL schema: {_first_line(exc)}") from None
+            raise ConfigError(f"{at}.schema: not a DDL schema: {error_text(exc)}") from None
         if not isinstance(parsed, StructType) or not parsed.fields:
             raise ConfigError(f'{at}.schema: needs at least one field, e.g. "a INT, b STRING"')
         fields = tuple(parsed.fieldNames())
@@ -472,13 +487,13 @@ def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _
     try:
         good, _ = _parse(plan, empty)
     except Exception as exc:
-        raise ConfigError(f"{at}: cannot parse {stream.format}: {_first_line(exc)}") from None
+        raise ConfigError(f"{at}: cannot parse {stream.format}: {error_text(exc)}") from None
     if stream.transform is not None:
         try:
             good = _transform(plan, good)
             good.schema  # noqa: B018 (forces the analysis)
         except Exception as exc:
-            raise ConfigError(f"{at}.transform: {_first_line(exc)}") from None
+            raise ConfigError(f"{at}.transform: {error_text(exc)}") from None
     columns = good.columns
     missing = [c for c in stream.partition_by if c not in columns]
     if missing:
