@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from headgate.client import SyncProducer
-from headgate.client.control import ReleaseClient
+from headgate.client import ReleaseClient, SyncProducer
 from headgate.config import GatewayConfig
 from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway, StreamStatistics

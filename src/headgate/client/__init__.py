@@ -4,10 +4,14 @@
 background thread for code without an event loop. Both keep every record
 until the gateway acknowledges it durable, reconnect after a lost connection
 and resend without duplicates (the gateway deduplicates by producer id,
-stream and sequence number).
+stream and sequence number). :class:`ReleaseClient` is the pipeline's side:
+it tells a gateway how far Spark has committed each stream. Every client
+takes the gateway's address as ``host:port`` or ``unix:PATH``
+(:class:`GatewayAddress`).
 """
 
 from headgate.client.address import GatewayAddress
+from headgate.client.control import ReleaseClient, ReleaseStatistics
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.producer import (
     BatchResult,
@@ -27,6 +31,8 @@ __all__ = [
     "Producer",
     "ProducerError",
     "ProducerStatistics",
+    "ReleaseClient",
+    "ReleaseStatistics",
     "StreamRefused",
     "StreamStatistics",
     "SyncProducer",

@@ -77,7 +77,7 @@ def run_pipeline(
     """
     from pyspark import SparkContext
 
-    from headgate.client.control import ReleaseClient
+    from headgate.client import ReleaseClient
 
     # A session that already runs in this process (a notebook, the tests) is
     # reused and left running; one started here is stopped here.
