@@ -183,3 +183,48 @@ def test_bad_arguments_and_a_gateway_speaking_garbage(tmp_path: Path) -> None:
     finally:
         assert not client.close(0.5), "the release was never confirmed, and close says so"
         listener.close()
+
+
+def test_pings_keep_an_idle_connection_alive_when_the_gateway_asks() -> None:
+    """A gateway with an idle timeout hears a Ping at a third of it, releases or not."""
+    from headgate.protocol import messages as m
+    from headgate.protocol.session import Role, Session
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    pings: list[int] = []
+
+    def gateway() -> None:
+        listener.settimeout(10)
+        conn, _ = listener.accept()
+        session = Session(Role.GATEWAY)
+        welcomed = False
+        conn.settimeout(0.2)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                data = conn.recv(4096)
+            except TimeoutError:
+                continue
+            if not data:
+                break
+            session.receive_data(data)
+            if welcomed and session.pending_output:
+                pings.append(session.pending_output)  # the session answers a Ping with a Pong
+            if session.opened and not welcomed:
+                session.send_global(
+                    m.Welcome(server_name="t", max_message_size=1 << 20, idle_timeout_ms=300)
+                )
+                welcomed = True
+            conn.sendall(session.data_to_send())
+        conn.close()
+
+    thread = threading.Thread(target=gateway, daemon=True)
+    thread.start()
+    client = ReleaseClient(f"127.0.0.1:{port}", connect_timeout=2)
+    try:
+        thread.join(10)
+        assert len(pings) >= 5, (pings, client.statistics())  # one per 0.1 s after Welcome
+    finally:
+        client.close(0.5)
+        listener.close()

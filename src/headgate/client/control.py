@@ -158,8 +158,11 @@ class ReleaseClient:
             self._closing = True
         self._wake()
         self._thread.join(timeout + 1.0)
-        self._wake_r.close()
-        self._wake_w.close()
+        if not self._thread.is_alive():
+            # (A thread still inside a connection attempt sees _closing and
+            # ends by itself; its wake-up pair goes with the object.)
+            self._wake_r.close()
+            self._wake_w.close()
         if not flushed:
             with self._lock:
                 unsettled = self._unsettled()
@@ -206,8 +209,11 @@ class ReleaseClient:
                 if self._closing:
                     return
             try:
-                sock, session = self._open()
+                sock, session, keepalive = self._open()
             except (OSError, _Closed) as exc:
+                with self._lock:
+                    if self._closing:
+                        return
                 reason = _describe(exc)
                 if reason != self._last_error:
                     log.warning("cannot reach the gateway at %s: %s", self.address, reason)
@@ -221,7 +227,7 @@ class ReleaseClient:
                 self._connections += 1
             log.info("releases go to the gateway at %s", self.address)
             try:
-                self._serve(sock, session)
+                self._serve(sock, session, keepalive)
             except (OSError, _Closed) as exc:
                 self._last_error = _describe(exc)
                 if not (isinstance(exc, _Closed) and exc.refused):
@@ -232,7 +238,7 @@ class ReleaseClient:
                 sock.close()
 
     def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):
             select.select([self._wake_r], [], [], seconds)
         self._drain_wake()
 
@@ -241,8 +247,8 @@ class ReleaseClient:
             while self._wake_r.recv(4096):
                 pass
 
-    def _open(self) -> tuple[socket.socket, Session]:
-        """Connect and complete the handshake, or raise."""
+    def _open(self) -> tuple[socket.socket, Session, float]:
+        """Connect and complete the handshake; return the socket, session and Ping interval."""
         sock = self.address.connect_socket(self._connect_timeout)
         try:
             session = Session(Role.PRODUCER)
@@ -259,9 +265,10 @@ class ReleaseClient:
                     raise _Closed("the gateway closed the connection before Welcome")
                 for event in self._receive(session, sock, data):
                     if isinstance(event, WelcomeReceived):
-                        sock.settimeout(None)
                         sock.setblocking(False)
-                        return sock, session
+                        # A third of the gateway's idle timeout, as PROTOCOL.md advises.
+                        idle = event.welcome.idle_timeout_ms / 3000.0
+                        return sock, session, max(0.05, idle) if idle > 0 else 0.0
         except BaseException:
             sock.close()
             raise
@@ -285,16 +292,27 @@ class ReleaseClient:
                     raise _Closed(f"the gateway said goodbye ({message.code.name})")
         out = session.data_to_send()  # Pongs for the gateway's Pings
         if out:
-            sock.setblocking(True)
-            sock.sendall(out)
-            sock.setblocking(False)
+            self._send_all(sock, out)
         return list(events)
 
-    def _serve(self, sock: socket.socket, session: Session) -> None:
-        """Send what is wanted, collect Pongs, until the connection ends or we close."""
+    def _send_all(self, sock: socket.socket, data: bytes) -> None:
+        """Write everything, or raise if the gateway takes none of it for a while."""
+        sock.settimeout(self._connect_timeout)
+        try:
+            sock.sendall(data)
+        finally:
+            sock.setblocking(False)
+
+    def _serve(self, sock: socket.socket, session: Session, keepalive: float) -> None:
+        """Send what is wanted, collect Pongs, until the connection ends or we close.
+
+        ``keepalive``: send a Ping after this many idle seconds (0: never).
+        """
         written: dict[str, int] = {}  # positions written on this connection
         probes: dict[int, dict[str, int]] = {}  # Ping nonce -> what it confirms
         nonce = 0
+        last_write = time.monotonic()
+        closing_since: float | None = None
         try:
             while True:
                 with self._lock:
@@ -311,25 +329,31 @@ class ReleaseClient:
                     nonce += 1
                     probes[nonce] = dict(written)
                     session.send_global(m.Ping(nonce=nonce))
-                    sock.setblocking(True)
-                    sock.sendall(session.data_to_send())
-                    sock.setblocking(False)
+                    self._send_all(sock, session.data_to_send())
+                    last_write = time.monotonic()
                     with self._lock:
                         self._sent += len(todo)
+                elif keepalive and time.monotonic() - last_write >= keepalive:
+                    nonce += 1  # a Pong nobody waits for
+                    session.send_global(m.Ping(nonce=nonce))
+                    self._send_all(sock, session.data_to_send())
+                    last_write = time.monotonic()
                 if closing and not todo and not probes:
                     session.send_global(m.Goodbye(code=ErrorCode.NONE))
-                    sock.setblocking(True)
-                    sock.sendall(session.data_to_send())
+                    self._send_all(sock, session.data_to_send())
                     _linger(sock)
                     return
                 # While closing, wait only a bounded time for the last Pongs.
-                readable, _, _ = select.select([sock, self._wake_r], [], [], 1.0)
+                wait = min(1.0, keepalive) if keepalive else 1.0
+                readable, _, _ = select.select([sock, self._wake_r], [], [], wait)
                 if self._wake_r in readable:
                     self._drain_wake()
                 if sock in readable:
                     self._read(sock, session, probes)
                 elif closing and not readable:
-                    probes.clear()  # the gateway is silent; close() reports what is unsettled
+                    closing_since = closing_since or time.monotonic()
+                    if time.monotonic() - closing_since >= 1.0:
+                        probes.clear()  # the gateway is silent; close() reports the rest
         except _Closed as exc:
             if exc.refused:
                 # Which Release was refused is not said: give up on all of them
