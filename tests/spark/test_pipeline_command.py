@@ -343,3 +343,36 @@ def test_the_running_pipeline_follows_the_log_until_told_to_stop(
     assert any(line.startswith("stopping") for line in lines), lines
     assert lines[-1].endswith("released"), lines
     assert stats.release_position == stats.tail_position
+
+
+def test_names_that_need_quoting_parse_and_bad_values_are_told_apart(spark: Any) -> None:
+    import datetime
+
+    from headgate.spark.pipeline import _parse, pipeline_config_from_dict, plan_stream
+    from headgate.spark.source import SCHEMA
+
+    config = pipeline_config_from_dict(
+        {
+            "streams": {
+                "odd-name": {
+                    "format": "json",
+                    "schema": "`a b` INT, s STRUCT<`x y`: STRING>",
+                    "transform": "SELECT `a b`, s.`x y` AS xy, sequence FROM `odd-name`",
+                }
+            }
+        }
+    )
+    plan = plan_stream(spark, config, config.streams[0])
+    assert plan.view == "`odd-name`"
+    now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    values = [b'{"a b": 1, "s": {"x y": "q"}}', b'{"a b": "one"}', b'{"c": 3}', b"[1,"]
+    batch = spark.createDataFrame(
+        [("odd-name", 0, 1, i, now, None, v) for i, v in enumerate(values)], SCHEMA
+    )
+    good, bad = _parse(plan, batch)
+    assert [(r["a b"], r["s"]["x y"]) for r in good.collect()] == [(1, "q")]
+    assert bad is not None
+    errors = {r["sequence"]: r["error"] for r in bad.collect()}
+    assert sorted(errors) == [1, 2, 3]
+    assert "not valid json" in errors[1] and "not valid json" in errors[3]
+    assert "none of the fields" in errors[2]

@@ -478,10 +478,7 @@ def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _
                 )
             if name == CORRUPT_COLUMN:
                 raise ConfigError(f"{at}.schema: {CORRUPT_COLUMN} is reserved")
-        parse_ddl = ", ".join(
-            [f"`{f.name}` {f.dataType.simpleString()}" for f in parsed.fields]
-            + [f"`{CORRUPT_COLUMN}` STRING"]
-        )
+        parse_ddl = _with_corrupt_column(spark, parsed)
     plan = _Plan(stream=stream, parse_ddl=parse_ddl, fields=fields, view=view)
     empty = spark.createDataFrame([], SCHEMA)
     try:
@@ -504,6 +501,19 @@ def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _
     if stream.partition_by and len(stream.partition_by) == len(columns):
         raise ConfigError(f"{at}.partition_by: Parquet needs a column that is not a partition")
     return plan
+
+
+def _with_corrupt_column(spark: Any, schema: Any) -> str:
+    """The DDL of ``schema`` plus the field Spark puts unparsable records in."""
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    extended = StructType([*schema.fields, StructField(CORRUPT_COLUMN, StringType())])
+    try:
+        # Spark's own DDL writer quotes every name that needs it, nested ones too.
+        jvm_type = spark.sparkContext._jvm.org.apache.spark.sql.types.DataType
+        return str(jvm_type.fromJson(extended.json()).toDDL())
+    except Exception:  # no JVM at hand (Spark Connect): names quoted at the top level
+        return ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in extended.fields)
 
 
 def _parse(plan: _Plan, batch: Any) -> tuple[Any, Any | None]:
