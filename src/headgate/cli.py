@@ -54,7 +54,11 @@ def main(verbose: int) -> None:
 @main.command()
 @click.option("-c", "--config", type=click.Path(path_type=Path), help="TOML configuration file.")
 @click.option("--listen", help="TCP address host:port (default 127.0.0.1:7878; port 0 = any).")
-@click.option("--unix-socket", type=click.Path(path_type=Path), help="Also listen on this path.")
+@click.option(
+    "--unix-socket",
+    type=click.Path(path_type=Path),
+    help="Also listen on this Unix socket (clients connect to unix:PATH).",
+)
 @click.option("--data-dir", type=click.Path(path_type=Path), help="Where stream logs live.")
 @click.option("--stream-capacity", help="Log capacity per stream, e.g. 64MiB.")
 @click.option("--term-length", help="Term file size, a power of two, e.g. 16MiB.")
@@ -197,6 +201,8 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     click.echo(f"listening on {host}:{port}", nl=True)
     if gateway.metrics_address is not None:
         click.echo("metrics on http://{}:{}/metrics".format(*gateway.metrics_address))
+    if cfg.unix_socket is not None:
+        click.echo(f"listening on unix:{cfg.unix_socket}")
     sys.stdout.flush()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -214,7 +220,12 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
 @main.command()
 @click.argument("stream")
 @click.argument("source", type=click.File("rb"), default="-")
-@click.option("--gateway", default="127.0.0.1:7878", show_default=True, help="host:port.")
+@click.option(
+    "--gateway",
+    default="127.0.0.1:7878",
+    show_default=True,
+    help="host:port, or unix:PATH for the gateway's Unix socket.",
+)
 @click.option(
     "--format",
     "fmt",
@@ -278,8 +289,12 @@ def send(
     Each line (without its newline) is one record. Shows progress while it
     sends and reports the records and bytes the gateway acknowledged durable.
     """
-    from headgate.client import ProducerError
+    from headgate.client import GatewayAddress, ProducerError
 
+    try:
+        GatewayAddress.parse(gateway, what="--gateway")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     if not is_valid_name(stream):
         raise click.UsageError(
             f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "
@@ -473,6 +488,53 @@ def run(data_dir: Path, seconds: float) -> None:
     if lost:
         click.echo(f"records acknowledged but not written: {', '.join(lost)}", err=True)
         sys.exit(1)
+
+
+@main.command(name="pipeline")
+@click.argument("config", type=click.Path(path_type=Path))
+@click.option(
+    "--available-now",
+    "--once",
+    "available_now",
+    is_flag=True,
+    help="Process what the logs hold now, in as many micro-batches as the "
+    "read limits ask, then stop (Trigger.AvailableNow).",
+)
+def pipeline_command(config: Path, available_now: bool) -> None:
+    """Run the Spark pipeline that CONFIG (a TOML file) describes.
+
+    One Structured Streaming query per stream reads the gateway's log,
+    parses each value (json or csv with a DDL schema, or raw bytes), applies
+    an optional SQL transform over a view named after the stream, and writes
+    Parquet exactly once. Records that do not parse go to
+    <output_dir>/_dead_letters/<stream>. After each committed micro-batch the
+    gateway is told the committed position, which becomes credit for that
+    stream's producers. Runs until Ctrl-C or SIGTERM, or with --available-now
+    until the data there now is written. Example CONFIG:
+
+    \b
+        data_dir = "headgate-data"    # the gateway's data directory
+        gateway = "127.0.0.1:7878"    # releases go here (or "unix:/path.sock")
+        [streams.ticks]
+        format = "json"
+        schema = "symbol STRING, price DOUBLE"
+        transform = "SELECT * FROM ticks WHERE price > 0"
+        partition_by = ["symbol"]
+        max_records_per_trigger = 100000
+        [streams.radius]
+        format = "csv"
+        schema = "user STRING, octets BIGINT"
+        options = { sep = ";" }
+
+    examples/pipeline.toml in the repository lists every key.
+    """
+    from headgate.spark.command import run_pipeline_file
+
+    try:
+        status = run_pipeline_file(config, available_now=available_now, echo=click.echo)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    sys.exit(status)
 
 
 @main.command()

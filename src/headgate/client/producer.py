@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast
 
+from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
-from headgate.config import parse_address
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -229,7 +229,7 @@ class ProducerStatistics:
     #: The producer id the gateway deduplicates by.
     producer_id: int
     #: The gateway's address.
-    address: tuple[str, int]
+    address: GatewayAddress
     #: The sending policy.
     policy: Policy
     #: Whether a session with the gateway is open now.
@@ -403,7 +403,8 @@ class Producer:
     """Sends records on named streams to one gateway, with per-stream flow control.
 
     Args:
-        address: the gateway, ``"host:port"`` or ``(host, port)``.
+        address: the gateway: ``"host:port"``, ``"unix:/path/to.sock"`` or
+            ``(host, port)`` (see :mod:`headgate.client.address`).
         producer_id: identity the gateway deduplicates by, below 2**63; reuse
             it to resume after a crash. Random if None.
         policy: ``"wait"`` sends a batch only within guarantees; ``"optimistic"``
@@ -434,7 +435,7 @@ class Producer:
 
     def __init__(
         self,
-        address: str | tuple[str, int],
+        address: str | tuple[str, int] | GatewayAddress,
         *,
         producer_id: int | None = None,
         policy: Policy = "wait",
@@ -462,11 +463,7 @@ class Producer:
             raise ValueError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
         if reconnect_timeout < 0:
             raise ValueError(f"reconnect_timeout must not be negative, got {reconnect_timeout}")
-        self._address = (
-            parse_address(address, what="gateway address")
-            if isinstance(address, str)
-            else (address[0], int(address[1]))
-        )
+        self._address = GatewayAddress.parse(address)
         #: The producer id the gateway deduplicates by.
         self.producer_id = producer_id
         self._policy: Policy = policy
@@ -500,7 +497,7 @@ class Producer:
     # -- lifecycle --------------------------------------------------------------
 
     @property
-    def address(self) -> tuple[str, int]:
+    def address(self) -> GatewayAddress:
         """The gateway's address."""
         return self._address
 
@@ -1004,10 +1001,9 @@ class Producer:
                 self._last_error = _describe(exc)
                 remaining = deadline - loop.time()
                 if remaining <= 0:
-                    host, port = self._address
                     self._fail(
                         ProducerError(
-                            f"gave up on the gateway at {host}:{port} after trying for "
+                            f"gave up on the gateway at {self._address} after trying for "
                             f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
                         )
                     )
@@ -1037,25 +1033,22 @@ class Producer:
                 flags=m.HelloFlags.OPTIMISTIC if self._optimistic else m.HelloFlags.NONE,
             )
         )
-        host, port = self._address
         transport: asyncio.Transport | None = None
         try:
             # The attempt right at the deadline still gets a fair chance, so
             # that its error (say, refused) is what the give-up reports.
             async with asyncio.timeout(max(_MIN_ATTEMPT, deadline - loop.time())):
-                transport, conn = await loop.create_connection(
+                transport, conn = await self._address.connect(
                     lambda: _Connection(self, session),
-                    host,
-                    port,
                     ssl=self._ssl,
-                    server_hostname=(None if self._ssl is None else self._server_hostname or host),
+                    server_hostname=self._server_hostname,
                 )
                 await conn.opened
         except ssl_module.SSLCertVerificationError as exc:
             # Trying again will meet the same certificate.
             raise _Fatal(
                 ProducerError(
-                    f"the gateway at {host}:{port} failed TLS verification: {exc.verify_message}"
+                    f"the gateway at {self._address} failed TLS verification: {exc.verify_message}"
                 )
             ) from None
         except BaseException:
@@ -1075,9 +1068,7 @@ class Producer:
         except ProtocolError as exc:
             if conn.transport is not None:
                 conn.transport.write(conn.session.fail(exc))
-            conn.fatal = ProducerError(
-                f"the gateway at {self._address[0]}:{self._address[1]} broke the protocol: {exc}"
-            )
+            conn.fatal = ProducerError(f"the gateway at {self._address} broke the protocol: {exc}")
             conn.close(str(conn.fatal))
             return
         for event in events:
@@ -1116,8 +1107,7 @@ class Producer:
                     elif s is not None:
                         self._refuse(s, StreamRefused(s.name, message.code, message.text))
                 return
-            host, port = self._address
-            text = f"the gateway at {host}:{port} refused the session ({message.code.name})"
+            text = f"the gateway at {self._address} refused the session ({message.code.name})"
             if message.text:
                 text += f": {message.text}"
             if message.code not in _RETRYABLE:

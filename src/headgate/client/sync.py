@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.producer import BatchResult, Policy, Producer, ProducerStatistics
 
@@ -48,7 +49,8 @@ class SyncProducer:
     """The :class:`~headgate.client.Producer`, for threads; same options.
 
     Args:
-        address: the gateway, ``"host:port"`` or ``(host, port)``.
+        address: the gateway: ``"host:port"``, ``"unix:/path/to.sock"`` or
+            ``(host, port)``.
         handoff_records: records buffered in the calling thread before the
             background loop is woken to take them.
         max_pending_records: beyond this many records not yet taken by the
@@ -63,7 +65,7 @@ class SyncProducer:
 
     def __init__(
         self,
-        address: str | tuple[str, int],
+        address: str | tuple[str, int] | GatewayAddress,
         *,
         producer_id: int | None = None,
         policy: Policy = "wait",

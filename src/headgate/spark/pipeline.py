@@ -17,10 +17,11 @@ a :class:`~pyspark.sql.streaming.StreamingQueryListener` hands the committed
 end offsets to ``release``, which tells the gateway; the gateway frees that
 log space and turns it into guarantees for the stream's producers.
 
-Example ``pipeline.toml``::
+The TOML file (``headgate pipeline CONFIG.toml``; ``examples/pipeline.toml``
+shows every key)::
 
-    data_dir = "./headgate-data"
-    gateway = "127.0.0.1:7878"          # where releases go; optional
+    data_dir = "./headgate-data"        # the gateway's data directory, read locally
+    gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
 
     [streams.ticks]
     format = "json"
@@ -29,12 +30,20 @@ Example ``pipeline.toml``::
     partition_by = ["symbol"]
     trigger_seconds = 1.0
     max_records_per_trigger = 100000
+
+Every structural mistake is found by :func:`load_pipeline_config` without
+Spark; schemas, transforms and partition columns are checked by Spark's
+analyser over an empty frame (:func:`check_pipeline`) before any query
+starts. Both raise :class:`~headgate.config.ConfigError` naming the file and
+the key.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -44,11 +53,77 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headgate.config import ConfigError
+from headgate.config import ConfigError, parse_size
 
 Release = Callable[[str, int], None]
 
 FORMATS = ("json", "csv", "raw")
+
+log = logging.getLogger("headgate.pipeline")
+
+#: Columns every output row starts with (before the parsed fields or the raw key and value).
+META_COLUMNS = ("stream", "position", "producer", "sequence", "ingest_time")
+
+# Parser options a stream may set, per format (Spark's from_json / from_csv
+# options that apply to one record). "mode" and "columnNameOfCorruptRecord"
+# are the pipeline's own: bad records must go to the dead letters, never stop
+# the query.
+PARSER_OPTIONS = {
+    "csv": frozenset(
+        {
+            "sep",
+            "delimiter",
+            "quote",
+            "escape",
+            "charToEscapeQuoteEscaping",
+            "comment",
+            "ignoreLeadingWhiteSpace",
+            "ignoreTrailingWhiteSpace",
+            "nullValue",
+            "emptyValue",
+            "nanValue",
+            "positiveInf",
+            "negativeInf",
+            "dateFormat",
+            "timestampFormat",
+            "timestampNTZFormat",
+            "enableDateTimeParsingFallback",
+            "locale",
+            "maxCharsPerColumn",
+            "unescapedQuoteHandling",
+        }
+    ),
+    "json": frozenset(
+        {
+            "primitivesAsString",
+            "prefersDecimal",
+            "allowComments",
+            "allowUnquotedFieldNames",
+            "allowSingleQuotes",
+            "allowNumericLeadingZeros",
+            "allowBackslashEscapingAnyCharacter",
+            "allowUnquotedControlChars",
+            "allowNonNumericNumbers",
+            "dateFormat",
+            "timestampFormat",
+            "timestampNTZFormat",
+            "enableDateTimeParsingFallback",
+            "locale",
+        }
+    ),
+}
+
+#: The parsed struct's extra field that Spark fills with a record it cannot parse.
+CORRUPT_COLUMN = "_headgate_corrupt_record"
+
+_TOP_KEYS = (
+    "data_dir",
+    "gateway",
+    "read_through_gateway",
+    "output_dir",
+    "checkpoint_dir",
+    "streams",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,10 +136,16 @@ class StreamPipeline:
     format: str = "raw"
     #: DDL schema of the parsed value (json and csv).
     schema: str | None = None
+    #: Parser options (Spark's from_json / from_csv options), as text.
+    options: tuple[tuple[str, str], ...] = ()
     #: Optional SQL over the view named after the stream.
     transform: str | None = None
+    #: Parquet directory; None for ``<output_dir>/<name>``.
+    output: Path | None = None
     #: Parquet partition columns of the transformed rows.
     partition_by: tuple[str, ...] = ()
+    #: Checkpoint directory; None for ``<checkpoint_dir>/<name>``.
+    checkpoint: Path | None = None
     #: Micro-batch interval in seconds.
     trigger_seconds: float = 1.0
     #: Admission control per micro-batch.
@@ -78,12 +159,25 @@ class PipelineConfig:
 
     data_dir: Path
     streams: tuple[StreamPipeline, ...]
+    #: Where releases go (``host:port`` or ``unix:PATH``); None: nowhere.
     gateway: str | None = None
     output_dir: Path = field(default=Path())
     checkpoint_dir: Path = field(default=Path())
+    #: Read the logs through ``gateway`` instead of from ``data_dir``.
+    read_through_gateway: bool = False
+    #: What error messages call this configuration (its file name).
+    origin: str = "pipeline"
+
+    def stream(self, name: str) -> StreamPipeline:
+        return next(s for s in self.streams if s.name == name)
 
     def output(self, stream: str) -> Path:
-        return self.output_dir / stream
+        override = self.stream(stream).output
+        return override if override is not None else self.output_dir / stream
+
+    def checkpoint(self, stream: str) -> Path:
+        override = self.stream(stream).checkpoint
+        return override if override is not None else self.checkpoint_dir / stream
 
     def dead_letters(self, stream: str) -> Path:
         return self.output_dir / "_dead_letters" / stream
@@ -95,71 +189,158 @@ def load_pipeline_config(path: Path) -> PipelineConfig:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"pipeline file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a directory, not a pipeline file") from None
+    except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
     return pipeline_config_from_dict(raw, where=str(path))
 
 
+def _path(value: object, what: str) -> Path:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{what} must be a non-empty path, got {value!r}")
+    return Path(value)
+
+
+def _option_text(value: object, what: str) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return str(value)
+    raise ConfigError(f"{what} must be text, a number or true/false, got {value!r}")
+
+
+def _stream_from_table(name: str, table: object, at: str) -> StreamPipeline:
+    from headgate.protocol.messages import is_valid_name
+
+    if not is_valid_name(name):
+        raise ConfigError(
+            f"{at}: {name!r} is not a stream name (letters, digits, '.', '_' and '-', "
+            "starting with a letter or digit)"
+        )
+    if not isinstance(table, dict):
+        raise ConfigError(f"{at} must be a table ([streams.{name}])")
+    known = {f for f in StreamPipeline.__dataclass_fields__ if f != "name"}
+    bad = set(table) - known
+    if bad:
+        raise ConfigError(
+            f"{at}: unknown key(s) {', '.join(sorted(bad))} (known: {', '.join(sorted(known))})"
+        )
+    fmt = table.get("format", "raw")
+    if fmt not in FORMATS:
+        raise ConfigError(f"{at}.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    schema = table.get("schema")
+    if fmt == "raw":
+        for key in ("schema", "options"):
+            if key in table:
+                raise ConfigError(f"{at}.{key}: format raw is not parsed; drop {key} or set format")
+    elif not isinstance(schema, str) or not schema.strip():
+        raise ConfigError(f'{at}: format {fmt} needs a DDL schema, e.g. "a INT, b STRING"')
+    options_raw = table.get("options", {})
+    if not isinstance(options_raw, dict):
+        raise ConfigError(f"{at}.options must be a table of parser options")
+    options = []
+    for key, value in options_raw.items():
+        if key not in PARSER_OPTIONS.get(fmt, frozenset()):
+            raise ConfigError(
+                f"{at}.options.{key}: not a {fmt} parser option "
+                f"(known: {', '.join(sorted(PARSER_OPTIONS[fmt]))})"
+            )
+        options.append((key, _option_text(value, f"{at}.options.{key}")))
+    partition_by = table.get("partition_by", [])
+    if not isinstance(partition_by, list) or not all(
+        isinstance(c, str) and c for c in partition_by
+    ):
+        raise ConfigError(f"{at}.partition_by must be a list of column names")
+    if len(set(partition_by)) != len(partition_by):
+        raise ConfigError(f"{at}.partition_by names a column twice")
+    trigger = table.get("trigger_seconds", 1.0)
+    if isinstance(trigger, bool) or not isinstance(trigger, int | float) or trigger <= 0:
+        raise ConfigError(f"{at}.trigger_seconds must be a positive number, got {trigger!r}")
+    records = table.get("max_records_per_trigger")
+    if records is not None and (
+        isinstance(records, bool) or not isinstance(records, int) or records < 1
+    ):
+        raise ConfigError(f"{at}.max_records_per_trigger must be a positive whole number")
+    size = table.get("max_bytes_per_trigger")
+    if size is not None:
+        size = parse_size(size, what=f"{at}.max_bytes_per_trigger")
+        if size < 1:
+            raise ConfigError(f"{at}.max_bytes_per_trigger must be positive")
+    transform = table.get("transform")
+    if transform is not None and (not isinstance(transform, str) or not transform.strip()):
+        raise ConfigError(f"{at}.transform must be SQL text")
+    output = table.get("output")
+    checkpoint = table.get("checkpoint")
+    return StreamPipeline(
+        name=name,
+        format=fmt,
+        schema=schema,
+        options=tuple(options),
+        transform=transform,
+        output=None if output is None else _path(output, f"{at}.output"),
+        partition_by=tuple(partition_by),
+        checkpoint=None if checkpoint is None else _path(checkpoint, f"{at}.checkpoint"),
+        trigger_seconds=float(trigger),
+        max_records_per_trigger=records,
+        max_bytes_per_trigger=size,
+    )
+
+
 def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -> PipelineConfig:
-    unknown = set(raw) - {"data_dir", "gateway", "output_dir", "checkpoint_dir", "streams"}
+    """Check a parsed TOML document and build the configuration (no Spark needed)."""
+    from headgate.client.address import GatewayAddress
+
+    unknown = set(raw) - set(_TOP_KEYS)
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    data_dir = Path(str(raw.get("data_dir", "headgate-data")))
+        raise ConfigError(
+            f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(_TOP_KEYS)})"
+        )
+    data_dir = _path(raw.get("data_dir", "headgate-data"), f"{where}: data_dir")
+    gateway = raw.get("gateway")
+    if gateway is not None:
+        if not isinstance(gateway, str):
+            raise ConfigError(f"{where}: gateway must be host:port or unix:PATH, got {gateway!r}")
+        gateway = str(GatewayAddress.parse(gateway, what=f"{where}: gateway"))
+    through = raw.get("read_through_gateway", False)
+    if not isinstance(through, bool):
+        raise ConfigError(f"{where}: read_through_gateway must be true or false")
+    if through and gateway is None:
+        raise ConfigError(f"{where}: read_through_gateway = true needs a gateway address")
     streams_raw = raw.get("streams")
     if not isinstance(streams_raw, dict) or not streams_raw:
         raise ConfigError(f"{where}: needs at least one [streams.NAME] table")
-    streams = []
-    for name, table in streams_raw.items():
-        at = f"{where}: streams.{name}"
-        if not isinstance(table, dict):
-            raise ConfigError(f"{at} must be a table")
-        known = {f for f in StreamPipeline.__dataclass_fields__ if f != "name"}
-        bad = set(table) - known
-        if bad:
-            raise ConfigError(f"{at}: unknown key(s) {', '.join(sorted(bad))}")
-        fmt = table.get("format", "raw")
-        if fmt not in FORMATS:
-            raise ConfigError(f"{at}.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-        if fmt != "raw" and not isinstance(table.get("schema"), str):
-            raise ConfigError(f'{at}: format {fmt} needs a DDL schema, e.g. "a INT, b STRING"')
-        partition_by = table.get("partition_by", [])
-        if not isinstance(partition_by, list) or not all(isinstance(c, str) for c in partition_by):
-            raise ConfigError(f"{at}.partition_by must be a list of column names")
-        trigger = table.get("trigger_seconds", 1.0)
-        if isinstance(trigger, bool) or not isinstance(trigger, int | float) or trigger <= 0:
-            raise ConfigError(f"{at}.trigger_seconds must be a positive number")
-        limits = {}
-        for key in ("max_records_per_trigger", "max_bytes_per_trigger"):
-            value = table.get(key)
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ConfigError(f"{at}.{key} must be a positive whole number")
-            limits[key] = value
-        transform = table.get("transform")
-        if transform is not None and not isinstance(transform, str):
-            raise ConfigError(f"{at}.transform must be SQL text")
-        streams.append(
-            StreamPipeline(
-                name=name,
-                format=fmt,
-                schema=table.get("schema"),
-                transform=transform,
-                partition_by=tuple(partition_by),
-                trigger_seconds=float(trigger),
-                **limits,
-            )
-        )
-    output_dir = Path(str(raw.get("output_dir", data_dir / "parquet")))
-    checkpoint_dir = Path(str(raw.get("checkpoint_dir", data_dir / "checkpoints")))
-    gateway = raw.get("gateway")
-    return PipelineConfig(
+    streams = tuple(
+        _stream_from_table(name, table, f"{where}: streams.{name}")
+        for name, table in streams_raw.items()
+    )
+    output_dir = _path(raw.get("output_dir", str(data_dir / "parquet")), f"{where}: output_dir")
+    checkpoint_dir = _path(
+        raw.get("checkpoint_dir", str(data_dir / "checkpoints")), f"{where}: checkpoint_dir"
+    )
+    config = PipelineConfig(
         data_dir=data_dir,
-        streams=tuple(streams),
-        gateway=None if gateway is None else str(gateway),
+        streams=streams,
+        gateway=gateway,
         output_dir=output_dir,
         checkpoint_dir=checkpoint_dir,
+        read_through_gateway=through,
+        origin=where,
     )
+    # Two queries sharing a checkpoint or an output would corrupt each other.
+    for kind, place in (("output", config.output), ("checkpoint", config.checkpoint)):
+        seen: dict[Path, str] = {}
+        for stream in streams:
+            target = place(stream.name).resolve()
+            if target in seen:
+                raise ConfigError(
+                    f"{where}: streams.{stream.name} and streams.{seen[target]} share the "
+                    f"{kind} directory {target}"
+                )
+            seen[target] = stream.name
+    return config
 
 
 def spark_session(app_name: str = "headgate") -> Any:
@@ -205,6 +386,193 @@ def _commit_batch(frame: Any, target: Path, batch_id: int, partition_by: tuple[s
     return count
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a stream's micro-batches go through, checked once before the query starts."""
+
+    stream: StreamPipeline
+    #: The DDL Spark parses values with (the schema plus the corrupt-record field).
+    parse_ddl: str | None
+    #: The schema's own field names, in order.
+    fields: tuple[str, ...]
+    #: The SQL view's name, quoted when the stream name is not a plain identifier.
+    view: str
+
+
+_PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): (.+)$")
+
+
+def error_text(exc: BaseException) -> str:
+    """One line that says what went wrong in an error from Spark, without its traces.
+
+    An error raised by Python code that Spark ran (a data source) arrives as
+    Spark's message around that code's traceback: its last line is the one
+    that matters.
+    """
+    text = str(getattr(exc, "desc", None) or exc)
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if "Traceback (most recent call last)" in text:
+        raised = [m.group(1) for line in lines if (m := _PYTHON_ERROR.match(line))]
+        if raised:
+            return raised[-1].split(" SQLSTATE:")[0]
+    first = lines[0] if lines else type(exc).__name__
+    return first.split(" SQLSTATE:")[0]
+
+
+def _quiet_spark_errors() -> Callable[[], None]:
+    """Silence the loggers with which PySpark prints each analysis error and its JVM trace.
+
+    The pipeline turns those errors into one plain message; return a function
+    that restores the loggers.
+    """
+    from pyspark.logger import PySparkLogger
+
+    # Created through PySpark, whose calls pass keywords only its class takes.
+    loggers = [
+        PySparkLogger.getLogger(name)
+        for name in ("DataFrameQueryContextLogger", "SQLQueryContextLogger")
+    ]
+    before = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = True
+
+    def restore() -> None:
+        for logger, disabled in zip(loggers, before, strict=True):
+            logger.disabled = disabled
+
+    return restore
+
+
+def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _Plan:
+    """Check a stream's schema, transform and partition columns against Spark's analyser.
+
+    Runs over an empty frame, so it costs no data and no job, and turns every
+    mistake into a ConfigError that names the file and the key.
+
+    Raises:
+        ConfigError: the DDL does not parse, the SQL does not analyse, or a
+            partition column is not in the output.
+    """
+    from pyspark.sql.types import StructType, _parse_datatype_string
+
+    from headgate.spark.source import SCHEMA
+
+    at = f"{config.origin}: streams.{stream.name}"
+    view = stream.name if stream.name.isidentifier() else f"`{stream.name}`"
+    parse_ddl = None
+    fields: tuple[str, ...] = ()
+    if stream.schema is not None:
+        try:
+            parsed = _parse_datatype_string(stream.schema)
+        except Exception as exc:
+            raise ConfigError(f"{at}.schema: not a DDL schema: {error_text(exc)}") from None
+        if not isinstance(parsed, StructType) or not parsed.fields:
+            raise ConfigError(f'{at}.schema: needs at least one field, e.g. "a INT, b STRING"')
+        fields = tuple(parsed.fieldNames())
+        lower = [f.lower() for f in fields]
+        for name in fields:
+            if name.lower() in META_COLUMNS or lower.count(name.lower()) > 1:
+                raise ConfigError(
+                    f"{at}.schema: field {name!r} is there twice, or clashes with a column "
+                    f"the pipeline adds ({', '.join(META_COLUMNS)})"
+                )
+            if name == CORRUPT_COLUMN:
+                raise ConfigError(f"{at}.schema: {CORRUPT_COLUMN} is reserved")
+        parse_ddl = _with_corrupt_column(spark, parsed)
+    plan = _Plan(stream=stream, parse_ddl=parse_ddl, fields=fields, view=view)
+    empty = spark.createDataFrame([], SCHEMA)
+    try:
+        good, _ = _parse(plan, empty)
+    except Exception as exc:
+        raise ConfigError(f"{at}: cannot parse {stream.format}: {error_text(exc)}") from None
+    if stream.transform is not None:
+        try:
+            good = _transform(plan, good)
+            good.schema  # noqa: B018 (forces the analysis)
+        except Exception as exc:
+            raise ConfigError(f"{at}.transform: {error_text(exc)}") from None
+    columns = good.columns
+    missing = [c for c in stream.partition_by if c not in columns]
+    if missing:
+        raise ConfigError(
+            f"{at}.partition_by: {', '.join(missing)} not among the output columns "
+            f"({', '.join(columns)})"
+        )
+    if stream.partition_by and len(stream.partition_by) == len(columns):
+        raise ConfigError(f"{at}.partition_by: Parquet needs a column that is not a partition")
+    return plan
+
+
+def _with_corrupt_column(spark: Any, schema: Any) -> str:
+    """The DDL of ``schema`` plus the field Spark puts unparsable records in."""
+    from pyspark.sql.types import StringType, StructField, StructType
+
+    extended = StructType([*schema.fields, StructField(CORRUPT_COLUMN, StringType())])
+    try:
+        # Spark's own DDL writer quotes every name that needs it, nested ones too.
+        jvm_type = spark.sparkContext._jvm.org.apache.spark.sql.types.DataType
+        return str(jvm_type.fromJson(extended.json()).toDDL())
+    except Exception:  # no JVM at hand (Spark Connect): names quoted at the top level
+        return ", ".join(f"`{f.name}` {f.dataType.simpleString()}" for f in extended.fields)
+
+
+def _parse(plan: _Plan, batch: Any) -> tuple[Any, Any | None]:
+    """Split a batch into parsed rows and dead letters (None for raw values)."""
+    from pyspark.sql import functions as F
+
+    stream = plan.stream
+    if plan.parse_ddl is None:
+        return batch.select(*META_COLUMNS, "key", "value"), None
+    text = F.col("value").cast("string")
+    options = {
+        **dict(stream.options),
+        "mode": "PERMISSIVE",
+        "columnNameOfCorruptRecord": CORRUPT_COLUMN,
+    }
+    if stream.format == "json":
+        parsed = F.from_json(text, plan.parse_ddl, options)
+    else:
+        parsed = F.from_csv(text, F.lit(plan.parse_ddl), options)
+    with_parsed = batch.withColumn("_parsed", parsed)
+    struct = with_parsed["_parsed"]
+    corrupt = struct.getField(CORRUPT_COLUMN)
+    # Bad: Spark could not parse it, or not one field of the schema is in it.
+    found = F.lit(False)
+    for name in plan.fields:
+        found = found | struct.getField(name).isNotNull()
+    ok = corrupt.isNull() & found
+    good = with_parsed.where(ok).select(
+        *META_COLUMNS, *[struct.getField(n).alias(n) for n in plan.fields]
+    )
+    bad = with_parsed.where(~ok).select(
+        *META_COLUMNS[:4],
+        F.col("value").alias("raw"),
+        F.when(
+            corrupt.isNotNull(),
+            F.lit(f"value is not valid {stream.format} for schema {stream.schema}"),
+        )
+        .otherwise(F.lit(f"none of the fields of schema {stream.schema} is in the value"))
+        .alias("error"),
+    )
+    return good, bad
+
+
+def _transform(plan: _Plan, good: Any) -> Any:
+    if plan.stream.transform is None:
+        return good
+    good.createOrReplaceTempView(plan.view)
+    return good.sparkSession.sql(plan.stream.transform)
+
+
+def check_pipeline(spark: Any, config: PipelineConfig) -> dict[str, _Plan]:
+    """Check every stream with Spark's analyser; see :func:`plan_stream`."""
+    restore = _quiet_spark_errors()
+    try:
+        return {s.name: plan_stream(spark, config, s) for s in config.streams}
+    finally:
+        restore()
+
+
 class Pipeline:
     """Runs the configured queries and reports progress back as releases."""
 
@@ -221,9 +589,16 @@ class Pipeline:
         self._listener: Any = None
 
     def start(self, *, available_now: bool = False) -> None:
-        """Start one query per stream (``available_now``: read what is there, then stop)."""
+        """Check every stream, then start one query per stream.
+
+        ``available_now``: read what is there, then stop.
+
+        Raises:
+            ConfigError: a stream's schema, transform or partitioning is wrong.
+        """
         from pyspark.sql.streaming.listener import StreamingQueryListener
 
+        plans = check_pipeline(self.spark, self.config)
         pipeline = self
 
         class _Progress(StreamingQueryListener):
@@ -242,7 +617,7 @@ class Pipeline:
         self._listener = _Progress()
         self.spark.streams.addListener(self._listener)
         for stream in self.config.streams:
-            self.queries[stream.name] = self._start_query(stream, available_now)
+            self.queries[stream.name] = self._start_query(plans[stream.name], available_now)
 
     def _on_progress(self, progress: Any) -> None:
         # Fires in the driver after the batch's commit, the last batch included.
@@ -257,16 +632,18 @@ class Pipeline:
                         continue
                     self.committed[stream] = position
                 if self._release is not None:
-                    self._release(stream, int(position))
+                    try:
+                        self._release(stream, int(position))
+                    except Exception:  # never let it kill Spark's listener thread
+                        log.exception("releasing %s at %d failed", stream, position)
 
-    def _start_query(self, stream: StreamPipeline, available_now: bool) -> Any:
-        from pyspark.sql import functions as F
-
-        reader = (
-            self.spark.readStream.format("headgate")
-            .option("path", str(self.config.data_dir))
-            .option("streams", stream.name)
-        )
+    def _start_query(self, plan: _Plan, available_now: bool) -> Any:
+        stream = plan.stream
+        reader = self.spark.readStream.format("headgate").option("streams", stream.name)
+        if self.config.read_through_gateway:
+            reader = reader.option("gateway", self.config.gateway)
+        else:
+            reader = reader.option("path", str(self.config.data_dir))
         if stream.max_records_per_trigger is not None:
             reader = reader.option("maxRecordsPerTrigger", stream.max_records_per_trigger)
         if stream.max_bytes_per_trigger is not None:
@@ -277,44 +654,8 @@ class Pipeline:
         pipeline = self
 
         def write_batch(batch: Any, batch_id: int) -> None:
-            text = F.col("value").cast("string")
-            if stream.format == "raw":
-                good = batch.select(
-                    "stream", "position", "producer", "sequence", "ingest_time", "key", "value"
-                )
-                bad = None
-            else:
-                assert stream.schema is not None  # checked when the config was read
-                if stream.format == "json":
-                    parsed = F.from_json(text, stream.schema, {"mode": "PERMISSIVE"})
-                else:
-                    parsed = F.from_csv(text, stream.schema, {"mode": "PERMISSIVE"})
-                with_parsed = batch.withColumn("_parsed", parsed)
-                # A record is bad when nothing of the schema could be read.
-                fields = [
-                    F.col(f"_parsed.{n}")
-                    for n in with_parsed.schema["_parsed"].dataType.fieldNames()
-                ]
-                ok = F.lit(False)
-                for column in fields:
-                    ok = ok | column.isNotNull()
-                good = with_parsed.where(ok).select(
-                    "stream", "position", "producer", "sequence", "ingest_time", "_parsed.*"
-                )
-                bad = with_parsed.where(~ok).select(
-                    "stream",
-                    "position",
-                    "producer",
-                    "sequence",
-                    F.col("value").alias("raw"),
-                    F.lit(f"value is not valid {stream.format} for schema {stream.schema}").alias(
-                        "error"
-                    ),
-                )
-            if stream.transform:
-                good.createOrReplaceTempView(stream.name)
-                good = good.sparkSession.sql(stream.transform)
-            good = good.persist()
+            good, bad = _parse(plan, batch)
+            good = _transform(plan, good).persist()
             rows = good.count()
             _commit_batch(good, output, batch_id, stream.partition_by)
             good.unpersist()
@@ -332,7 +673,7 @@ class Pipeline:
 
         writer = (
             source.writeStream.foreachBatch(write_batch)
-            .option("checkpointLocation", str(self.config.checkpoint_dir / stream.name))
+            .option("checkpointLocation", str(self.config.checkpoint(stream.name)))
             .queryName(f"headgate_{stream.name}")
         )
         if available_now:
@@ -362,9 +703,25 @@ class Pipeline:
             query.processAllAvailable()
         self.drain_progress()
 
-    def stop(self) -> None:
+    def stop(self, *, finish_batches: float = 0.0) -> None:
+        """Stop the queries; every progress event (so every release) is out first.
+
+        ``finish_batches``: wait up to this many seconds for each query's
+        running micro-batch to end, rather than interrupt it (an interrupted
+        batch is not lost: the next run does it again).
+        """
+        import time
+
+        deadline = time.monotonic() + finish_batches
         for query in self.queries.values():
+            while time.monotonic() < deadline and query.isActive:
+                if not query.status.get("isTriggerActive"):
+                    break
+                time.sleep(0.1)
             query.stop()
         if self._listener is not None:
+            # Removing the listener drops the events still on Spark's bus,
+            # among them the last batch's release.
+            self.drain_progress()
             self.spark.streams.removeListener(self._listener)
             self._listener = None

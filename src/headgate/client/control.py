@@ -1,0 +1,412 @@
+"""The release client: tells a gateway how far Spark has committed each stream.
+
+The pipeline learns that a micro-batch is committed in Spark's
+``StreamingQueryListener``, which runs on a py4j callback thread that Spark
+shares with every other listener. So :meth:`ReleaseClient.release` never
+waits: it records the newest position of the stream and wakes a background
+thread, which owns the connection to the gateway and does the talking.
+
+Releases are cumulative, so only the newest position of each stream matters:
+positions that pile up while the gateway is away collapse into one message
+per stream. After each burst of Release messages the thread sends a Ping. The
+gateway handles messages in order, so its Pong proves that every Release
+before it was applied; only then is a position *settled*. Positions that are
+not settled when a connection is lost are sent again on the next one
+(a Release at or below the gateway's current position changes nothing, so
+sending one twice is harmless). The connection is re-established with
+exponential backoff, forever, until :meth:`ReleaseClient.close`.
+
+A gateway that answers a Release with an Error (an unknown stream, or a
+position beyond its log's tail, as after a gateway lost data it had not made
+durable) closes the connection. Which Release it refused is not said, so
+every position written on that connection counts as settled, the refusal is
+logged, and the client reconnects: the next commit brings a newer position.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from headgate.client.address import GatewayAddress
+from headgate.protocol import messages as m
+from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
+
+__all__ = ["ReleaseClient", "ReleaseStatistics"]
+
+log = logging.getLogger("headgate.release")
+
+_BACKOFF_START = 0.05
+_READ_SIZE = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ReleaseStatistics:
+    """A snapshot of a release client."""
+
+    #: Whether a session with the gateway is open now.
+    connected: bool
+    #: How many sessions were opened (1 after the first connect).
+    connections: int
+    #: Release messages written to a connection.
+    releases_sent: int
+    #: Connections the gateway closed with an Error after our releases.
+    refusals: int
+    #: Per stream, the newest position the gateway confirmed having applied.
+    applied: dict[str, int]
+    #: Per stream, the newest position done with: applied, or given up after a refusal.
+    settled: dict[str, int]
+    #: Per stream, the newest position asked for and not settled yet.
+    pending: dict[str, int]
+    #: The last connection problem, or None.
+    last_error: str | None
+
+
+class _Closed(Exception):
+    """The connection ended; the message says why."""
+
+    def __init__(self, reason: str, *, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.refused = refused
+
+
+class ReleaseClient:
+    """Sends Release(stream, position) to a gateway, from any thread, never blocking.
+
+    Args:
+        address: the gateway, ``host:port`` or ``unix:PATH``
+            (see :mod:`headgate.client.address`).
+        client_name: shown in the gateway's logs.
+        connect_timeout: how long one connection attempt (connect and
+            handshake) may take.
+        max_backoff: the longest pause between two connection attempts.
+
+    Use it as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(
+        self,
+        address: str | tuple[str, int] | GatewayAddress,
+        *,
+        client_name: str = "headgate-pipeline",
+        connect_timeout: float = 5.0,
+        max_backoff: float = 2.0,
+    ) -> None:
+        if connect_timeout <= 0 or max_backoff <= 0:
+            raise ValueError("connect_timeout and max_backoff must be positive")
+        self.address = GatewayAddress.parse(address)
+        self._client_name = client_name
+        self._connect_timeout = connect_timeout
+        self._max_backoff = max_backoff
+        self._lock = threading.Lock()
+        self._settled_cv = threading.Condition(self._lock)
+        self._wanted: dict[str, int] = {}
+        self._settled: dict[str, int] = {}
+        self._applied: dict[str, int] = {}
+        self._closing = False
+        self._connected = False
+        self._connections = 0
+        self._sent = 0
+        self._refusals = 0
+        self._last_error: str | None = None
+        # The background thread sleeps in select(); a byte on this pair wakes it.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._thread = threading.Thread(
+            target=self._run, name=f"headgate-release-{self.address}", daemon=True
+        )
+        self._thread.start()
+
+    # -- the caller's side ----------------------------------------------------------
+
+    def release(self, stream: str, position: int) -> None:
+        """Spark committed everything of ``stream`` before ``position``; returns at once."""
+        if not m.is_valid_name(stream):
+            raise ValueError(f"{stream!r} is not a stream name")
+        if not 0 <= position < 1 << 64:
+            raise ValueError(f"position must be an unsigned 64-bit integer, got {position}")
+        with self._lock:
+            if self._closing:
+                raise RuntimeError("the release client is closed")
+            if position <= self._wanted.get(stream, -1):
+                return
+            self._wanted[stream] = position
+        self._wake()
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until the gateway confirmed every release so far; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._settled_cv:
+            while self._unsettled():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                self._settled_cv.wait(remaining)
+        return True
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Flush (up to ``timeout``), say Goodbye and stop; True if nothing was left unsent."""
+        flushed = self.flush(timeout)
+        with self._lock:
+            self._closing = True
+        self._wake()
+        self._thread.join(timeout + 1.0)
+        if not self._thread.is_alive():
+            # (A thread still inside a connection attempt sees _closing and
+            # ends by itself; its wake-up pair goes with the object.)
+            self._wake_r.close()
+            self._wake_w.close()
+        if not flushed:
+            with self._lock:
+                unsettled = self._unsettled()
+            log.warning(
+                "closing with releases the gateway at %s did not confirm: %s",
+                self.address,
+                unsettled,
+            )
+        return flushed
+
+    def __enter__(self) -> ReleaseClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def statistics(self) -> ReleaseStatistics:
+        """A snapshot of what was sent, settled and is still pending."""
+        with self._lock:
+            return ReleaseStatistics(
+                connected=self._connected,
+                connections=self._connections,
+                releases_sent=self._sent,
+                refusals=self._refusals,
+                applied=dict(self._applied),
+                settled=dict(self._settled),
+                pending=self._unsettled(),
+                last_error=self._last_error,
+            )
+
+    def _unsettled(self) -> dict[str, int]:
+        return {s: p for s, p in self._wanted.items() if p > self._settled.get(s, -1)}
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            self._wake_w.send(b"\0")
+
+    # -- the background thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = _BACKOFF_START
+        while True:
+            with self._lock:
+                if self._closing:
+                    return
+            try:
+                sock, session, keepalive = self._open()
+            except (OSError, _Closed) as exc:
+                with self._lock:
+                    if self._closing:
+                        return
+                reason = _describe(exc)
+                if reason != self._last_error:
+                    log.warning("cannot reach the gateway at %s: %s", self.address, reason)
+                self._last_error = reason
+                self._sleep(backoff)
+                backoff = min(backoff * 2, self._max_backoff)
+                continue
+            backoff = _BACKOFF_START
+            with self._lock:
+                self._connected = True
+                self._connections += 1
+            log.info("releases go to the gateway at %s", self.address)
+            try:
+                self._serve(sock, session, keepalive)
+            except (OSError, _Closed) as exc:
+                self._last_error = _describe(exc)
+                if not (isinstance(exc, _Closed) and exc.refused):
+                    log.warning("lost the gateway at %s: %s", self.address, self._last_error)
+            finally:
+                with self._lock:
+                    self._connected = False
+                sock.close()
+
+    def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            select.select([self._wake_r], [], [], seconds)
+        self._drain_wake()
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            while self._wake_r.recv(4096):
+                pass
+
+    def _open(self) -> tuple[socket.socket, Session, float]:
+        """Connect and complete the handshake; return the socket, session and Ping interval."""
+        sock = self.address.connect_socket(self._connect_timeout)
+        try:
+            session = Session(Role.PRODUCER)
+            session.send_global(m.Hello(producer_id=0, client_name=self._client_name))
+            sock.sendall(session.data_to_send())
+            deadline = time.monotonic() + self._connect_timeout
+            while True:
+                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                try:
+                    data = sock.recv(_READ_SIZE)
+                except TimeoutError:
+                    raise _Closed("no Welcome from the gateway in time") from None
+                if not data:
+                    raise _Closed("the gateway closed the connection before Welcome")
+                for event in self._receive(session, sock, data):
+                    if isinstance(event, WelcomeReceived):
+                        sock.setblocking(False)
+                        # A third of the gateway's idle timeout, as PROTOCOL.md advises.
+                        idle = event.welcome.idle_timeout_ms / 3000.0
+                        return sock, session, max(0.05, idle) if idle > 0 else 0.0
+        except BaseException:
+            sock.close()
+            raise
+
+    def _receive(self, session: Session, sock: socket.socket, data: bytes) -> list[object]:
+        """Feed the session; turn Error and Goodbye into :class:`_Closed`."""
+        try:
+            events = session.receive_data(data)
+        except ProtocolError as exc:
+            with contextlib.suppress(OSError):
+                sock.sendall(session.fail(exc))
+            raise _Closed(f"the gateway broke the protocol: {exc}") from None
+        for event in events:
+            if isinstance(event, MessageReceived):
+                message = event.message
+                if isinstance(message, m.Error):
+                    text = f"{message.code.name}: {message.text}"
+                    refused = message.code is ErrorCode.UNEXPECTED_FRAME
+                    raise _Closed(text, refused=refused)
+                if isinstance(message, m.Goodbye):
+                    raise _Closed(f"the gateway said goodbye ({message.code.name})")
+        out = session.data_to_send()  # Pongs for the gateway's Pings
+        if out:
+            self._send_all(sock, out)
+        return list(events)
+
+    def _send_all(self, sock: socket.socket, data: bytes) -> None:
+        """Write everything, or raise if the gateway takes none of it for a while."""
+        sock.settimeout(self._connect_timeout)
+        try:
+            sock.sendall(data)
+        finally:
+            sock.setblocking(False)
+
+    def _serve(self, sock: socket.socket, session: Session, keepalive: float) -> None:
+        """Send what is wanted, collect Pongs, until the connection ends or we close.
+
+        ``keepalive``: send a Ping after this many idle seconds (0: never).
+        """
+        written: dict[str, int] = {}  # positions written on this connection
+        probes: dict[int, dict[str, int]] = {}  # Ping nonce -> what it confirms
+        nonce = 0
+        last_write = time.monotonic()
+        closing_since: float | None = None
+        try:
+            while True:
+                with self._lock:
+                    closing = self._closing
+                    todo = {
+                        s: p
+                        for s, p in self._wanted.items()
+                        if p > max(written.get(s, -1), self._settled.get(s, -1))
+                    }
+                if todo:
+                    for stream, position in sorted(todo.items()):
+                        session.send_global(m.Release(stream=stream, position=position))
+                    written.update(todo)
+                    nonce += 1
+                    probes[nonce] = dict(written)
+                    session.send_global(m.Ping(nonce=nonce))
+                    self._send_all(sock, session.data_to_send())
+                    last_write = time.monotonic()
+                    with self._lock:
+                        self._sent += len(todo)
+                elif keepalive and time.monotonic() - last_write >= keepalive:
+                    nonce += 1  # a Pong nobody waits for
+                    session.send_global(m.Ping(nonce=nonce))
+                    self._send_all(sock, session.data_to_send())
+                    last_write = time.monotonic()
+                if closing and not todo and not probes:
+                    session.send_global(m.Goodbye(code=ErrorCode.NONE))
+                    self._send_all(sock, session.data_to_send())
+                    _linger(sock)
+                    return
+                # While closing, wait only a bounded time for the last Pongs.
+                wait = min(1.0, keepalive) if keepalive else 1.0
+                readable, _, _ = select.select([sock, self._wake_r], [], [], wait)
+                if self._wake_r in readable:
+                    self._drain_wake()
+                if sock in readable:
+                    self._read(sock, session, probes)
+                elif closing and not readable:
+                    closing_since = closing_since or time.monotonic()
+                    if time.monotonic() - closing_since >= 1.0:
+                        probes.clear()  # the gateway is silent; close() reports the rest
+        except _Closed as exc:
+            if exc.refused:
+                # Which Release was refused is not said: give up on all of them
+                # rather than send the bad one again forever.
+                log.error("the gateway at %s refused a release: %s", self.address, exc)
+                with self._settled_cv:
+                    self._refusals += 1
+                    for stream, position in written.items():
+                        if position > self._settled.get(stream, -1):
+                            self._settled[stream] = position
+                    self._settled_cv.notify_all()
+            raise
+
+    def _read(
+        self, sock: socket.socket, session: Session, probes: dict[int, dict[str, int]]
+    ) -> None:
+        try:
+            data = sock.recv(_READ_SIZE)
+        except BlockingIOError:
+            return
+        if not data:
+            raise _Closed("the gateway closed the connection")
+        for event in self._receive(session, sock, data):
+            if isinstance(event, MessageReceived) and isinstance(event.message, m.Pong):
+                confirmed = probes.pop(event.message.nonce, None)
+                if confirmed is None:
+                    continue
+                for older in [n for n in probes if n < event.message.nonce]:
+                    del probes[older]
+                with self._settled_cv:
+                    for stream, position in confirmed.items():
+                        if position > self._settled.get(stream, -1):
+                            self._settled[stream] = position
+                        if position > self._applied.get(stream, -1):
+                            self._applied[stream] = position
+                    self._settled_cv.notify_all()
+
+
+def _linger(sock: socket.socket) -> None:
+    """Half-close and read to the end, so the gateway gets everything before the close."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
+        sock.settimeout(1.0)
+        while sock.recv(_READ_SIZE):
+            pass
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(exc, FileNotFoundError):
+        return "no such socket"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    text = str(exc)
+    return text if isinstance(exc, _Closed) else f"{type(exc).__name__}: {text}"

@@ -1,0 +1,204 @@
+"""``headgate pipeline CONFIG.toml``: the pipeline as a command of its own.
+
+It runs next to a gateway (``headgate serve``), reads the gateway's logs and
+writes Parquet, one Structured Streaming query per stream, as the TOML file
+describes (:mod:`headgate.spark.pipeline`). After each committed micro-batch
+it sends the gateway a Release over its own connection
+(:class:`~headgate.client.control.ReleaseClient`), which turns into credit
+for the stream's producers.
+
+The order of the checks is the user's order of mistakes: the file's structure
+first, without starting Spark; then the data directory; then schemas, SQL and
+partition columns with Spark's analyser, before any query starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from headgate.config import ConfigError
+from headgate.spark.pipeline import (
+    Pipeline,
+    PipelineConfig,
+    error_text,
+    load_pipeline_config,
+    spark_session,
+)
+
+Echo = Callable[[str], None]
+
+
+def run_pipeline_file(
+    path: Path,
+    *,
+    available_now: bool,
+    echo: Echo,
+    status_seconds: float = 10.0,
+    stop: threading.Event | None = None,
+) -> int:
+    """Load ``path``, run the pipeline (see :func:`run_pipeline`), return the exit status.
+
+    Raises:
+        ConfigError: anything wrong in the file, or a data directory that
+            is not there; the message names the file and the key.
+    """
+    config = load_pipeline_config(path)
+    if not config.read_through_gateway and not config.data_dir.is_dir():
+        raise ConfigError(
+            f"{config.origin}: data_dir {config.data_dir} does not exist; it must be the "
+            "gateway's data directory (headgate serve --data-dir)"
+        )
+    return run_pipeline(
+        config,
+        available_now=available_now,
+        echo=echo,
+        status_seconds=status_seconds,
+        stop=stop,
+    )
+
+
+def run_pipeline(
+    config: PipelineConfig,
+    *,
+    available_now: bool,
+    echo: Echo,
+    status_seconds: float = 10.0,
+    stop: threading.Event | None = None,
+) -> int:
+    """Run the configured queries until they are done (``available_now``) or stopped.
+
+    ``stop``: set it to stop (SIGTERM and Ctrl-C set it too, in the main thread).
+    """
+    from pyspark import SparkContext
+
+    from headgate.client import ReleaseClient
+
+    # A session that already runs in this process (a notebook, the tests) is
+    # reused and left running; one started here is stopped here.
+    owned = SparkContext._active_spark_context is None
+    echo("starting Spark ..." if owned else "using the running Spark session")
+    spark = spark_session("headgate-pipeline")
+    client = ReleaseClient(config.gateway) if config.gateway is not None else None
+    pipeline = Pipeline(spark, config, release=client.release if client is not None else None)
+    status = 0
+    try:
+        try:
+            pipeline.start(available_now=available_now)
+        except ConfigError:
+            raise
+        except Exception as exc:  # Spark refused a query: say why in one line
+            echo(f"headgate pipeline: cannot start the queries: {error_text(exc)}")
+            return 1
+        where = config.gateway if config.read_through_gateway else config.data_dir
+        echo(
+            f"reading {', '.join(s.name for s in config.streams)} from {where}"
+            + ("" if client is None else f"; releases go to {client.address}")
+            + ("; until all available data is processed" if available_now else "")
+        )
+        stop = stop if stop is not None else threading.Event()
+        with _stop_on_signals(stop):
+            failure = _wait(pipeline, available_now, echo, status_seconds, stop)
+        if stop.is_set():
+            echo("stopping: letting the running micro-batches finish (up to 60 s) ...")
+        elif failure is not None:
+            echo(f"headgate pipeline: {failure}")
+            status = 1
+    finally:
+        with contextlib.suppress(Exception):
+            # Waits for the last progress (and release) to be out.
+            pipeline.stop(finish_batches=60.0)
+        confirmed = client.close(10.0) if client is not None else True
+        if pipeline.queries:
+            _summary(pipeline, config, client, echo)
+        if client is not None and not confirmed:
+            echo(
+                f"warning: the gateway at {client.address} did not confirm every release; "
+                "the next run sends them again"
+            )
+        if owned:
+            spark.stop()
+    return status
+
+
+def _wait(
+    pipeline: Pipeline, available_now: bool, echo: Echo, every: float, stop: threading.Event
+) -> str | None:
+    """Wait for the queries (or ``stop``); return why one failed, or None."""
+    last = time.monotonic()
+    while not stop.is_set():
+        running = 0
+        for name, query in pipeline.queries.items():
+            if query.isActive:
+                running += 1
+                continue
+            error = query.exception()
+            if error is not None:
+                return f"the query of stream {name} failed: {error_text(error)}"
+        if running == 0:
+            if not available_now:
+                return "every query stopped"
+            return None
+        if not available_now and time.monotonic() - last >= every:
+            last = time.monotonic()
+            echo(_status_line(pipeline))
+        # Wakes for a query's end at once; bounded so that signals get handled.
+        with contextlib.suppress(Exception):
+            pipeline.spark.streams.awaitAnyTermination(0.5)
+        pipeline.spark.streams.resetTerminated()
+    return None
+
+
+def _status_line(pipeline: Pipeline) -> str:
+    parts = []
+    for name in pipeline.queries:
+        parts.append(
+            f"{name}: {pipeline.batches[name]} batches, {pipeline.rows_written[name]:,} rows, "
+            f"{pipeline.dead_letters[name]:,} dead"
+        )
+    return " | ".join(parts)
+
+
+def _summary(pipeline: Pipeline, config: PipelineConfig, client: Any, echo: Echo) -> None:
+    applied = client.statistics().applied if client is not None else {}
+    for name in pipeline.queries:
+        committed = pipeline.committed.get(name)
+        line = (
+            f"{name}: {pipeline.batches[name]} batches, {pipeline.rows_written[name]:,} rows "
+            f"to {config.output(name)}, {pipeline.dead_letters[name]:,} dead letters"
+        )
+        if committed is None and pipeline.batches[name]:
+            line += ", progress not reported (nothing released)"
+        elif committed is not None:
+            line += f", committed up to position {committed:,}"
+            if client is not None:
+                released = applied.get(name)
+                line += ", released" if released == committed else ", release not confirmed"
+        echo(line)
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """Let SIGTERM and SIGINT set ``stop`` (main thread only).
+
+    Only a flag: an exception raised inside a py4j call would leave its
+    connection to the JVM half-read, and nothing could stop the queries.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

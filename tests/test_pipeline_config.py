@@ -1,0 +1,133 @@
+"""``headgate pipeline``: every mistake in the file is named plainly, before Spark starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+import headgate.spark.command
+from headgate.cli import main
+from headgate.config import ConfigError
+from headgate.spark.pipeline import load_pipeline_config
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipeline.toml"
+
+GOOD_STREAM = '[streams.ticks]\nformat = "json"\nschema = "a INT"\n'
+
+
+@pytest.fixture(autouse=True)
+def no_spark(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*_: object) -> None:
+        raise AssertionError("a mistake in the file must be found without starting Spark")
+
+    monkeypatch.setattr(headgate.spark.command, "spark_session", refuse)
+
+
+@pytest.mark.parametrize(
+    ("body", "fragments"),
+    [
+        ("", ["needs at least one [streams.NAME]"]),
+        ("bogus = 1\n" + GOOD_STREAM, ["unknown key(s) bogus", "known: data_dir"]),
+        ("[streams.a]\nsink = 'x'\n", ["streams.a: unknown key(s) sink", "known:"]),
+        ("[streams.a]\nformat = 'xml'\n", ["streams.a.format must be one of json, csv, raw"]),
+        ("[streams.a]\nformat = 'csv'\n", ["streams.a: format csv needs a DDL schema"]),
+        ("[streams.a]\nschema = 'a INT'\n", ["streams.a.schema: format raw is not parsed"]),
+        ("[streams.a]\noutput = ''\n", ["streams.a.output must be a non-empty path"]),
+        ("[streams.a]\ncheckpoint = 3\n", ["streams.a.checkpoint must be a non-empty path"]),
+        ("[streams.a]\ntrigger_seconds = -1\n", ["streams.a.trigger_seconds must be a positive"]),
+        ("[streams.a]\nmax_records_per_trigger = 0\n", ["max_records_per_trigger must be a pos"]),
+        (
+            "[streams.a]\nmax_bytes_per_trigger = 'lots'\n",
+            ["max_bytes_per_trigger: expected a size"],
+        ),
+        ("[streams.a]\npartition_by = 'x'\n", ["streams.a.partition_by must be a list"]),
+        ("[streams.a]\ntransform = 5\n", ["streams.a.transform must be SQL text"]),
+        (
+            "[streams.a]\nformat = 'csv'\nschema = 'a INT'\noptions = { separator = ';' }\n",
+            ["streams.a.options.separator: not a csv parser option", "known: "],
+        ),
+        (
+            "[streams.a]\nformat = 'json'\nschema = 'a INT'\noptions = { mode = 'FAILFAST' }\n",
+            ["streams.a.options.mode: not a json parser option"],
+        ),
+        ("[streams.'bad name']\n", ["'bad name' is not a stream name"]),
+        ("[streams]\na = 1\n", ["streams.a must be a table"]),
+        ("gateway = 'unix:'\n" + GOOD_STREAM, ["gateway: 'unix:' names no socket path"]),
+        ("gateway = 'h:http'\n" + GOOD_STREAM, ["gateway: port must be a number"]),
+        ("read_through_gateway = true\n" + GOOD_STREAM, ["needs a gateway address"]),
+        (
+            "[streams.a]\noutput = 'same'\n[streams.b]\noutput = 'same'\n",
+            ["streams.b and streams.a share the output directory"],
+        ),
+        ("[streams.a\n", ["not valid TOML"]),
+    ],
+)
+def test_a_bad_file_is_refused_with_its_name_and_key(
+    tmp_path: Path, body: str, fragments: list[str]
+) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(body)
+    result = CliRunner().invoke(main, ["pipeline", str(path), "--available-now"])
+    assert result.exit_code == 2, result.output
+    assert str(path) in result.output
+    for fragment in fragments:
+        assert fragment in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_a_missing_file_or_data_directory_is_named(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["pipeline", str(tmp_path / "nope.toml")])
+    assert result.exit_code == 2
+    assert "nope.toml does not exist" in result.output
+    path = tmp_path / "p.toml"
+    path.write_text(f"data_dir = '{tmp_path / 'nodata'}'\n" + GOOD_STREAM)
+    result = CliRunner().invoke(main, ["pipeline", str(path)])
+    assert result.exit_code == 2
+    assert "data_dir" in result.output and "nodata does not exist" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_the_example_file_is_valid_and_the_help_shows_an_example() -> None:
+    config = load_pipeline_config(EXAMPLE)
+    assert [s.name for s in config.streams] == ["ticks", "accounting", "audit"]
+    ticks = config.stream("ticks")
+    assert ticks.partition_by == ("symbol",) and ticks.max_bytes_per_trigger == 16 * 1024**2
+    assert dict(config.stream("accounting").options) == {"sep": ";", "nullValue": "-"}
+    assert config.gateway == "127.0.0.1:7878"
+    assert config.output("ticks") == Path("headgate-data/parquet/ticks")
+    assert config.checkpoint("audit") == Path("headgate-data/checkpoints/audit")
+    result = CliRunner().invoke(main, ["pipeline", "--help"])
+    assert result.exit_code == 0
+    assert "--available-now" in result.output and "[streams.ticks]" in result.output
+
+
+def test_options_become_text_and_outputs_can_move(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text(
+        "[streams.a]\nformat = 'csv'\nschema = 'a INT'\noutput = 'out/a'\n"
+        "checkpoint = 'cp/a'\noptions = { ignoreLeadingWhiteSpace = true, maxCharsPerColumn = 9 }\n"
+    )
+    config = load_pipeline_config(path)
+    assert dict(config.stream("a").options) == {
+        "ignoreLeadingWhiteSpace": "true",
+        "maxCharsPerColumn": "9",
+    }
+    assert config.output("a") == Path("out/a") and config.checkpoint("a") == Path("cp/a")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_pipeline_config(tmp_path)
+
+
+def test_spark_errors_are_cut_to_the_line_that_says_what_went_wrong() -> None:
+    from headgate.spark.pipeline import error_text
+
+    wrapped = Exception(
+        "[PYTHON_DATA_SOURCE_ERROR] Failed to create Python data source instance: "
+        'Traceback (most recent call last):\n  File "source.py", line 171, in parse\n'
+        "    raise ValueError(NOT_YET)\nValueError: headgate: not available yet\n SQLSTATE: 38000"
+    )
+    assert error_text(wrapped) == "headgate: not available yet"
+    parse = Exception("\n[PARSE_SYNTAX_ERROR] Syntax error at or near 'b'. SQLSTATE: 42601")
+    assert error_text(parse) == "[PARSE_SYNTAX_ERROR] Syntax error at or near 'b'."
+    assert error_text(Exception("")) == "Exception"
