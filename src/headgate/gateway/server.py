@@ -24,6 +24,7 @@ from pathlib import Path
 
 from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
+from headgate.gateway.readers import ReaderConnection, TailHub
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.log import LogError
 from headgate.protocol import messages as m
@@ -32,6 +33,7 @@ from headgate.protocol.session import (
     Absolved,
     BatchReceived,
     Event,
+    GuaranteesReceived,
     HandleDeleted,
     HelloReceived,
     MessageReceived,
@@ -67,6 +69,16 @@ class GatewayConnection(asyncio.Protocol):
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
+        # Fetches and subscriptions, if the peer is a reader (readers.py).
+        self.readers = ReaderConnection(
+            self.session,
+            gateway.streams,
+            gateway.tails,
+            flush=self.flush,
+            backlog=self._write_backlog,
+            later=lambda f: asyncio.get_running_loop().call_soon(f),
+            fail=lambda error: self.refuse(error),
+        )
 
     # -- asyncio.Protocol -----------------------------------------------------
 
@@ -90,10 +102,15 @@ class GatewayConnection(asyncio.Protocol):
     def resume_writing(self) -> None:
         if self.transport is not None and not self._closing:
             self.transport.resume_reading()
+            self.readers.resume()
+
+    def _write_backlog(self) -> int:
+        return 0 if self.transport is None else self.transport.get_write_buffer_size()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
+        self.readers.close()
         self.gateway.detach(self)
 
     # -- the receive seam ------------------------------------------------------
@@ -149,15 +166,26 @@ class GatewayConnection(asyncio.Protocol):
             case BatchReceived():
                 writer = self.writers[event.handle]
                 stream = gw.streams[event.stream]
-                stream.append(
+                timestamp_us = time.time_ns() // 1000
+                appended = stream.append(
                     writer,
                     event.first_sequence,
                     event.record_count,
                     event.records,
                     now=time.monotonic(),
-                    timestamp_us=time.time_ns() // 1000,
+                    timestamp_us=timestamp_us,
                 )
                 gw.mark_dirty(stream)
+                if appended and event.stream in gw.tails.subscriptions:
+                    where = stream.last_append
+                    header = m.TailHeader(
+                        event.first_sequence,
+                        where.position,
+                        where.end_position,
+                        self.producer_id,
+                        timestamp_us,
+                    )
+                    gw.tails.on_append(event.stream, header, event.records)
             case StreamBound(handle=handle, stream=name):
                 stream = gw.stream(name)
                 writer = Writer(
@@ -200,6 +228,10 @@ class GatewayConnection(asyncio.Protocol):
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
                     stream.rebalance(time.monotonic())
+            case MessageReceived(message=m.Fetch() | m.Subscribe() | m.ListStreams() as request):
+                self.readers.on_request(request)
+            case GuaranteesReceived(channel=channel):
+                self.readers.on_guarantees(channel)
             case MessageReceived(message=m.Release(stream=name, position=position)):
                 gw.release(name, position)
             case MessageReceived(message=m.Goodbye()):
@@ -218,6 +250,7 @@ class Gateway:
         self.config = config.validate()
         self.name = name
         self.streams: dict[str, Stream] = {}
+        self.tails = TailHub()
         self.connections: dict[int, GatewayConnection] = {}
         self._ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from headgate.log import LogError, StreamLog, frame_cost
+from headgate.log import AppendResult, LogError, StreamLog, frame_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
@@ -109,6 +109,8 @@ class Stream:
         self.appended_batches = 0
         self.appended_records = 0
         self.duplicate_batches = 0
+        #: Where the latest append put its frame (for live tail subscribers).
+        self.last_append = AppendResult(0, 0)
 
     @classmethod
     def open(
@@ -251,6 +253,7 @@ class Stream:
             record_count=record_count,
             timestamp_us=timestamp_us,
         )
+        self.last_append = result
         self.dedup[writer.producer_id] = end_sequence
         self._appends.append((result.end_position, writer.producer_id, end_sequence))
         writer.pending_acks.append((end_sequence, result.end_position))
