@@ -22,6 +22,7 @@ executor's ``read()``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Generator
@@ -396,7 +397,9 @@ class Reader:
         ``end`` None reads to the durable end as of the request. With
         ``max_bytes``, stops after about that many bytes of log (at least one
         batch). Batches arrive only as fast as they are taken. One fetch runs
-        at a time per reader; others wait their turn.
+        at a time per reader; others wait their turn. A fetch left early
+        still receives (and discards) the rest of what it asked for, so keep
+        early exits to fetches limited by ``end`` or ``max_bytes``.
         """
         if not m.is_valid_name(stream):
             raise ValueError(f"{stream!r} is not a valid stream name")
@@ -435,6 +438,14 @@ class Reader:
                     yield item
                 self.last_next_position = fetch.done.next_position
             finally:
+                # Abandoned early: the rest of this fetch still arrives on the
+                # stream's channel, ahead of the next fetch's batches; take it.
+                with contextlib.suppress(ReaderError):
+                    while self._error is None and (
+                        fetch.done is None or taken < fetch.done.batches
+                    ):
+                        if await self._next(channel) is not None:
+                            taken += 1
                 self._fetches.pop(request_id, None)
 
     async def fetch_all(
@@ -548,6 +559,12 @@ class SyncReader:
         finally:
             if not self._loop.is_closed():
                 self._run(batches.aclose())
+
+    def fetch_all(
+        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+    ) -> tuple[list[TailBatch], int]:
+        """As :meth:`Reader.fetch_all`."""
+        return self._run(self._reader.fetch_all(stream, start, end, max_bytes=max_bytes))
 
     def release(self, stream: str, position: int) -> None:
         self._run(self._reader.release(stream, position))

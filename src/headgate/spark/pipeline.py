@@ -21,6 +21,8 @@ Example ``pipeline.toml``::
 
     data_dir = "./headgate-data"
     gateway = "127.0.0.1:7878"          # where releases go; optional
+    read_through_gateway = false        # true: read the logs through the gateway
+                                        # (a cluster), not from data_dir
 
     [streams.ticks]
     format = "json"
@@ -79,6 +81,8 @@ class PipelineConfig:
     data_dir: Path
     streams: tuple[StreamPipeline, ...]
     gateway: str | None = None
+    #: Read the logs through ``gateway`` (option ``gateway``) instead of ``data_dir``.
+    read_through_gateway: bool = False
     output_dir: Path = field(default=Path())
     checkpoint_dir: Path = field(default=Path())
 
@@ -101,7 +105,14 @@ def load_pipeline_config(path: Path) -> PipelineConfig:
 
 
 def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -> PipelineConfig:
-    unknown = set(raw) - {"data_dir", "gateway", "output_dir", "checkpoint_dir", "streams"}
+    unknown = set(raw) - {
+        "data_dir",
+        "gateway",
+        "read_through_gateway",
+        "output_dir",
+        "checkpoint_dir",
+        "streams",
+    }
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
     data_dir = Path(str(raw.get("data_dir", "headgate-data")))
@@ -153,10 +164,16 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
     output_dir = Path(str(raw.get("output_dir", data_dir / "parquet")))
     checkpoint_dir = Path(str(raw.get("checkpoint_dir", data_dir / "checkpoints")))
     gateway = raw.get("gateway")
+    through = raw.get("read_through_gateway", False)
+    if not isinstance(through, bool):
+        raise ConfigError(f"{where}: read_through_gateway must be true or false")
+    if through and gateway is None:
+        raise ConfigError(f'{where}: read_through_gateway needs gateway = "host:port"')
     return PipelineConfig(
         data_dir=data_dir,
         streams=tuple(streams),
         gateway=None if gateway is None else str(gateway),
+        read_through_gateway=through,
         output_dir=output_dir,
         checkpoint_dir=checkpoint_dir,
     )
@@ -206,11 +223,21 @@ def _commit_batch(frame: Any, target: Path, batch_id: int, partition_by: tuple[s
 
 
 class Pipeline:
-    """Runs the configured queries and reports progress back as releases."""
+    """Runs the configured queries and reports progress back as releases.
+
+    Releases go to ``release`` if given, else to the configured gateway as
+    Release messages, else nowhere.
+    """
 
     def __init__(self, spark: Any, config: PipelineConfig, release: Release | None = None):
         self.spark = spark
         self.config = config
+        self._gateway_releases: Any = None
+        if release is None and config.gateway is not None:
+            from headgate.spark.remote import GatewayReleases
+
+            self._gateway_releases = GatewayReleases(config.gateway)
+            release = self._gateway_releases
         self._release = release
         self.queries: dict[str, Any] = {}
         self.rows_written: dict[str, int] = {s.name: 0 for s in config.streams}
@@ -262,11 +289,11 @@ class Pipeline:
     def _start_query(self, stream: StreamPipeline, available_now: bool) -> Any:
         from pyspark.sql import functions as F
 
-        reader = (
-            self.spark.readStream.format("headgate")
-            .option("path", str(self.config.data_dir))
-            .option("streams", stream.name)
-        )
+        reader = self.spark.readStream.format("headgate").option("streams", stream.name)
+        if self.config.read_through_gateway:
+            reader = reader.option("gateway", self.config.gateway)
+        else:
+            reader = reader.option("path", str(self.config.data_dir))
         if stream.max_records_per_trigger is not None:
             reader = reader.option("maxRecordsPerTrigger", stream.max_records_per_trigger)
         if stream.max_bytes_per_trigger is not None:
@@ -368,3 +395,5 @@ class Pipeline:
         if self._listener is not None:
             self.spark.streams.removeListener(self._listener)
             self._listener = None
+        if self._gateway_releases is not None:
+            self._gateway_releases.close()
