@@ -36,7 +36,7 @@ def main() -> None:
             spark.read.format("headgate")
             .option("gateway", gateway)
             # Small partitions, so that both executors read some of the data.
-            .option("bytesPerPartition", 64 * 1024)
+            .option("bytesPerPartition", 16 * 1024)
             .load()
         )
         rows = [

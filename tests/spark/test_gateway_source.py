@@ -184,17 +184,19 @@ def test_the_pipeline_reads_through_the_gateway_and_releases_to_it(
 def local_cluster_environment() -> dict[str, str]:
     """What a pip-installed PySpark needs to start a ``local-cluster`` master.
 
-    Its workers launch executors with ``$SPARK_HOME/bin/spark-class``, so
-    SPARK_HOME must be the pyspark package (it holds bin/ and jars/); that
-    script needs SPARK_SCALA_VERSION, since a pip install has no assembly
-    directory to guess it from; and the executors' Python workers must run
-    this interpreter.
+    Measured with PySpark 4.3 here: the master's workers launch executors
+    with ``$SPARK_HOME/bin/spark-class``, and PySpark finds SPARK_HOME by
+    itself (its own package directory, which holds ``bin/`` and ``jars/``)
+    and passes it to the JVM; Spark 4's scripts no longer need
+    SPARK_SCALA_VERSION. It is set here anyway, so that a SPARK_HOME of some
+    other Spark in the environment cannot be picked up. What is needed is
+    PYSPARK_PYTHON: the executors' Python workers otherwise run whatever
+    ``python3`` is on the PATH, which does not have headgate.
     """
     import pyspark
 
     env = dict(os.environ)
     env["SPARK_HOME"] = os.path.dirname(pyspark.__file__)
-    env["SPARK_SCALA_VERSION"] = "2.13"
     env["PYSPARK_PYTHON"] = sys.executable
     env["PYSPARK_DRIVER_PYTHON"] = sys.executable
     return env
@@ -218,5 +220,6 @@ def test_local_cluster_executors_read_through_the_gateway(
     assert len(result["executor_pids"]) == 2
     assert result["driver_pid"] not in result["executor_pids"]
     assert os.getpid() not in result["executor_pids"]
+    assert result["partitions"] > 2
     rows = [(s, p, prod, seq, bytes.fromhex(v)) for s, p, prod, seq, v in result["rows"]]
     check_exactly_once(rows)
