@@ -286,12 +286,17 @@ class Reader:
                     self._by_handle[handle] = channel
                     self._session.grant(m.data_channel(handle), self._buffer_bytes)
                 case TailReceived():
-                    channel = self._by_handle[event.handle]
+                    target = self._by_handle.get(event.handle)
+                    if target is None:  # we grant only bound handles; cannot happen
+                        self._fail(
+                            ReaderError(f"gateway {self._where} sent data on an unknown handle")
+                        )
+                        return
                     batch = TailBatch(
                         event.stream, event.header, event.record_count, bytes(event.records)
                     )
-                    channel.items.append((batch, event.size))
-                    channel.wake.set()
+                    target.items.append((batch, event.size))
+                    target.wake.set()
                 case MessageReceived(message=message):
                     self._on_message(message)
                 case _:

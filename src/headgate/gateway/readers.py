@@ -13,8 +13,9 @@ contract; this module keeps it:
   socket draining, start it again.
 * A **subscription** first reads history the same way, then follows appends
   live. Live delivery never waits: :meth:`ReaderConnection.deliver` either
-  sends the batch at once or counts it as missed. It is the one function per
-  delivered batch, so per-connection accounting can hook there.
+  sends the batch at once or counts it as missed. Every batch a subscriber
+  gets goes through :meth:`ReaderConnection.send_to_subscriber`, the one
+  place where per-connection accounting can charge a delivery.
 
 Nothing here touches the event loop directly: the connection passes in how to
 flush, how big its socket backlog is, and how to run something later.
@@ -384,7 +385,7 @@ class ReaderConnection:
                         frame.producer_id,
                         frame.timestamp_us,
                     )
-                    if not self._room() or not self._send(sub, header, frame.payload):
+                    if not self._room() or not self.send_to_subscriber(sub, header, frame.payload):
                         sub.seen -= 1  # it will be considered again
                         return used
                 used += frame.end_position - sub.cursor
@@ -404,13 +405,25 @@ class ReaderConnection:
             return False  # still reading history; this frame is in the log for it
         if sub.sampled_out():
             return False
-        if sub.handle is None or not self._room() or not self._send(sub, header, records):
+        if (
+            sub.handle is None
+            or not self._room()
+            or not self.send_to_subscriber(sub, header, records)
+        ):
             sub.missed += 1
             sub.missed_total += 1
             return False
         return True
 
-    def _send(self, sub: Subscription, header: m.TailHeader, records: memoryview) -> bool:
+    def send_to_subscriber(
+        self, sub: Subscription, header: m.TailHeader, records: memoryview
+    ) -> bool:
+        """Send one batch to a subscriber now if its guarantees allow; else False.
+
+        Every TailRecords a subscriber gets (live or catching up) goes through
+        here, after the Missed it is owed: the one place to charge a delivery
+        to the account of the connection that caused it.
+        """
         assert sub.handle is not None
         channel = m.data_channel(sub.handle)
         if not self._session.outbound(channel).can_send(self._session.tail_cost(len(records))):
