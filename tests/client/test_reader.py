@@ -299,3 +299,32 @@ async def test_subscribing_to_an_unknown_stream_is_a_clear_error(tmp_path: Path)
     async with gateway(tmp_path / "d") as gw, Reader(address(gw)) as reader:
         with pytest.raises(ReaderError, match="no stream called 'ghost'"):
             await take(reader.subscribe("ghost"), 1)
+
+
+async def test_history_released_under_a_catching_up_subscriber_is_reported_missed(
+    tmp_path: Path,
+) -> None:
+    async with gateway(tmp_path / "d") as gw:
+        await produce(gw, "s", 3000)
+        async with Reader(address(gw), buffer_bytes=4 * KiB) as reader:
+            sub = reader.subscribe("s", m.StartAt.EARLIEST)
+            await wait_for(lambda: has_guarantees(gw, "s") or bool(reader._by_handle))
+            await asyncio.sleep(0.2)  # it got what its buffer holds, and took nothing
+            tail = subscription_of(gw, "s")
+            assert not tail.live and tail.delivered_total > 0
+            sent = tail.delivered_total
+            log = gw.streams["s"].log
+            await wait_for(lambda: log.durable_position == log.tail_position)
+            gw.release("s", log.durable_position)  # Spark is done with all of it
+            await produce(gw, "s", 5, producer_id=21)
+            items: list[Any] = []
+            while not (
+                isinstance(items[-1:] or None, list)
+                and items
+                and (isinstance(items[-1], TailBatch) and items[-1].header.producer_id == 21)
+            ):
+                items += await take(sub, 1)
+                assert len(items) < sent + 10
+            assert [type(i) for i in items[:sent]] == [TailBatch] * sent
+            assert items[sent] == Missed(1)  # some batches, count unknown
+            assert values(items[sent + 1 :]) == [b"value-%06d" % i for i in range(5)]
