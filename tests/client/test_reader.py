@@ -319,9 +319,7 @@ async def test_history_released_under_a_catching_up_subscriber_is_reported_misse
             await produce(gw, "s", 5, producer_id=21)
             items: list[Any] = []
             while not (
-                isinstance(items[-1:] or None, list)
-                and items
-                and (isinstance(items[-1], TailBatch) and items[-1].header.producer_id == 21)
+                items and isinstance(items[-1], TailBatch) and items[-1].header.producer_id == 21
             ):
                 items += await take(sub, 1)
                 assert len(items) < sent + 10
