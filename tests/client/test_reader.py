@@ -326,3 +326,26 @@ async def test_history_released_under_a_catching_up_subscriber_is_reported_misse
             assert [type(i) for i in items[:sent]] == [TailBatch] * sent
             assert items[sent] == Missed(1)  # some batches, count unknown
             assert values(items[sent + 1 :]) == [b"value-%06d" % i for i in range(5)]
+
+
+async def test_a_gateway_stopping_ends_a_subscription_with_a_clear_error(tmp_path: Path) -> None:
+    gw = Gateway(
+        GatewayConfig(
+            listen=("127.0.0.1", 0),
+            data_dir=tmp_path / "d",
+            term_length=64 * KiB,
+            max_message_size=16 * KiB,
+        )
+    )
+    await gw.start()
+    try:
+        await produce(gw, "s", 1)
+        reader = Reader(address(gw))
+        await reader.connect()
+        sub = reader.subscribe("s")
+        await wait_for(lambda: "s" in gw.tails.subscriptions)
+    finally:
+        await gw.stop()
+    with pytest.raises(ReaderError, match="closed the connection: gateway stopping"):
+        await take(sub, 1)
+    await reader.close()

@@ -319,12 +319,11 @@ class Reader:
                 if channel is not None:
                     channel.items.append((Missed(count), 0))
                     channel.wake.set()
-            case m.Error(code=code, text=text) | m.Goodbye(code=code, text=text):
-                if code == ErrorCode.NONE:
-                    reason = "closed the connection"
-                else:
-                    reason = f"refused: {text or code.name} ({code.name})"
-                self._fail(ReaderError(f"gateway {self._where} {reason}"))
+            case m.Error(code=code, text=text):
+                self._fail(ReaderError(f"gateway {self._where} refused: {text} ({code.name})"))
+            case m.Goodbye(code=code, text=text):
+                why = "" if code == ErrorCode.NONE else f": {text} ({code.name})"
+                self._fail(ReaderError(f"gateway {self._where} closed the connection{why}"))
             case _:
                 pass
 
