@@ -41,7 +41,7 @@ log = logging.getLogger("headgate.gateway")
 
 #: Bytes waiting in the socket buffer to a reader beyond which nothing more is
 #: sent to it (a fetch pauses, a live tail misses batches).
-MAX_BACKLOG = 1 << 20
+MAX_BACKLOG = 256 * 1024
 #: Log bytes one turn of serving reads before it lets the event loop run others.
 SERVE_TURN_BYTES = 1 << 20
 #: Log bytes read from the log at a time.
