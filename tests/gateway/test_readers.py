@@ -136,3 +136,27 @@ async def test_requests_that_cannot_be_served_are_refused_with_a_reason(
         assert await fill(gw, "s", 10, producer_id=9) < 20
     finally:
         await gw.stop()
+
+
+async def test_a_connection_cannot_pile_up_subscriptions(tmp_path: Path) -> None:
+    gw = Gateway(config(tmp_path))
+    await gw.start()
+    try:
+        await fill(gw, "s", 10)
+        peer = RawPeer(producer_id=0)
+        await peer.connect(gw.address)
+        # No bind guarantees: every Subscribe waits for a handle, and piles up.
+        for _ in range(1025):
+            peer.session.send_global(m.Subscribe(stream="s", start=m.StartAt.NOW))
+        await peer.send()
+        for _ in range(100):
+            if peer.closed or peer.errors():
+                break
+            await peer.pump(0.02)
+        (error,) = peer.errors()
+        assert error.code == ErrorCode.RESOURCE_EXHAUSTED
+        assert "at most 1024 subscriptions" in error.text
+        await asyncio.sleep(0.1)
+        assert "s" not in gw.tails.subscriptions, "the closed connection's tails are gone"
+    finally:
+        await gw.stop()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from headgate.gateway.streams import Stream
-from headgate.log import LogError
+from headgate.log import LogError, LogFrame
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -46,6 +46,8 @@ MAX_BACKLOG = 256 * 1024
 SERVE_TURN_BYTES = 1 << 20
 #: Log bytes read from the log at a time.
 READ_CHUNK_BYTES = 256 * 1024
+#: Most subscriptions, and most fetches waiting their turn, per connection.
+MAX_REQUESTS = 1024
 
 
 @dataclass(eq=False)
@@ -177,10 +179,12 @@ class ReaderConnection:
                     )
                 )
             case m.Fetch():
+                self._check_count(len(self._jobs), "fetches waiting")
                 stream = self._stream(message.stream)
-                end = stream.log.durable_position if message.end_position == U64_MAX else None
-                if end is None:
-                    end = message.end_position
+                end = message.end_position
+                if end == U64_MAX:
+                    # The durable end, or nothing if the reader is past it already.
+                    end = max(stream.log.durable_position, message.start_position)
                 self._check_range(stream, message.start_position, end)
                 if (
                     message.stream not in self._fetch_handles
@@ -190,6 +194,7 @@ class ReaderConnection:
                     self._to_bind.append(message.stream)
                 self._jobs.append(_FetchJob(message, message.start_position, end))
             case m.Subscribe():
+                self._check_count(len(self.subscriptions), "subscriptions")
                 stream = self._stream(message.stream)
                 log_ = stream.log
                 if message.start is m.StartAt.NOW:
@@ -229,6 +234,14 @@ class ReaderConnection:
                 f"the gateway holds no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME
             )
         return stream
+
+    @staticmethod
+    def _check_count(count: int, what: str) -> None:
+        if count >= MAX_REQUESTS:
+            raise ProtocolError(
+                f"a connection may have at most {MAX_REQUESTS} {what}",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
 
     @staticmethod
     def _check_range(stream: Stream, start: int, end: int) -> None:
@@ -334,14 +347,7 @@ class ReaderConnection:
                     return True, used
                 if not self._room():
                     return False, used
-                header = m.TailHeader(
-                    frame.first_sequence,
-                    frame.position,
-                    frame.end_position,
-                    frame.producer_id,
-                    frame.timestamp_us,
-                )
-                if not self._session.send_tail(handle, header, frame.payload):
+                if not self._session.send_tail(handle, _header(frame), frame.payload):
                     return False, used  # the reader's guarantees bring us back
                 job.sent += 1
                 used += frame.end_position - job.cursor
@@ -378,13 +384,7 @@ class ReaderConnection:
                 continue
             for frame in frames:
                 if not sub.sampled_out():
-                    header = m.TailHeader(
-                        frame.first_sequence,
-                        frame.position,
-                        frame.end_position,
-                        frame.producer_id,
-                        frame.timestamp_us,
-                    )
+                    header = _header(frame)
                     if not self._room() or not self.send_to_subscriber(sub, header, frame.payload):
                         sub.seen -= 1  # it will be considered again
                         return used
@@ -443,3 +443,13 @@ class ReaderConnection:
             self._hub.remove(sub)
         self.subscriptions.clear()
         self._jobs.clear()
+
+
+def _header(frame: LogFrame) -> m.TailHeader:
+    return m.TailHeader(
+        frame.first_sequence,
+        frame.position,
+        frame.end_position,
+        frame.producer_id,
+        frame.timestamp_us,
+    )

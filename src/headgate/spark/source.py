@@ -21,8 +21,9 @@ Options:
     ``host:port`` of a gateway to read through, for executors that cannot see
     the disk (a cluster). The driver plans from the gateway's stream list and
     every partition carries the address and its position ranges; nothing
-    touches the data directory. Admission control then reads frame headers
-    over the network too. See :mod:`headgate.spark.remote`.
+    touches the data directory. With admission control the driver fetches the
+    frames it admits (their headers decide) over the network too. See
+    :mod:`headgate.spark.remote`.
 ``streams`` / ``streamPattern``
     A comma-separated list of stream names, or a regex a whole name must
     match. Without either, every stream. Streams that appear later are read
