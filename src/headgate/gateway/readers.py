@@ -107,15 +107,26 @@ class TailHub:
             if not subs:
                 del self.subscriptions[sub.stream]
 
-    def on_append(self, stream: str, header: m.TailHeader, records: memoryview) -> None:
-        """A batch was appended to ``stream``: offer it to each of its subscribers.
+    def on_append(
+        self,
+        stream: Stream,
+        producer_id: int,
+        first_sequence: int,
+        records: memoryview,
+        timestamp_us: int,
+    ) -> None:
+        """A batch was just appended to ``stream``: offer it to each of its subscribers.
 
         Never waits and never buffers beyond what a subscriber's guarantees
         allow: each delivery is sent at once or counted as missed.
         """
-        subs = self.subscriptions.get(stream)
+        subs = self.subscriptions.get(stream.name)
         if not subs:
             return
+        where = stream.last_append
+        header = m.TailHeader(
+            first_sequence, where.position, where.end_position, producer_id, timestamp_us
+        )
         owners = {}
         for sub in subs:
             if sub.owner.deliver(sub, header, records):

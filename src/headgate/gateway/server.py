@@ -176,16 +176,10 @@ class GatewayConnection(asyncio.Protocol):
                     timestamp_us=timestamp_us,
                 )
                 gw.mark_dirty(stream)
-                if appended and event.stream in gw.tails.subscriptions:
-                    where = stream.last_append
-                    header = m.TailHeader(
-                        event.first_sequence,
-                        where.position,
-                        where.end_position,
-                        self.producer_id,
-                        timestamp_us,
+                if appended:
+                    gw.tails.on_append(
+                        stream, self.producer_id, event.first_sequence, event.records, timestamp_us
                     )
-                    gw.tails.on_append(event.stream, header, event.records)
             case StreamBound(handle=handle, stream=name):
                 stream = gw.stream(name)
                 writer = Writer(
