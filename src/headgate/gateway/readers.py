@@ -175,6 +175,7 @@ class ReaderConnection:
         self._binding: set[str] = set()
         self.subscriptions: list[Subscription] = []
         self._scheduled = False
+        self._out_of_room = False
         self._closed = False
 
     # -- requests ---------------------------------------------------------------
@@ -291,13 +292,17 @@ class ReaderConnection:
         self.pump()
 
     def _room(self) -> bool:
-        return self._backlog() + self._session.pending_output < MAX_BACKLOG
+        if self._backlog() + self._session.pending_output < MAX_BACKLOG:
+            return True
+        self._out_of_room = True
+        return False
 
     def pump(self) -> None:
         """Send what fetches and catching-up subscriptions can send now, then flush."""
         if self._closed or self._session.closed:
             return
         budget = SERVE_TURN_BYTES
+        self._out_of_room = False
         while self._jobs and budget > 0:
             job = self._jobs[0]
             handle = self._fetch_handles.get(job.request.stream)
@@ -321,8 +326,11 @@ class ReaderConnection:
             if not sub.live and sub.handle is not None:
                 budget -= self._catch_up(sub, budget)
         self.flush()
-        if budget <= 0 and not self._scheduled:
-            # More is ready; let other connections run before serving it.
+        # More is ready (the turn's budget ran out, or the output filled up and
+        # the socket took it all at once, so no resume_writing will come):
+        # let other connections run, then serve it.
+        more = budget <= 0 or (self._out_of_room and self._room())
+        if more and not self._scheduled:
             self._scheduled = True
             self._later(self._continue)
 
