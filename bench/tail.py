@@ -1,12 +1,13 @@
 """Benchmark: producer rate and gateway memory with many stalled tail subscribers.
 
-    .venv/bin/python bench/tail.py                 # 100 subscribers, 8 s per phase
-    .venv/bin/python bench/tail.py --quick         # 3 s per phase
+    .venv/bin/python bench/tail.py                 # 100 subscribers, 3M records per phase
+    .venv/bin/python bench/tail.py --quick         # 1M records per phase
 
 A ``headgate serve`` subprocess on loopback; one producer (in this process)
-sends 100-byte records with ``send_many`` (lists of 10,000) for a fixed time,
-and the rate counts only records acknowledged durable. Phase 1 has no
-subscribers. Phase 2 first attaches N subscribers to the same stream that
+sends 100-byte records with ``send_many`` (lists of 10,000), and the rate
+counts only records acknowledged durable. Each phase writes its own stream,
+well inside its capacity (nothing is released). Phase 1 has no subscribers.
+Phase 2 first attaches N subscribers to its stream that
 Subscribe from now, grant 1 MiB of guarantees each, and then never read their
 sockets again: the worst a tail can do. The gateway must skip batches for
 them (Missed) without slowing the producer, and its memory must stay within
@@ -59,17 +60,15 @@ class RssSampler(threading.Thread):
             time.sleep(0.05)
 
 
-async def produce(address: str, stream: str, seconds: float) -> float:
-    """Records per second acknowledged durable, over ``seconds`` of sending."""
+async def produce(address: str, stream: str, records: int) -> float:
+    """Records per second acknowledged durable, for ``records`` records."""
     async with Producer(address, client_name="bench-tail") as producer:
         batch = [RECORD] * CHUNK
         started = time.monotonic()
-        sent = 0
-        while time.monotonic() - started < seconds:
+        for _ in range(max(1, records // CHUNK)):
             await producer.send_many(stream, batch)
-            sent += CHUNK
         await producer.flush()
-        return sent / (time.monotonic() - started)
+        return max(1, records // CHUNK) * CHUNK / (time.monotonic() - started)
 
 
 async def stalled_subscriber(
@@ -100,17 +99,18 @@ async def stalled_subscriber(
 
 async def main_async(args: argparse.Namespace, address: str, pid: int) -> None:
     host, port = address.rsplit(":", 1)
-    await produce(address, "bench", 1.0)  # warm up, and the stream exists
+    await produce(address, "warm-up", args.records // 2)
+    await produce(address, "tailed", CHUNK)  # the stream exists, to subscribe to
     base_rss = rss_kib(pid)
     sampler = RssSampler(pid)
     sampler.start()
-    alone = await produce(address, "bench", args.seconds)
+    alone = await produce(address, "alone", args.records)
     peak_alone = sampler.peak
     subscribers = [
-        await stalled_subscriber(host, int(port), "bench") for _ in range(args.subscribers)
+        await stalled_subscriber(host, int(port), "tailed") for _ in range(args.subscribers)
     ]
     sampler.peak = 0
-    with_tails = await produce(address, "bench", args.seconds)
+    with_tails = await produce(address, "tailed", args.records)
     peak_tails = sampler.peak
     sampler.stop.set()
     # Each stalled subscriber may hold the backlog bound plus the one message
@@ -132,12 +132,12 @@ async def main_async(args: argparse.Namespace, address: str, pid: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 s per phase")
-    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--quick", action="store_true", help="1M records per phase")
+    parser.add_argument("--records", type=int, default=3_000_000)
     parser.add_argument("--subscribers", type=int, default=100)
     args = parser.parse_args()
     if args.quick:
-        args.seconds = 3.0
+        args.records = 1_000_000
     data = Path(tempfile.mkdtemp(prefix="headgate-bench-tail-"))
     config = data / "gateway.toml"
     config.write_text(
