@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import ssl
 import sys
@@ -325,6 +326,55 @@ def send(
     if bad:
         click.echo(f"{bad:,} lines were not valid JSON and were not sent", err=True)
         sys.exit(2)
+
+
+@main.command()
+@click.argument("stream")
+@click.option("--gateway", default="127.0.0.1:7878", show_default=True, help="host:port.")
+@click.option(
+    "--from",
+    "start",
+    default="now",
+    show_default=True,
+    help="now (new records only), earliest, or a log position to start at.",
+)
+@click.option("--sample", type=click.IntRange(min=1), default=1, help="Show one batch in N.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["raw", "json"]),
+    default="raw",
+    show_default=True,
+    help="raw: one value per line; json: one object per record, with its position.",
+)
+@click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
+def tail(stream: str, gateway: str, start: str, sample: int, fmt: str, count: int | None) -> None:
+    """Print records of STREAM as the gateway appends them.
+
+    The tail never slows the producers: when it cannot keep up, the gateway
+    skips batches and the tail says how many it missed (on stderr, or as
+    {"missed_batches": N} lines with --format json).
+    """
+    from headgate.client.reader import ReaderError
+    from headgate.tail import TailOptions, parse_start, run_tail
+
+    if not is_valid_name(stream):
+        raise click.UsageError(f"{stream!r} is not a stream name")
+    try:
+        options = TailOptions(gateway, stream, parse_start(start), sample, fmt, count)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    try:
+        asyncio.run(run_tail(options, sys.stdout.buffer))
+    except ReaderError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        # The reader of our output went away (| head): stop quietly, and keep
+        # Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 async def _send(

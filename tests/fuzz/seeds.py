@@ -84,7 +84,8 @@ def gateway_side() -> list[bytes]:
         encode_frame(
             SendChannel(
                 channel=2,
-                payload=m.encode_tail_header(0, 4096) + encode_records([b"t"]),
+                payload=m.encode_tail_header(m.TailHeader(0, 4096, 4160, 7, 0))
+                + encode_records([b"t"]),
             )
         ),
     ]

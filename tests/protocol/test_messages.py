@@ -42,13 +42,17 @@ from headgate.protocol.messages import (
     HandleType,
     Hello,
     HelloFlags,
+    ListStreams,
     MessageType,
     Missed,
     Ping,
     Pong,
     Release,
     StartAt,
+    StreamInfo,
+    StreamList,
     Subscribe,
+    TailHeader,
     Welcome,
     data_channel,
     decode_batch,
@@ -132,6 +136,22 @@ global_messages: st.SearchStrategy[GlobalMessage] = st.one_of(
         max_bytes=u64s,
     ),
     st.builds(FetchDone, request_id=u64s, next_position=u64s, batches=u64s),
+    st.builds(ListStreams, request_id=u64s),
+    st.builds(
+        StreamList,
+        request_id=u64s,
+        streams=st.lists(
+            st.builds(
+                StreamInfo,
+                stream=names,
+                start_position=u64s,
+                durable_position=u64s,
+                tail_position=u64s,
+                term_length=u64s,
+            ),
+            max_size=4,
+        ).map(tuple),
+    ),
 )
 channel_messages: st.SearchStrategy[ChannelMessage] = st.one_of(
     st.builds(BindStream, stream=names),
@@ -187,15 +207,42 @@ def test_batches_split_without_copying(first_sequence: int, block: bytes) -> Non
     assert records[0] == block[0] ^ 0xFF
 
 
-@given(first_sequence=u64s, position=u64s, block=st.binary(min_size=4, max_size=64))
+@given(
+    first_sequence=u64s,
+    position=st.integers(min_value=0, max_value=U64_MAX - 1),
+    length=st.integers(min_value=1, max_value=1 << 20),
+    producer_id=u64s,
+    timestamp_us=st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    block=st.binary(min_size=4, max_size=64),
+)
 def test_tail_records_split_without_copying(
-    first_sequence: int, position: int, block: bytes
+    first_sequence: int,
+    position: int,
+    length: int,
+    producer_id: int,
+    timestamp_us: int,
+    block: bytes,
 ) -> None:
-    payload = encode_tail_header(first_sequence, position) + block
-    got = decode_tail_records(payload)
-    assert got[:3] == (first_sequence, position, int.from_bytes(block[:4], "little"))
-    assert got[3] == block
-    assert got[3].obj is payload
+    header = TailHeader(
+        first_sequence, position, min(U64_MAX, position + length), producer_id, timestamp_us
+    )
+    payload = bytearray(encode_tail_header(header) + block)
+    got_header, count, records = decode_tail_records(payload)
+    assert got_header == header
+    assert count == int.from_bytes(block[:4], "little")
+    assert records == block
+    assert records.obj is payload
+
+
+def test_tail_records_whose_frame_ends_where_it_starts_are_malformed() -> None:
+    good = encode_tail_header(TailHeader(0, 64, 128, 1, 0)) + bytes(8)
+    bad = bytearray(good)
+    bad[16:24] = (64).to_bytes(8, "little")  # end_position = position
+    assert decode_tail_records(good)[0].end_position == 128
+    with pytest.raises(MessageError, match="not after"):
+        decode_tail_records(bad)
+    with pytest.raises(ValueError):
+        encode_tail_header(TailHeader(0, 64, 64, 1, 0))
 
 
 @pytest.mark.parametrize("size", range(BATCH_HEADER_SIZE + 4))
@@ -215,7 +262,14 @@ def test_data_headers_refuse_integers_outside_u64() -> None:
         with pytest.raises(ValueError):
             encode_batch_header(bad)
         with pytest.raises(ValueError):
-            encode_tail_header(0, bad)
+            encode_tail_header(TailHeader(0, bad, U64_MAX, 0, 0))
+        with pytest.raises(ValueError):
+            encode_tail_header(TailHeader(bad, 0, 64, 0, 0))
+        with pytest.raises(ValueError):
+            encode_tail_header(TailHeader(0, 0, 64, bad, 0))
+    for bad in (-(2**63) - 1, 2**63):
+        with pytest.raises(ValueError):
+            encode_tail_header(TailHeader(0, 0, 64, 0, bad))
 
 
 # --- channels ----------------------------------------------------------------
@@ -330,6 +384,10 @@ def c64(value: int) -> str:
         "20 01 61 03 01",  # Subscribe with start kind 3
         "20 01 61 00 00",  # Subscribe with sample_every 0
         "23 00 00 00 00",  # FetchDone with a trailing byte
+        "24",  # ListStreams without a request id
+        "25 00 01",  # StreamList that promises a stream and holds none
+        "25 00 ff ff ff ff ff ff ff ff ff",  # StreamList of 2^64-1 streams
+        "25 00 01 01 2e 00 00 00 00",  # StreamList entry named "."
         "04 01 00 fd 04 01" + "61" * 1025,  # Error text of 1025 bytes
     ],
 )
@@ -412,6 +470,7 @@ def test_the_public_names_are_the_exported_ones() -> None:
         "Enum",
         "IntEnum",
         "IntFlag",
+        "NamedTuple",
         "U64_MAX",
         "Buffer",
         "ErrorCode",
@@ -526,10 +585,10 @@ def test_protocol_document_example(kind: str, value: str, encoded: bytes) -> Non
         assert decode_batch(encoded) == (first_sequence, count, memoryview(records))
         assert encode_batch_header(first_sequence) + records == encoded
     elif kind == "tail":
-        first_sequence, position, count, records = expected
+        header, count, records = expected
         got = decode_tail_records(encoded)
-        assert got == (first_sequence, position, count, memoryview(records))
-        assert encode_tail_header(first_sequence, position) + records == encoded
+        assert got == (header, count, memoryview(records))
+        assert encode_tail_header(header) + records == encoded
     else:
         raise AssertionError(f"unknown example kind {kind!r}")
 

@@ -34,6 +34,7 @@ from headgate.protocol.session import (
     Role,
     Session,
     StreamBound,
+    TailReceived,
     WelcomeReceived,
 )
 
@@ -392,3 +393,35 @@ def test_a_producer_accepts_a_refusal_in_place_of_welcome() -> None:
     events = producer.receive_data(encode_frame(SendGlobal(payload=m.encode_message(refusal))))
     assert events == [MessageReceived(message=refusal)]
     assert producer.closed and not producer.opened
+
+
+def test_tail_records_flow_down_within_the_subscribers_own_guarantees() -> None:
+    """The session is symmetric: the subscriber is the LCMUX server of the down data
+    channel, grants its buffer, and the gateway sends only within it."""
+    pair = Pair()
+    pair.open()
+    # The subscriber grants bind credit; the gateway binds its stream handle.
+    pair.producer.grant(m.STREAM_CHANNEL, 1024)
+    assert isinstance(pair.flush_up()[0], GuaranteesReceived)
+    handle = pair.gateway.bind_stream("clicks")
+    assert handle == 0
+    (bound,) = pair.flush_down()
+    assert bound == StreamBound(handle=0, stream="clicks")
+    block = records(b"r1", b"r2")
+    header = m.TailHeader(7, 4096, 4160, 42, 1_700_000_000_000_000)
+    # No guarantees yet on the data channel: nothing may be sent.
+    assert not pair.gateway.send_tail(0, header, block)
+    cost = pair.gateway.tail_cost(len(block))
+    pair.producer.grant(m.data_channel(0), cost)
+    pair.flush_up()
+    assert pair.gateway.send_tail(0, header, block)
+    assert not pair.gateway.send_tail(0, header, block), "the buffer is full"
+    (tail,) = pair.flush_down()
+    assert isinstance(tail, TailReceived)
+    assert (tail.handle, tail.stream, tail.header, tail.record_count) == (0, "clicks", header, 2)
+    assert bytes(tail.records) == block and tail.size == cost
+    # Processed: its space is issued again, and the next one fits.
+    pair.producer.process(0)
+    pair.producer.issue(m.data_channel(0))
+    pair.flush_up()
+    assert pair.gateway.send_tail(0, header, block)

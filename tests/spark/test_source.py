@@ -164,8 +164,10 @@ def test_options_are_checked_when_the_source_is_created(data_dir: Path) -> None:
 
     refused({}, "exactly one of option 'path'")
     refused({"path": "x", "gateway": "h:1"}, "exactly one of option 'path'")
-    refused({"gateway": "h:1"}, "not available yet")
+    assert SourceOptions.parse({"gateway": " h:1 "}).gateway == "h:1"
     refused({"gateway": "nohost"}, "host:port")
+    refused({"gateway": "h:0"}, "host:port")
+    refused({"gateway": "h:65536"}, "host:port")
     refused(options(data_dir, streams="a", streamPattern="a.*"), "not both")
     refused(options(data_dir, streamPattern="("), "not a regex")
     refused(options(data_dir, startingOffsets="newest"), "startingOffsets")
@@ -519,8 +521,3 @@ def test_a_vanished_stream_fails_the_query_with_its_name(
     query = run()
     with pytest.raises(Exception, match=rf"stream 'b': its log directory .* is gone .*{b.end}"):
         query.awaitTermination(120)
-
-
-def test_the_gateway_option_says_it_is_not_available_yet(spark: SparkSession) -> None:
-    with pytest.raises(Exception, match="not available yet"):
-        spark.read.format("headgate").option("gateway", "localhost:7447").load()

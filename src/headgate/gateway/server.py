@@ -58,6 +58,7 @@ from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import FrameBudget
 from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
+from headgate.gateway.readers import ReaderConnection, TailHub
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
@@ -71,6 +72,7 @@ from headgate.protocol.session import (
     BatchDropped,
     BatchReceived,
     Event,
+    GuaranteesReceived,
     HandleDeleted,
     HelloReceived,
     MessageReceived,
@@ -140,6 +142,16 @@ class GatewayConnection(asyncio.BufferedProtocol):
         )
         rate = gateway.config.max_control_rate
         self._budget = FrameBudget(rate, rate, time.monotonic())
+        # Fetches and subscriptions, if the peer is a reader (readers.py).
+        self.readers = ReaderConnection(
+            self.session,
+            gateway.streams,
+            gateway.tails,
+            flush=self.flush,
+            backlog=self._write_backlog,
+            later=lambda f: asyncio.get_running_loop().call_soon(f),
+            fail=lambda error: self.refuse(error),
+        )
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
 
@@ -225,6 +237,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
 
     def resume_writing(self) -> None:
         self.reads.set("writing", False)
+        self.readers.resume()
 
     def throttle(self, reason: str, pause: bool) -> None:
         """Pause reading the peer for ``reason`` (an XOFF stream), or drop that reason."""
@@ -234,12 +247,16 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def reading_paused(self) -> bool:
         return self.reads.paused
 
+    def _write_backlog(self) -> int:
+        return 0 if self.transport is None else self.transport.get_write_buffer_size()
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake is not None:
             self._handshake.cancel()
         if self._idle is not None:
             self._idle.cancel()
         self._turns.cancel()
+        self.readers.close()
         # What arrived before the end is stored, as it arrived, before the
         # connection's writers leave their streams.
         self.gateway.write_messages()
@@ -526,6 +543,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     producer_id=self.producer_id,
                     last_active=time.monotonic(),
                     throttle=self.throttle,
+                    account=self.account,
                 )
                 self.writers[handle] = writer
                 stream.add_writer(writer)
@@ -567,6 +585,17 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
                     stream.rebalance(time.monotonic())
+            case MessageReceived(message=m.Fetch() | m.Subscribe() | m.ListStreams() as request):
+                rights = self.rights
+                assert rights is not None
+                if not isinstance(request, m.ListStreams) and not rights.can_read(request.stream):
+                    raise ProtocolError(
+                        f"token {rights.name!r} may not read stream {request.stream!r}",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                self.readers.on_request(request, visible=rights.can_read)
+            case GuaranteesReceived(channel=channel):
+                self.readers.on_guarantees(channel)
             case MessageReceived(message=m.Release(stream=name, position=position)):
                 assert self.rights is not None
                 if not self.rights.can_administer():
@@ -591,6 +620,7 @@ class Gateway:
         self.config = config.validate()
         self.name = name
         self.streams: dict[str, Stream] = {}
+        self.tails = TailHub()
         self.connections: dict[int, GatewayConnection] = {}
         self._ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []
@@ -731,8 +761,26 @@ class Gateway:
                 # configuration is what the operator wants now.
                 stream.set_capacity(capacity)
             stream.flow = self._make_flow(stream)
+            stream.on_append = self._offer_to_tails
             self.streams[name] = stream
         return stream
+
+    def _offer_to_tails(
+        self,
+        stream: Stream,
+        writer: Writer,
+        first_sequence: int,
+        records: memoryview,
+        timestamp_us: int,
+    ) -> None:
+        self.tails.on_append(
+            stream,
+            writer.producer_id,
+            first_sequence,
+            records,
+            timestamp_us,
+            account=writer.account,
+        )
 
     def _make_flow(self, stream: Stream) -> Flow:
         return make_flow(

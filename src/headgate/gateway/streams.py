@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from headgate.log import LogError, StorageError, StreamLog, frame_cost
+from headgate.gateway.accounts import Account
+from headgate.log import AppendResult, LogError, StorageError, StreamLog, frame_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
@@ -80,6 +81,8 @@ class Writer:
     pleaded: int | None = None
     #: Pauses (True) or resumes (False) reading the connection, for a reason.
     throttle: Callable[[str, bool], None] | None = None
+    #: The connection's account, charged for the fan-out a batch causes.
+    account: Account | None = None
 
     @property
     def channel(self) -> int:
@@ -170,6 +173,10 @@ class Stream:
         self._held_next: dict[int, int] = {}
         # Writers whose resume Ack waits for their producer's held batches.
         self._held_resumes: list[Writer] = []
+        #: Where the latest append put its frame (for live tail subscribers).
+        self.last_append = AppendResult(0, 0)
+        #: Called after each batch is appended (the gateway offers it to tails).
+        self.on_append: Callable[[Stream, Writer, int, memoryview, int], None] | None = None
 
     @classmethod
     def open(
@@ -348,6 +355,7 @@ class Stream:
             record_count=record_count,
             timestamp_us=timestamp_us,
         )
+        self.last_append = result
         self.dedup[writer.producer_id] = end_sequence
         self._appends.append((result.end_position, writer.producer_id, end_sequence))
         writer.pending_acks.append((end_sequence, result.end_position))
@@ -355,6 +363,8 @@ class Stream:
             self._inflight.append((result.end_position, writer))
         self.appended_batches += 1
         self.appended_records += record_count
+        if self.on_append is not None:
+            self.on_append(self, writer, first_sequence, records, timestamp_us)
         return True
 
     def on_durable(self) -> None:

@@ -32,6 +32,7 @@ import re
 import struct
 from dataclasses import dataclass
 from enum import Enum, IntEnum, IntFlag
+from typing import NamedTuple
 
 from headgate.protocol.c64 import (
     U64_MAX,
@@ -66,13 +67,17 @@ __all__ = [
     "HandleType",
     "Hello",
     "HelloFlags",
+    "ListStreams",
     "MessageType",
     "Missed",
     "Ping",
     "Pong",
     "Release",
     "StartAt",
+    "StreamInfo",
+    "StreamList",
     "Subscribe",
+    "TailHeader",
     "Welcome",
     "data_channel",
     "decode_batch",
@@ -108,8 +113,9 @@ MAX_SCHEMA_TEXT_BYTES = 65536
 
 #: Bytes before the records block in a Batch: first_sequence (u64 LE).
 BATCH_HEADER_SIZE = 8
-#: Bytes before the records block in TailRecords: first_sequence, position.
-TAIL_HEADER_SIZE = 16
+#: Bytes before the records block in TailRecords: the five fields of a
+#: :class:`TailHeader` (four u64 LE, then the timestamp as an i64 LE).
+TAIL_HEADER_SIZE = 40
 
 # The records block begins with its record count, a u32 LE (records.py owns
 # the rest of the block).
@@ -117,8 +123,8 @@ _RECORD_COUNT_SIZE = 4
 
 _U64LE = struct.Struct("<Q")
 _BATCH_HEAD = struct.Struct("<QI")
-_TAIL_HEAD = struct.Struct("<QQI")
-_TAIL_PREFIX = struct.Struct("<QQ")
+_TAIL_HEAD = struct.Struct("<QQQQqI")
+_TAIL_PREFIX = struct.Struct("<QQQQq")
 
 # Stream and schema names: ASCII, so their UTF-8 length is their length.
 _NAME = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -141,6 +147,8 @@ class MessageType(IntEnum):
     MISSED = 0x21
     FETCH = 0x22
     FETCH_DONE = 0x23
+    LIST_STREAMS = 0x24
+    STREAM_LIST = 0x25
 
 
 class HandleType(IntEnum):
@@ -345,6 +353,40 @@ class FetchDone:
     batches: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListStreams:
+    """A request for the gateway's streams and their positions (a Spark driver plans with it)."""
+
+    #: Chosen by the reader; StreamList echoes it.
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamInfo:
+    """One stream's positions, as the gateway saw them when it answered."""
+
+    #: The stream name.
+    stream: str
+    #: The oldest position the log retains (its release position).
+    start_position: int
+    #: Every frame before this position is on disk: what a Spark query reads up to.
+    durable_position: int
+    #: Where the next frame goes; frames between durable and tail are not fsynced yet.
+    tail_position: int
+    #: Bytes per term of the log; every multiple of it is a frame boundary.
+    term_length: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamList:
+    """The gateway's answer to ListStreams: every stream it holds, sorted by name."""
+
+    #: The request_id of the ListStreams.
+    request_id: int
+    #: One entry per stream.
+    streams: tuple[StreamInfo, ...]
+
+
 # --- channel messages ------------------------------------------------------
 
 
@@ -380,6 +422,8 @@ GlobalMessage = (
     | Missed
     | Fetch
     | FetchDone
+    | ListStreams
+    | StreamList
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -433,22 +477,54 @@ def decode_batch(payload: Buffer) -> tuple[int, int, memoryview]:
     return first_sequence, count, memoryview(payload)[BATCH_HEADER_SIZE:]
 
 
-def encode_tail_header(first_sequence: int, position: int) -> bytes:
-    """Return the 16 bytes that precede a records block in TailRecords."""
-    _check_u64(first_sequence, "first_sequence")
-    _check_u64(position, "position")
-    return _TAIL_PREFIX.pack(first_sequence, position)
+class TailHeader(NamedTuple):
+    """What TailRecords says about its batch besides the records: the log frame's header."""
+
+    #: The sequence number of the batch's first record.
+    first_sequence: int
+    #: The log position of the frame holding the batch.
+    position: int
+    #: The position right after that frame: where the next frame (or padding) starts.
+    end_position: int
+    #: The producer that sent the batch.
+    producer_id: int
+    #: When the gateway appended the batch, in microseconds since the epoch (signed).
+    timestamp_us: int
 
 
-def decode_tail_records(payload: Buffer) -> tuple[int, int, int, memoryview]:
-    """Split TailRecords into ``(first_sequence, position, record_count, records)``.
+_I64_MIN = -(1 << 63)
+_I64_MAX = (1 << 63) - 1
 
-    As :func:`decode_batch`, with the batch's log position after the sequence.
+
+def encode_tail_header(header: TailHeader) -> bytes:
+    """Return the 40 bytes that precede a records block in TailRecords."""
+    _check_u64(header.first_sequence, "first_sequence")
+    _check_u64(header.position, "position")
+    _check_u64(header.end_position, "end_position")
+    _check_u64(header.producer_id, "producer_id")
+    if not _I64_MIN <= header.timestamp_us <= _I64_MAX:
+        raise ValueError(f"timestamp_us {header.timestamp_us} is not a signed 64-bit integer")
+    if header.end_position <= header.position:
+        raise ValueError(f"end_position {header.end_position} is not after {header.position}")
+    return _TAIL_PREFIX.pack(*header)
+
+
+def decode_tail_records(payload: Buffer) -> tuple[TailHeader, int, memoryview]:
+    """Split TailRecords into ``(header, record_count, records)``, copying nothing.
+
+    As :func:`decode_batch`, with the whole log frame header in place of the
+    sequence. Raises ``MessageError`` when there is no room for a record
+    count, or when the frame would end where it starts.
     """
     if len(payload) < TAIL_HEADER_SIZE + _RECORD_COUNT_SIZE:
-        raise MessageError(f"tail records need at least 20 bytes, got {len(payload)}")
-    first_sequence, position, count = _TAIL_HEAD.unpack_from(payload)
-    return first_sequence, position, count, memoryview(payload)[TAIL_HEADER_SIZE:]
+        raise MessageError(
+            f"tail records need at least {TAIL_HEADER_SIZE + 4} bytes, got {len(payload)}"
+        )
+    first, position, end, producer, timestamp, count = _TAIL_HEAD.unpack_from(payload)
+    if end <= position:
+        raise MessageError(f"tail records: end position {end} is not after position {position}")
+    header = TailHeader(first, position, end, producer, timestamp)
+    return header, count, memoryview(payload)[TAIL_HEADER_SIZE:]
 
 
 # --- encoding --------------------------------------------------------------
@@ -576,6 +652,19 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, message.next_position, "next_position")
             _put_u64(out, message.batches, "batches")
+        case ListStreams():
+            out.append(MessageType.LIST_STREAMS)
+            _put_u64(out, message.request_id, "request_id")
+        case StreamList():
+            out.append(MessageType.STREAM_LIST)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, len(message.streams), "stream count")
+            for info in message.streams:
+                _put_name(out, info.stream, "stream name")
+                _put_u64(out, info.start_position, "start_position")
+                _put_u64(out, info.durable_position, "durable_position")
+                _put_u64(out, info.tail_position, "tail_position")
+                _put_u64(out, info.term_length, "term_length")
         case _:
             raise TypeError(f"not a headgate message: {message!r}")
     return bytes(out)
@@ -781,5 +870,26 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 next_position=reader.u64("next_position"),
                 batches=reader.u64("batches"),
             )
+        case MessageType.LIST_STREAMS:
+            message = ListStreams(request_id=reader.u64("request_id"))
+        case MessageType.STREAM_LIST:
+            request_id = reader.u64("request_id")
+            count = reader.u64("stream count")
+            # Each entry takes at least 6 bytes, so a count beyond what is left
+            # is malformed before anything is built for it.
+            if count > len(payload) // 6:
+                raise MessageError(f"STREAM_LIST: {count} streams cannot fit in the message")
+            infos = []
+            for _ in range(count):
+                infos.append(
+                    StreamInfo(
+                        stream=reader.name("stream name"),
+                        start_position=reader.u64("start_position"),
+                        durable_position=reader.u64("durable_position"),
+                        tail_position=reader.u64("tail_position"),
+                        term_length=reader.u64("term_length"),
+                    )
+                )
+            message = StreamList(request_id=request_id, streams=tuple(infos))
     reader.finish()
     return message

@@ -163,12 +163,14 @@ class TailReceived:
     handle: int
     #: The stream name.
     stream: str
-    #: The sequence number of the first record.
-    first_sequence: int
-    #: The log position of the frame holding the records.
-    position: int
+    #: The log frame's header: sequence, positions, producer, timestamp.
+    header: m.TailHeader
+    #: How many records the batch holds.
+    record_count: int
     #: The records block (validated).
     records: memoryview
+    #: What the message costs in guarantees (what :meth:`Session.process` frees).
+    size: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -522,7 +524,7 @@ class Session:
                 first, count, records = m.decode_batch(payload)
                 validate_records(records)
             else:
-                first, position, count, records = m.decode_tail_records(payload)
+                tail_header, count, records = m.decode_tail_records(payload)
                 validate_records(records)
             outcome = state.receive(handle, size)
         except BaseException:
@@ -553,9 +555,10 @@ class Session:
                 TailReceived(
                     handle=handle,
                     stream=stream,
-                    first_sequence=first,
-                    position=position,
+                    header=tail_header,
+                    record_count=count,
                     records=records,
+                    size=size,
                 )
             )
 
@@ -838,26 +841,29 @@ class Session:
         self._emit(SendChannel(channel=channel, payload=payload))
         return True
 
+    def tail_cost(self, records_length: int) -> int:
+        """What TailRecords with a records block of this length costs in guarantees."""
+        return self._data_cost(m.TAIL_HEADER_SIZE + records_length)
+
     def send_tail(
         self,
         handle: int,
-        *,
-        first_sequence: int,
-        position: int,
+        header: m.TailHeader,
         records: bytes | bytearray | memoryview,
     ) -> bool:
-        """Deliver records to a subscriber on our stream ``handle`` (gateway side).
+        """Send a stored batch to a reader on our stream ``handle`` (gateway side).
 
-        Only within the subscriber's guarantees: a tail subscriber never slows
-        ingestion, so what does not fit is skipped by the caller, not queued.
+        Only within the reader's guarantees: what does not fit is the caller's
+        to decide (a fetch waits for guarantees, a live tail skips it), never
+        queued here.
         """
         self.streams.ours.use(handle)
         channel = m.data_channel(handle)
         out = self._outbound[channel]
-        payload = m.encode_tail_header(first_sequence, position) + bytes(records)
-        size = self._data_cost(len(payload))
+        size = self._data_cost(m.TAIL_HEADER_SIZE + len(records))
         if not out.can_send(size):
             return False
+        payload = m.encode_tail_header(header) + bytes(records)
         out.send(payload, size)
         self._emit(SendChannel(channel=channel, payload=payload))
         return True

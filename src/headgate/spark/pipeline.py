@@ -574,11 +574,21 @@ def check_pipeline(spark: Any, config: PipelineConfig) -> dict[str, _Plan]:
 
 
 class Pipeline:
-    """Runs the configured queries and reports progress back as releases."""
+    """Runs the configured queries and reports progress back as releases.
+
+    Releases go to ``release`` if given, else to the configured gateway as
+    Release messages, else nowhere.
+    """
 
     def __init__(self, spark: Any, config: PipelineConfig, release: Release | None = None):
         self.spark = spark
         self.config = config
+        self._gateway_releases: Any = None
+        if release is None and config.gateway is not None:
+            from headgate.client.control import ReleaseClient
+
+            self._gateway_releases = ReleaseClient(config.gateway)
+            release = self._gateway_releases.release
         self._release = release
         self.queries: dict[str, Any] = {}
         self.rows_written: dict[str, int] = {s.name: 0 for s in config.streams}
@@ -725,3 +735,5 @@ class Pipeline:
             self.drain_progress()
             self.spark.streams.removeListener(self._listener)
             self._listener = None
+        if self._gateway_releases is not None:
+            self._gateway_releases.close()

@@ -24,7 +24,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from headgate.spark.decode import SourceError, StreamSlice, check_retained, stream_directory
 
@@ -54,6 +54,19 @@ class StreamSelection:
         if self.pattern is not None:
             return re.fullmatch(self.pattern, name) is not None
         return True
+
+
+class Logs(Protocol):
+    """What planning needs of the logs: local files (:class:`StreamLogs`) or a
+    gateway (:class:`~headgate.spark.remote.GatewayLogs`)."""
+
+    def discover(self) -> list[str]: ...
+    def earliest(self, stream: str) -> int: ...
+    def latest(self, stream: str, *, read_up_to: int | None = None) -> int: ...
+    def term_length(self, stream: str) -> int: ...
+    def check_retained(self, stream: str, start: int, end: int) -> None: ...
+    def frames(self, stream: str, start: int, end: int) -> Iterator[Any]: ...
+    def close(self) -> None: ...
 
 
 class StreamLogs:
@@ -128,6 +141,9 @@ class StreamLogs:
         failure could still take away (and its producer then send again)."""
         return int(self.reader(stream, read_up_to=read_up_to).durable_position())
 
+    def term_length(self, stream: str) -> int:
+        return int(self.reader(stream).term_length)
+
     def check_retained(self, stream: str, start: int, end: int) -> None:
         check_retained(stream, self.reader(stream), start, end)
 
@@ -169,7 +185,7 @@ class _Admitted:
 
 
 def admit(
-    logs: StreamLogs,
+    logs: Logs,
     ranges: Mapping[str, tuple[int, int]],
     *,
     max_records: int | None,
@@ -212,7 +228,7 @@ def admit(
 
 
 def plan_slices(
-    logs: StreamLogs,
+    logs: Logs,
     ranges: Mapping[str, tuple[int, int]],
     target_bytes: int,
 ) -> list[list[StreamSlice]]:
@@ -236,7 +252,7 @@ def plan_slices(
 
 
 def _split(
-    logs: StreamLogs, stream: str, start: int, end: int, target_bytes: int
+    logs: Logs, stream: str, start: int, end: int, target_bytes: int
 ) -> Iterable[StreamSlice]:
     count = -(-(end - start) // target_bytes)
     if count <= 1:
@@ -245,7 +261,7 @@ def _split(
     # start is a frame boundary (frames never cross terms), so when terms are
     # smaller than a share the cuts need no scan at all.
     share = -(-(end - start) // count)
-    term_length = int(logs.reader(stream).term_length)
+    term_length = logs.term_length(stream)
     boundaries: Iterable[int]
     if term_length <= share:
         first_term = (start // term_length + 1) * term_length

@@ -19,8 +19,11 @@ Options:
     A gateway's local data directory; stream ``s`` is the log in ``<path>/streams/s``.
 ``gateway``
     ``host:port`` of a gateway to read through, for executors that cannot see
-    the disk. Not available yet (an error says so); the partitions already
-    carry all that a remote read needs: address, stream, positions.
+    the disk (a cluster). The driver plans from the gateway's stream list and
+    every partition carries the address and its position ranges; nothing
+    touches the data directory. With admission control the driver fetches the
+    frames it admits (their headers decide) over the network too. See
+    :mod:`headgate.spark.remote`.
 ``streams`` / ``streamPattern``
     A comma-separated list of stream names, or a regex a whole name must
     match. Without either, every stream. Streams that appear later are read
@@ -75,6 +78,7 @@ from pyspark.sql.types import (
 
 from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import (
+    Logs,
     Offset,
     StreamLogs,
     StreamSelection,
@@ -101,12 +105,6 @@ SCHEMA = StructType(
 )
 
 DEFAULT_BYTES_PER_PARTITION = 32 * 1024 * 1024
-
-_GATEWAY_NOT_YET = (
-    "headgate: reading through a gateway (option 'gateway') is not available yet; "
-    "read the gateway's data directory with option 'path'"
-)
-
 
 # --- options ------------------------------------------------------------------
 
@@ -165,10 +163,13 @@ class SourceOptions:
                 "and option 'gateway' (host:port)"
             )
         if gateway is not None:
-            host, _, port = gateway.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"headgate: option 'gateway' must be host:port, got {gateway!r}")
-            raise ValueError(_GATEWAY_NOT_YET)
+            host, _, port = gateway.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(
+                    f"headgate: option 'gateway' must be host:port, like 127.0.0.1:7878; "
+                    f"got {gateway!r}"
+                )
+            gateway = gateway.strip()
         names, pattern = options.get("streams"), options.get("streampattern")
         if names is not None and pattern is not None:
             raise ValueError("headgate: set option 'streams' or 'streamPattern', not both")
@@ -209,8 +210,8 @@ class SourceOptions:
 class HeadgatePartition(InputPartition):
     """One Spark task's share of a batch: everything an executor needs to read it.
 
-    A local read opens ``<data_dir>/streams/<stream>``; a remote read (later)
-    asks ``gateway`` for the same frames by stream and position.
+    A local read opens ``<data_dir>/streams/<stream>``; a remote read asks
+    ``gateway`` for the same frames by stream and position.
     """
 
     #: Stream ranges to read, in order.
@@ -224,20 +225,32 @@ class HeadgatePartition(InputPartition):
 def _read(partition: InputPartition) -> Iterator[Any]:
     if not isinstance(partition, HeadgatePartition):
         return  # Spark's placeholder partition for an empty batch read
-    if partition.gateway is not None or partition.data_dir is None:
-        raise SourceError(_GATEWAY_NOT_YET)
     schema = arrow_schema()
+    if partition.gateway is not None:
+        from headgate.spark.remote import read_remote_slice
+
+        for piece in partition.slices:
+            yield from read_remote_slice(partition.gateway, piece, schema)
+        return
+    if partition.data_dir is None:
+        raise SourceError("headgate: a partition with neither a gateway nor a data directory")
     for piece in partition.slices:
         yield from read_slice(partition.data_dir, piece, schema)
 
 
 class _Planner:
-    """Offsets and partitions over one data directory; shared by both readers."""
+    """Offsets and partitions over one data directory or gateway; shared by both readers."""
 
     def __init__(self, options: SourceOptions) -> None:
-        assert options.data_dir is not None
         self.options = options
-        self.logs = StreamLogs(options.data_dir, options.selection)
+        self.logs: Logs
+        if options.gateway is not None:
+            from headgate.spark.remote import GatewayLogs
+
+            self.logs = GatewayLogs(options.gateway, options.selection)
+        else:
+            assert options.data_dir is not None
+            self.logs = StreamLogs(options.data_dir, options.selection)
         # Where each stream absent from a start offset begins; remembered so
         # that latestOffset and partitions agree for a stream first seen now.
         self._first: dict[str, int] = {}
@@ -287,7 +300,10 @@ class _Planner:
             for stream, stop in end.items()
         }
         planned = plan_slices(self.logs, ranges, self.options.bytes_per_partition)
-        return [HeadgatePartition(tuple(p), self.options.data_dir) for p in planned]
+        return [
+            HeadgatePartition(tuple(p), self.options.data_dir, self.options.gateway)
+            for p in planned
+        ]
 
     def close(self) -> None:
         self.logs.close()

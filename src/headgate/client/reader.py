@@ -1,0 +1,590 @@
+"""The reader library: read a stream's log through a gateway, or watch it live.
+
+A :class:`Reader` is one connection to a gateway. It can
+
+* list the gateway's streams and their positions (:meth:`Reader.list_streams`),
+* fetch a stretch of a stream's log, batch by batch, reliably
+  (:meth:`Reader.fetch`, or :meth:`Reader.fetch_all` for a list),
+* subscribe to a stream's new batches, lossily (:meth:`Reader.subscribe`),
+* and report a consumer's progress with Release (:meth:`Reader.release`).
+
+Flow control is the protocol's: the reader is the receiving side of the
+channels its data arrives on, and it issues guarantees for a buffer of
+``buffer_bytes`` per channel. It issues them again only as the application
+takes batches, so a slow application makes the gateway pause a fetch (or skip
+batches of a live tail and say how many with Missed), never buffer without
+bound on either side.
+
+:class:`SyncReader` offers the same calls without an event loop, for a Spark
+executor's ``read()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import AsyncGenerator, Awaitable, Generator
+from dataclasses import dataclass
+from typing import TypeVar
+
+from headgate.config import ConfigError, parse_address
+from headgate.costs import batch_cost
+from headgate.log import LogFrame
+from headgate.protocol import messages as m
+from headgate.protocol.c64 import U64_MAX
+from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.session import (
+    MessageReceived,
+    Role,
+    Session,
+    StreamBound,
+    TailReceived,
+    WelcomeReceived,
+)
+
+__all__ = [
+    "DEFAULT_BUFFER_BYTES",
+    "Missed",
+    "Reader",
+    "ReaderError",
+    "Subscription",
+    "SyncReader",
+    "TailBatch",
+]
+
+#: Bytes of TailRecords the reader buffers per channel (its guarantees).
+DEFAULT_BUFFER_BYTES = 4 * 1024 * 1024
+#: Bytes of bind messages the gateway may send (one stream name each).
+BIND_BUFFER_BYTES = 64 * 1024
+#: The largest message the reader accepts from the gateway.
+MAX_MESSAGE_SIZE = 64 * 1024 * 1024
+
+T = TypeVar("T")
+
+
+class ReaderError(Exception):
+    """The gateway could not be read; the message names its address and the reason."""
+
+
+@dataclass(frozen=True, slots=True)
+class TailBatch:
+    """One stored batch: a log frame's header and its records block."""
+
+    #: The stream.
+    stream: str
+    #: The frame's header: sequence, positions, producer, timestamp.
+    header: m.TailHeader
+    #: How many records the batch holds.
+    record_count: int
+    #: The records block (``headgate.protocol.records`` decodes it), a copy.
+    records: bytes
+
+    @property
+    def position(self) -> int:
+        return self.header.position
+
+    @property
+    def end_position(self) -> int:
+        return self.header.end_position
+
+    def to_frame(self) -> LogFrame:
+        """The batch as the log reader would return it (for the Spark decoder)."""
+        h = self.header
+        return LogFrame(
+            h.position,
+            h.end_position,
+            h.producer_id,
+            h.first_sequence,
+            self.record_count,
+            h.timestamp_us,
+            memoryview(self.records),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Missed:
+    """The gateway skipped batches of a live tail because this reader was slow."""
+
+    #: How many batches were skipped.
+    count: int
+
+
+class _Channel:
+    """What arrived on one of the gateway's stream handles and is not taken yet."""
+
+    def __init__(self, stream: str) -> None:
+        self.stream = stream
+        self.handle: int | None = None
+        self.items: deque[tuple[TailBatch | Missed, int]] = deque()  # (item, size)
+        self.wake = asyncio.Event()
+
+
+class _Fetch:
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self.done: m.FetchDone | None = None
+
+
+class _Protocol(asyncio.Protocol):
+    def __init__(self, reader: Reader) -> None:
+        self.reader = reader
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.reader._on_data(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.reader._on_lost(exc)
+
+
+class Reader:
+    """One connection to a gateway, for reading its stream logs.
+
+    Use as ``async with Reader("host:port") as reader: ...``.
+
+    Args:
+        address: the gateway, ``"host:port"`` or ``(host, port)``.
+        buffer_bytes: guarantees issued per channel: how much the gateway may
+            send ahead of what the application has taken.
+        client_name: sent in Hello, for the gateway's logs.
+        connect_timeout: seconds to open the connection and get Welcome.
+    """
+
+    def __init__(
+        self,
+        address: str | tuple[str, int],
+        *,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+        client_name: str = "headgate-reader",
+        connect_timeout: float = 10.0,
+    ) -> None:
+        if isinstance(address, str):
+            try:
+                address = parse_address(address, what="gateway address")
+            except ConfigError as error:
+                raise ReaderError(str(error)) from None
+        self.address = address
+        self._where = f"{address[0]}:{address[1]}"
+        if buffer_bytes < batch_cost(m.TAIL_HEADER_SIZE + 8):
+            raise ValueError(f"buffer_bytes {buffer_bytes} is too small for any batch")
+        self._buffer_bytes = buffer_bytes
+        self._client_name = client_name
+        self._connect_timeout = connect_timeout
+        self._session = Session(
+            Role.PRODUCER, max_message_size=MAX_MESSAGE_SIZE, data_cost=batch_cost
+        )
+        self._protocol: _Protocol | None = None
+        self._welcome: asyncio.Future[m.Welcome] | None = None
+        self._error: ReaderError | None = None
+        self._ids = itertools.count(1)
+        # Requests that wait for the gateway's next BindStream, in order.
+        self._to_bind: deque[_Channel] = deque()
+        self._fetch_channels: dict[str, _Channel] = {}
+        self._by_handle: dict[int, _Channel] = {}
+        self._fetches: dict[int, _Fetch] = {}
+        self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
+        self._fetch_lock = asyncio.Lock()
+        self._changed = asyncio.Event()
+        #: Where the last completed fetch says the next one should start.
+        self.last_next_position: int | None = None
+
+    # -- connection ---------------------------------------------------------------
+
+    async def connect(self) -> None:
+        """Open the connection; ReaderError names the address if it cannot be."""
+        loop = asyncio.get_running_loop()
+        self._welcome = loop.create_future()
+        self._session.send_global(m.Hello(producer_id=0, client_name=self._client_name))
+        host, port = self.address
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, protocol = await loop.create_connection(lambda: _Protocol(self), host, port)
+                self._protocol = protocol
+                self._write()
+                await self._welcome
+        except TimeoutError:
+            self._abort()
+            raise ReaderError(
+                f"gateway {self._where}: no answer within {self._connect_timeout:g} s"
+            ) from None
+        except OSError as error:
+            self._abort()
+            reason = error.strerror or str(error) or type(error).__name__
+            raise ReaderError(f"cannot connect to gateway {self._where}: {reason}") from None
+        except ReaderError:
+            self._abort()
+            raise
+
+    async def close(self) -> None:
+        """Say goodbye and close."""
+        protocol = self._protocol
+        if protocol is None or protocol.transport is None:
+            return
+        if self._error is None and not self._session.closed:
+            self._session.send_global(m.Goodbye(code=ErrorCode.NONE))
+            self._write()
+        self._fail(ReaderError(f"the reader of gateway {self._where} is closed"))
+        protocol.transport.close()
+
+    def _abort(self) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            self._protocol.transport.abort()
+
+    async def __aenter__(self) -> Reader:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.close()
+
+    def _write(self) -> None:
+        data = self._session.data_to_send()
+        transport = None if self._protocol is None else self._protocol.transport
+        if data and transport is not None and not transport.is_closing():
+            transport.write(data)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._protocol is None:
+            raise ReaderError(f"the reader of gateway {self._where} is not connected")
+
+    # -- incoming -----------------------------------------------------------------
+
+    def _on_data(self, data: bytes) -> None:
+        if self._error is not None:
+            return
+        try:
+            events = self._session.receive_data(data)
+        except ProtocolError as error:
+            self._fail(ReaderError(f"gateway {self._where} broke the protocol: {error}"))
+            self._write_then_close(self._session.fail(error))
+            return
+        for event in events:
+            match event:
+                case WelcomeReceived(welcome=welcome):
+                    self._session.grant(m.STREAM_CHANNEL, BIND_BUFFER_BYTES)
+                    if self._welcome is not None and not self._welcome.done():
+                        self._welcome.set_result(welcome)
+                case StreamBound(handle=handle, stream=stream):
+                    if not self._to_bind or self._to_bind[0].stream != stream:
+                        self._fail(
+                            ReaderError(
+                                f"gateway {self._where} bound stream {stream!r}, "
+                                "which no request of this reader asked for"
+                            )
+                        )
+                        return
+                    channel = self._to_bind.popleft()
+                    channel.handle = handle
+                    self._by_handle[handle] = channel
+                    self._session.grant(m.data_channel(handle), self._buffer_bytes)
+                case TailReceived():
+                    target = self._by_handle.get(event.handle)
+                    if target is None:  # we grant only bound handles; cannot happen
+                        self._fail(
+                            ReaderError(f"gateway {self._where} sent data on an unknown handle")
+                        )
+                        return
+                    batch = TailBatch(
+                        event.stream, event.header, event.record_count, bytes(event.records)
+                    )
+                    target.items.append((batch, event.size))
+                    target.wake.set()
+                case MessageReceived(message=message):
+                    self._on_message(message)
+                case _:
+                    pass
+        self._write()
+
+    def _on_message(self, message: m.GlobalMessage) -> None:
+        match message:
+            case m.FetchDone(request_id=request_id):
+                fetch = self._fetches.get(request_id)
+                if fetch is not None:
+                    fetch.done = message
+                    self._changed.set()
+            case m.StreamList(request_id=request_id):
+                future = self._lists.pop(request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            case m.Missed(handle=handle, count=count):
+                channel = self._by_handle.get(handle)
+                if channel is not None:
+                    channel.items.append((Missed(count), 0))
+                    channel.wake.set()
+            case m.Error(code=code, text=text):
+                self._fail(ReaderError(f"gateway {self._where} refused: {text} ({code.name})"))
+            case m.Goodbye(code=code, text=text):
+                why = "" if code == ErrorCode.NONE else f": {text} ({code.name})"
+                self._fail(ReaderError(f"gateway {self._where} closed the connection{why}"))
+            case _:
+                pass
+
+    def _on_lost(self, exc: Exception | None) -> None:
+        detail = f" ({exc})" if exc else ""
+        self._fail(ReaderError(f"gateway {self._where} closed the connection{detail}"))
+
+    def _write_then_close(self, data: bytes) -> None:
+        if self._protocol is not None and self._protocol.transport is not None:
+            if data:
+                self._protocol.transport.write(data)
+            self._protocol.transport.close()
+
+    def _fail(self, error: ReaderError) -> None:
+        if self._error is not None:
+            return
+        self._error = error
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_exception(error)
+        for future in self._lists.values():
+            if not future.done():
+                future.set_exception(error)
+        self._lists.clear()
+        self._changed.set()
+        for channel in [*self._by_handle.values(), *self._to_bind]:
+            channel.wake.set()
+
+    # -- taking what arrived ---------------------------------------------------------
+
+    async def _next(self, channel: _Channel) -> TailBatch | Missed | None:
+        """The next item of ``channel``, or None if nothing came before ``_changed``."""
+        while not channel.items:
+            self._check()
+            channel.wake.clear()
+            waiter = asyncio.ensure_future(channel.wake.wait())
+            changed = asyncio.ensure_future(self._changed.wait())
+            try:
+                await asyncio.wait({waiter, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                waiter.cancel()
+                changed.cancel()
+            if not channel.items:
+                self._check()
+                return None
+        item, size = channel.items.popleft()
+        if size and channel.handle is not None and self._error is None:
+            # Taken: its space in our buffer is free for the gateway again.
+            self._session.process(channel.handle)
+            data_channel = m.data_channel(channel.handle)
+            state = self._session.inbound(data_channel)
+            if state.issuable >= min(self._buffer_bytes // 4, state.capacity):
+                self._session.issue(data_channel)
+            if not channel.items:
+                self._session.issue(data_channel)
+            self._write()
+        return item
+
+    # -- requests -------------------------------------------------------------------
+
+    async def list_streams(self) -> list[m.StreamInfo]:
+        """Every stream of the gateway with its positions, sorted by name."""
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[m.StreamList] = asyncio.get_running_loop().create_future()
+        self._lists[request_id] = future
+        self._session.send_global(m.ListStreams(request_id=request_id))
+        self._write()
+        return list((await future).streams)
+
+    async def fetch(
+        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+    ) -> AsyncGenerator[TailBatch, None]:
+        """Yield the stored batches of ``stream`` in ``[start, end)``, in log order.
+
+        ``end`` None reads to the durable end as of the request. With
+        ``max_bytes``, stops after about that many bytes of log (at least one
+        batch). Batches arrive only as fast as they are taken. One fetch runs
+        at a time per reader; others wait their turn. A fetch left early
+        still receives (and discards) the rest of what it asked for, so keep
+        early exits to fetches limited by ``end`` or ``max_bytes``.
+        """
+        if not m.is_valid_name(stream):
+            raise ValueError(f"{stream!r} is not a valid stream name")
+        async with self._fetch_lock:
+            self._check()
+            channel = self._fetch_channels.get(stream)
+            if channel is None:
+                channel = _Channel(stream)
+                self._fetch_channels[stream] = channel
+                self._to_bind.append(channel)
+            request_id = next(self._ids)
+            fetch = _Fetch(request_id)
+            self._fetches[request_id] = fetch
+            try:
+                self._session.send_global(
+                    m.Fetch(
+                        request_id=request_id,
+                        stream=stream,
+                        start_position=start,
+                        end_position=U64_MAX if end is None else end,
+                        max_bytes=max_bytes,
+                    )
+                )
+            except ValueError as error:
+                del self._fetches[request_id]
+                raise ValueError(f"cannot fetch {stream!r}: {error}") from None
+            self._write()
+            taken = 0
+            try:
+                while fetch.done is None or taken < fetch.done.batches:
+                    item = await self._next(channel)
+                    if item is None:
+                        continue  # FetchDone (or an error) arrived; look again
+                    assert isinstance(item, TailBatch)
+                    taken += 1
+                    yield item
+                self.last_next_position = fetch.done.next_position
+            finally:
+                # Abandoned early: the rest of this fetch still arrives on the
+                # stream's channel, ahead of the next fetch's batches; take it.
+                with contextlib.suppress(ReaderError):
+                    while self._error is None and (
+                        fetch.done is None or taken < fetch.done.batches
+                    ):
+                        if await self._next(channel) is not None:
+                            taken += 1
+                self._fetches.pop(request_id, None)
+
+    async def fetch_all(
+        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+    ) -> tuple[list[TailBatch], int]:
+        """All batches of a fetch, and the position where a next fetch starts."""
+        batches = [b async for b in self.fetch(stream, start, end, max_bytes=max_bytes)]
+        assert self.last_next_position is not None
+        return batches, self.last_next_position
+
+    def subscribe(
+        self,
+        stream: str,
+        start: m.StartAt | int = m.StartAt.NOW,
+        *,
+        sample_every: int = 1,
+    ) -> Subscription:
+        """Subscribe to new batches of ``stream``; iterate the result with ``async for``.
+
+        ``start``: ``StartAt.NOW``, ``StartAt.EARLIEST`` or a log position.
+        With ``sample_every`` n, one batch in n. The tail is lossy: while the
+        application does not take batches, the gateway skips them and a
+        :class:`Missed` tells how many, before the next batch. The Subscribe
+        is sent at once.
+        """
+        self._check()
+        channel = _Channel(stream)
+        try:
+            self._session.send_global(
+                m.Subscribe(stream=stream, start=start, sample_every=sample_every)
+            )
+        except ValueError as error:
+            raise ValueError(f"cannot subscribe to {stream!r}: {error}") from None
+        self._to_bind.append(channel)
+        self._write()
+        return Subscription(self, channel)
+
+    async def release(self, stream: str, position: int) -> None:
+        """Tell the gateway a consumer committed everything of ``stream`` before ``position``."""
+        self._check()
+        self._session.send_global(m.Release(stream=stream, position=position))
+        self._write()
+
+
+class Subscription:
+    """A live tail of one stream: ``async for item in subscription`` gives
+    :class:`TailBatch` and :class:`Missed` items, in the order the gateway sent them."""
+
+    def __init__(self, reader: Reader, channel: _Channel) -> None:
+        self._reader = reader
+        self._channel = channel
+
+    @property
+    def stream(self) -> str:
+        return self._channel.stream
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> TailBatch | Missed:
+        while True:
+            item = await self._reader._next(self._channel)
+            if item is not None:
+                return item
+
+
+class SyncReader:
+    """The :class:`Reader` for code without an event loop (a Spark executor).
+
+    It runs a private event loop only while one of its calls runs, in the
+    calling thread; between calls, TCP holds what the gateway sent. Not for
+    use from a thread whose event loop is running.
+    """
+
+    def __init__(self, address: str | tuple[str, int], **options: object) -> None:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise RuntimeError("SyncReader cannot run inside an event loop; use Reader")
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._reader = self._run(self._make(address, options))
+            self._run(self._reader.connect())
+        except BaseException:
+            self._loop.close()
+            raise
+
+    @staticmethod
+    async def _make(address: str | tuple[str, int], options: dict[str, object]) -> Reader:
+        return Reader(address, **options)  # type: ignore[arg-type]
+
+    def _run(self, coroutine: Awaitable[T]) -> T:
+        return self._loop.run_until_complete(coroutine)
+
+    def list_streams(self) -> list[m.StreamInfo]:
+        return self._run(self._reader.list_streams())
+
+    def fetch(
+        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+    ) -> Generator[TailBatch, None, None]:
+        """As :meth:`Reader.fetch`, as a plain generator (``close()`` it to stop early)."""
+        batches = self._reader.fetch(stream, start, end, max_bytes=max_bytes)
+        try:
+            while True:
+                try:
+                    yield self._run(anext(batches))
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self._loop.is_closed():
+                self._run(batches.aclose())
+
+    def fetch_all(
+        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+    ) -> tuple[list[TailBatch], int]:
+        """As :meth:`Reader.fetch_all`."""
+        return self._run(self._reader.fetch_all(stream, start, end, max_bytes=max_bytes))
+
+    def release(self, stream: str, position: int) -> None:
+        self._run(self._reader.release(stream, position))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self._reader.close())
+            # Let the transport write its Goodbye and close.
+            self._run(asyncio.sleep(0))
+        finally:
+            self._loop.close()
+
+    def __enter__(self) -> SyncReader:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

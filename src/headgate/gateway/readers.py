@@ -1,0 +1,495 @@
+"""Serving readers: Fetch, ListStreams and live Subscribe, on the down session.
+
+A reader connects like a producer and asks with global messages; the answers
+travel as TailRecords on data channels of stream handles that the gateway
+binds in the down session, where the reader is the LCMUX server and issues
+guarantees for its own buffer. PROTOCOL.md, "Serving readers", is the
+contract; this module keeps it:
+
+* A **fetch** is reliable and paced by the reader: frames are read from the
+  log (which is on disk, so waiting costs no memory) and sent only within the
+  reader's guarantees and while the socket buffer to the reader is below
+  :data:`MAX_BACKLOG`. Without room it stops; guarantees arriving, or the
+  socket draining, start it again.
+* A **subscription** first reads history the same way, then follows appends
+  live. Live delivery never waits: :meth:`ReaderConnection.deliver` either
+  sends the batch at once or counts it as missed. Every batch a subscriber
+  gets goes through :meth:`ReaderConnection.send_to_subscriber`, the one
+  place where per-connection accounting can charge a delivery.
+
+Nothing here touches the event loop directly: the connection passes in how to
+flush, how big its socket backlog is, and how to run something later.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from headgate.gateway.accounts import Account
+from headgate.gateway.streams import Stream
+from headgate.log import LogError, LogFrame
+from headgate.protocol import messages as m
+from headgate.protocol.c64 import U64_MAX
+from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.session import Session
+
+__all__ = ["MAX_BACKLOG", "ReaderConnection", "Subscription", "TailHub"]
+
+log = logging.getLogger("headgate.gateway")
+
+#: Bytes waiting in the socket buffer to a reader beyond which nothing more is
+#: sent to it (a fetch pauses, a live tail misses batches).
+MAX_BACKLOG = 256 * 1024
+#: Log bytes one turn of serving reads before it lets the event loop run others.
+SERVE_TURN_BYTES = 1 << 20
+#: Log bytes read from the log at a time.
+READ_CHUNK_BYTES = 256 * 1024
+#: Most subscriptions, and most fetches waiting their turn, per connection.
+MAX_REQUESTS = 1024
+
+
+@dataclass(eq=False)
+class _FetchJob:
+    request: m.Fetch
+    #: Where the next frame to send starts.
+    cursor: int
+    #: Stop before this position.
+    end: int
+    #: TailRecords sent so far.
+    sent: int = 0
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One Subscribe: a lossy view of one stream for one reader connection."""
+
+    #: The reader connection it belongs to.
+    owner: ReaderConnection
+    #: The stream's name.
+    stream: str
+    #: Deliver one considered batch in this many.
+    sample_every: int
+    #: Where the next stored frame to send starts (while catching up).
+    cursor: int
+    #: The gateway's handle for it in the down session, once bound.
+    handle: int | None = None
+    #: Whether it has caught up with the tail and follows appends.
+    live: bool = False
+    #: Batches considered so far (for sampling).
+    seen: int = 0
+    #: Batches skipped since the last TailRecords, told in the next Missed.
+    missed: int = 0
+    #: Batches delivered and missed in all, for statistics and tests.
+    delivered_total: int = 0
+    missed_total: int = 0
+
+    def sampled_out(self) -> bool:
+        """Count one more batch; whether sampling passes over it."""
+        self.seen += 1
+        return (self.seen - 1) % self.sample_every != 0
+
+
+@dataclass
+class TailHub:
+    """Every live subscription of the gateway, by stream."""
+
+    subscriptions: dict[str, list[Subscription]] = field(default_factory=dict)
+
+    def add(self, sub: Subscription) -> None:
+        self.subscriptions.setdefault(sub.stream, []).append(sub)
+
+    def remove(self, sub: Subscription) -> None:
+        subs = self.subscriptions.get(sub.stream)
+        if subs is not None and sub in subs:
+            subs.remove(sub)
+            if not subs:
+                del self.subscriptions[sub.stream]
+
+    def on_append(
+        self,
+        stream: Stream,
+        producer_id: int,
+        first_sequence: int,
+        records: memoryview,
+        timestamp_us: int,
+        account: Account | None = None,
+    ) -> None:
+        """A batch was just appended to ``stream``: offer it to each of its subscribers.
+
+        Never waits and never buffers beyond what a subscriber's guarantees
+        allow: each delivery is sent at once or counted as missed. The
+        fan-out is charged to ``account`` (the producer's connection, whose
+        batch caused it), one unit per subscriber, until every delivery has
+        been handed to its subscriber's socket.
+        """
+        subs = self.subscriptions.get(stream.name)
+        if not subs:
+            return
+        where = stream.last_append
+        header = m.TailHeader(
+            first_sequence, where.position, where.end_position, producer_id, timestamp_us
+        )
+        loan = None if account is None else account.loan(len(subs))
+        try:
+            owners = {}
+            for sub in subs:
+                if sub.owner.deliver(sub, header, records):
+                    owners[id(sub.owner)] = sub.owner
+            for owner in owners.values():
+                owner.flush()
+        finally:
+            if loan is not None:
+                loan.repay()
+
+
+class ReaderConnection:
+    """The reader side of one gateway connection: its fetches and subscriptions.
+
+    Args:
+        session: the connection's protocol session (gateway role).
+        streams: the gateway's open streams, by name (never created here).
+        hub: the gateway's live subscriptions.
+        flush: writes out what the session has queued.
+        backlog: bytes waiting in the socket buffer to the peer.
+        later: runs a callable soon on the event loop.
+        fail: closes the connection with an Error (for failures outside
+            event handling, where raising would reach nobody).
+    """
+
+    def __init__(
+        self,
+        session: Session,
+        streams: Mapping[str, Stream],
+        hub: TailHub,
+        *,
+        flush: Callable[[], None],
+        backlog: Callable[[], int],
+        later: Callable[[Callable[[], None]], object],
+        fail: Callable[[ProtocolError], None],
+    ) -> None:
+        self._session = session
+        self._streams = streams
+        self._hub = hub
+        self._flush = flush
+        self._backlog = backlog
+        self._later = later
+        self._fail = fail
+        self._jobs: deque[_FetchJob] = deque()
+        self._fetch_handles: dict[str, int] = {}
+        # Requests that need a handle, in request order: a stream name (its
+        # fetch handle) or a subscription. The k-th bind answers the k-th.
+        self._to_bind: deque[str | Subscription] = deque()
+        self._binding: set[str] = set()
+        self.subscriptions: list[Subscription] = []
+        self._scheduled = False
+        self._out_of_room = False
+        self._closed = False
+
+    # -- requests ---------------------------------------------------------------
+
+    def on_request(
+        self,
+        message: m.Fetch | m.Subscribe | m.ListStreams,
+        visible: Callable[[str], bool] = lambda name: True,
+    ) -> None:
+        """A reader's request arrived; raises ProtocolError for one that cannot be served.
+
+        ``visible`` says which streams ListStreams shows (those the peer may read).
+        """
+        match message:
+            case m.ListStreams(request_id=request_id):
+                self._session.send_global(
+                    m.StreamList(
+                        request_id=request_id,
+                        streams=tuple(
+                            self._info(s)
+                            for name, s in sorted(self._streams.items())
+                            if visible(name)
+                        ),
+                    )
+                )
+            case m.Fetch():
+                self._check_count(len(self._jobs), "fetches waiting")
+                stream = self._stream(message.stream)
+                end = message.end_position
+                if end == U64_MAX:
+                    # The durable end, or nothing if the reader is past it already.
+                    end = max(stream.log.durable_position, message.start_position)
+                self._check_range(stream, message.start_position, end)
+                if (
+                    message.stream not in self._fetch_handles
+                    and message.stream not in self._binding
+                ):
+                    self._binding.add(message.stream)
+                    self._to_bind.append(message.stream)
+                self._jobs.append(_FetchJob(message, message.start_position, end))
+            case m.Subscribe():
+                self._check_count(len(self.subscriptions), "subscriptions")
+                stream = self._stream(message.stream)
+                log_ = stream.log
+                if message.start is m.StartAt.NOW:
+                    start = log_.tail_position
+                elif message.start is m.StartAt.EARLIEST:
+                    start = log_.release_position
+                else:
+                    start = message.start
+                    self._check_range(stream, start, log_.tail_position)
+                sub = Subscription(
+                    owner=self,
+                    stream=message.stream,
+                    sample_every=message.sample_every,
+                    cursor=start,
+                    live=start == log_.tail_position,
+                )
+                self.subscriptions.append(sub)
+                self._to_bind.append(sub)
+                self._hub.add(sub)
+        self._bind()
+        self.pump()
+
+    def _info(self, stream: Stream) -> m.StreamInfo:
+        log_ = stream.log
+        return m.StreamInfo(
+            stream=stream.name,
+            start_position=log_.release_position,
+            durable_position=log_.durable_position,
+            tail_position=log_.tail_position,
+            term_length=log_.term_length,
+        )
+
+    def _stream(self, name: str) -> Stream:
+        stream = self._streams.get(name)
+        if stream is None:
+            raise ProtocolError(
+                f"the gateway holds no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        return stream
+
+    @staticmethod
+    def _check_count(count: int, what: str) -> None:
+        if count >= MAX_REQUESTS:
+            raise ProtocolError(
+                f"a connection may have at most {MAX_REQUESTS} {what}",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+
+    @staticmethod
+    def _check_range(stream: Stream, start: int, end: int) -> None:
+        log_ = stream.log
+        if not log_.release_position <= start <= end <= log_.tail_position:
+            raise ProtocolError(
+                f"stream {stream.name!r}: cannot read [{start}, {end}); the log holds "
+                f"[{log_.release_position}, {log_.tail_position})",
+                code=ErrorCode.UNEXPECTED_FRAME,
+            )
+
+    def _bind(self) -> None:
+        while self._to_bind:
+            wanted = self._to_bind[0]
+            name = wanted if isinstance(wanted, str) else wanted.stream
+            handle = self._session.bind_stream(name)
+            if handle is None:
+                return  # no bind guarantees yet; GuaranteesReceived on 0 retries
+            self._to_bind.popleft()
+            if isinstance(wanted, str):
+                self._binding.discard(wanted)
+                self._fetch_handles[wanted] = handle
+            else:
+                wanted.handle = handle
+
+    # -- flow ---------------------------------------------------------------------
+
+    def on_guarantees(self, channel: int) -> None:
+        """The reader issued guarantees (for binds, or for a data channel)."""
+        if channel == m.STREAM_CHANNEL:
+            self._bind()
+        self.pump()
+
+    def resume(self) -> None:
+        """The socket buffer to the reader drained: go on sending."""
+        self.pump()
+
+    def _room(self) -> bool:
+        if self._backlog() + self._session.pending_output < MAX_BACKLOG:
+            return True
+        self._out_of_room = True
+        return False
+
+    def pump(self) -> None:
+        """Send what fetches and catching-up subscriptions can send now, then flush."""
+        if self._closed or self._session.closed:
+            return
+        budget = SERVE_TURN_BYTES
+        self._out_of_room = False
+        while self._jobs and budget > 0:
+            job = self._jobs[0]
+            handle = self._fetch_handles.get(job.request.stream)
+            if handle is None:
+                break
+            done, used = self._serve_fetch(job, handle, budget)
+            budget -= used
+            if not done:
+                break
+            self._jobs.popleft()
+            self._session.send_global(
+                m.FetchDone(
+                    request_id=job.request.request_id,
+                    next_position=job.cursor,
+                    batches=job.sent,
+                )
+            )
+        for sub in self.subscriptions:
+            if budget <= 0:
+                break
+            if not sub.live and sub.handle is not None:
+                budget -= self._catch_up(sub, budget)
+        self.flush()
+        # More is ready (the turn's budget ran out, or the output filled up and
+        # the socket took it all at once, so no resume_writing will come):
+        # let other connections run, then serve it.
+        more = budget <= 0 or (self._out_of_room and self._room())
+        if more and not self._scheduled:
+            self._scheduled = True
+            self._later(self._continue)
+
+    def _continue(self) -> None:
+        self._scheduled = False
+        try:
+            self.pump()
+        except ProtocolError as error:
+            self._fail(error)
+
+    def flush(self) -> None:
+        self._flush()
+
+    def _serve_fetch(self, job: _FetchJob, handle: int, budget: int) -> tuple[bool, int]:
+        """Send frames of ``job`` within guarantees; (finished, log bytes used)."""
+        request = job.request
+        stream = self._stream(request.stream)
+        limit = request.max_bytes or U64_MAX
+        used = 0
+        while job.cursor < job.end and used < budget:
+            try:
+                frames = stream.log.read(job.cursor, job.end, max_bytes=READ_CHUNK_BYTES)
+            except LogError as error:
+                raise ProtocolError(
+                    f"stream {request.stream!r}: cannot fetch from position {job.cursor}: {error}",
+                    code=ErrorCode.UNEXPECTED_FRAME,
+                ) from None
+            if not frames:
+                job.cursor = job.end  # only padding was left
+                break
+            for frame in frames:
+                if job.sent and frame.end_position - request.start_position > limit:
+                    return True, used
+                if not self._room():
+                    return False, used
+                if not self._session.send_tail(handle, _header(frame), frame.payload):
+                    return False, used  # the reader's guarantees bring us back
+                job.sent += 1
+                used += frame.end_position - job.cursor
+                job.cursor = frame.end_position
+        return job.cursor >= job.end, used
+
+    def _catch_up(self, sub: Subscription, budget: int) -> int:
+        """Send stored frames to a subscription behind the tail; log bytes used."""
+        stream = self._streams.get(sub.stream)
+        if stream is None:
+            return 0
+        assert sub.handle is not None
+        used = 0
+        while used < budget:
+            tail = stream.log.tail_position
+            if sub.cursor >= tail:
+                sub.live = True
+                return used
+            if sub.cursor < stream.log.release_position:
+                # Spark released history this subscriber had not read yet.
+                sub.cursor = stream.log.release_position
+                sub.missed += 1
+                sub.missed_total += 1
+                continue
+            try:
+                frames = stream.log.read(sub.cursor, tail, max_bytes=READ_CHUNK_BYTES)
+            except LogError as error:
+                raise ProtocolError(
+                    f"stream {sub.stream!r}: cannot read from position {sub.cursor}: {error}",
+                    code=ErrorCode.UNEXPECTED_FRAME,
+                ) from None
+            if not frames:
+                sub.cursor = tail
+                continue
+            for frame in frames:
+                if not sub.sampled_out():
+                    header = _header(frame)
+                    if not self._room() or not self.send_to_subscriber(sub, header, frame.payload):
+                        sub.seen -= 1  # it will be considered again
+                        return used
+                used += frame.end_position - sub.cursor
+                sub.cursor = frame.end_position
+        return used
+
+    # -- live delivery -----------------------------------------------------------------
+
+    def deliver(self, sub: Subscription, header: m.TailHeader, records: memoryview) -> bool:
+        """Offer one appended batch to one live subscription; True if anything was queued.
+
+        The one place a live batch reaches a subscriber. It sends at once, or
+        skips and counts: a subscriber never makes ingestion wait, and nothing
+        is buffered for it beyond its own guarantees and :data:`MAX_BACKLOG`.
+        """
+        if not sub.live or self._closed or self._session.closed:
+            return False  # still reading history; this frame is in the log for it
+        if sub.sampled_out():
+            return False
+        if (
+            sub.handle is None
+            or not self._room()
+            or not self.send_to_subscriber(sub, header, records)
+        ):
+            sub.missed += 1
+            sub.missed_total += 1
+            return False
+        return True
+
+    def send_to_subscriber(
+        self, sub: Subscription, header: m.TailHeader, records: memoryview
+    ) -> bool:
+        """Send one batch to a subscriber now if its guarantees allow; else False.
+
+        Every TailRecords a subscriber gets (live or catching up) goes through
+        here, after the Missed it is owed: the one place to charge a delivery
+        to the account of the connection that caused it.
+        """
+        assert sub.handle is not None
+        channel = m.data_channel(sub.handle)
+        if not self._session.outbound(channel).can_send(self._session.tail_cost(len(records))):
+            return False
+        if sub.missed:
+            self._session.send_global(m.Missed(handle=sub.handle, count=sub.missed))
+            sub.missed = 0
+        sent = self._session.send_tail(sub.handle, header, records)
+        assert sent  # can_send said so
+        sub.delivered_total += 1
+        return True
+
+    def close(self) -> None:
+        """The connection is gone: stop every subscription and fetch."""
+        self._closed = True
+        for sub in self.subscriptions:
+            self._hub.remove(sub)
+        self.subscriptions.clear()
+        self._jobs.clear()
+
+
+def _header(frame: LogFrame) -> m.TailHeader:
+    return m.TailHeader(
+        frame.first_sequence,
+        frame.position,
+        frame.end_position,
+        frame.producer_id,
+        frame.timestamp_us,
+    )

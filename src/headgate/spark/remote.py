@@ -1,0 +1,185 @@
+"""Reading through a gateway: what a cluster does when executors cannot see the disk.
+
+The driver plans from the gateway (:class:`GatewayLogs`, the same interface
+as :class:`~headgate.spark.planning.StreamLogs`): ListStreams gives every
+stream's start, durable end and term length; admission control reads frame
+headers with Fetch. Executors (:func:`read_remote_slice`) fetch their slices
+over the network and decode them with the same vectorised decoder as a local
+read. Nothing here opens the data directory.
+
+Spark runs these in plain Python worker processes with no event loop, so both
+use :class:`~headgate.client.reader.SyncReader`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from headgate.spark.decode import (
+    BATCH_RECORDS,
+    PAGE_LOG_BYTES,
+    SourceError,
+    StreamSlice,
+    frames_to_batch,
+)
+from headgate.spark.planning import SCAN_PAGE_BYTES, StreamSelection
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+    from headgate.client.reader import SyncReader
+    from headgate.protocol.messages import StreamInfo
+
+log = logging.getLogger("headgate.spark")
+
+#: A stream list younger than this is reused rather than asked for again.
+LIST_FRESH_S = 0.05
+
+
+def _connect(gateway: str) -> SyncReader:
+    from headgate.client.reader import ReaderError, SyncReader
+
+    try:
+        return SyncReader(gateway, client_name="headgate-spark", connect_timeout=10.0)
+    except ReaderError as error:
+        raise SourceError(f"headgate: cannot read through gateway {gateway}: {error}") from None
+
+
+class GatewayLogs:
+    """The driver's view of a gateway's streams; the interface of ``StreamLogs``."""
+
+    def __init__(self, gateway: str, selection: StreamSelection) -> None:
+        self.gateway = gateway
+        self.selection = selection
+        self._reader: SyncReader | None = None
+        self._infos: dict[str, StreamInfo] = {}
+        self._listed_at = float("-inf")
+
+    def _client(self) -> SyncReader:
+        if self._reader is None:
+            self._reader = _connect(self.gateway)
+        return self._reader
+
+    def _call(self, what: str, call: Any) -> Any:
+        from headgate.client.reader import ReaderError
+
+        for attempt in (1, 2):
+            try:
+                return call(self._client())
+            except ReaderError as error:
+                self._drop_reader()
+                if attempt == 2:
+                    raise SourceError(
+                        f"headgate: gateway {self.gateway}: {what} failed: {error}"
+                    ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _refresh(self) -> None:
+        infos = self._call("listing streams", lambda r: r.list_streams())
+        self._infos = {i.stream: i for i in infos}
+        self._listed_at = time.monotonic()
+
+    def _info(self, stream: str, *, read_up_to: int | None = None) -> StreamInfo:
+        if time.monotonic() - self._listed_at > LIST_FRESH_S:
+            self._refresh()
+        info = self._infos.get(stream)
+        if info is None:
+            where = "" if read_up_to is None else f" (the query has read it up to {read_up_to})"
+            raise SourceError(f"stream {stream!r}: gateway {self.gateway} does not hold it{where}")
+        return info
+
+    def discover(self) -> list[str]:
+        self._refresh()
+        return sorted(s for s in self._infos if self.selection.matches(s))
+
+    def earliest(self, stream: str) -> int:
+        return self._info(stream).start_position
+
+    def latest(self, stream: str, *, read_up_to: int | None = None) -> int:
+        return self._info(stream, read_up_to=read_up_to).durable_position
+
+    def term_length(self, stream: str) -> int:
+        return self._info(stream).term_length
+
+    def check_retained(self, stream: str, start: int, end: int) -> None:
+        info = self._info(stream)
+        if start < info.start_position:
+            raise SourceError(
+                f"stream {stream!r}: position {start} was already released; the oldest "
+                f"position gateway {self.gateway} retains is {info.start_position}"
+            )
+        if end > info.tail_position:
+            raise SourceError(
+                f"stream {stream!r}: position {end} is past the end of the log at gateway "
+                f"{self.gateway} ({info.tail_position}); was the log recreated?"
+            )
+
+    def frames(self, stream: str, start: int, end: int) -> Iterator[Any]:
+        """Frames in ``[start, end)``, fetched a page at a time (admission stops early)."""
+        from headgate.client.reader import ReaderError
+
+        position = start
+        while position < end:
+            try:
+                page, position = self._client().fetch_all(
+                    stream, position, end, max_bytes=SCAN_PAGE_BYTES
+                )
+            except ReaderError as error:
+                self._drop_reader()
+                raise SourceError(
+                    f"stream {stream!r}: fetching [{position}, {end}) from gateway "
+                    f"{self.gateway} failed: {error}"
+                ) from None
+            if not page:
+                return  # only padding is left before ``end``
+            for batch in page:
+                yield batch.to_frame()
+
+    def _drop_reader(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            # The connection may already be broken; closing it is all that is left.
+            with contextlib.suppress(Exception):
+                reader.close()
+
+    def close(self) -> None:
+        self._drop_reader()
+
+
+def read_remote_slice(
+    gateway: str, piece: StreamSlice, schema: pa.Schema, *, page_bytes: int = PAGE_LOG_BYTES
+) -> Iterator[pa.RecordBatch]:
+    """Fetch one stream slice from ``gateway``; yield batches of at most BATCH_RECORDS rows."""
+    from headgate.client.reader import ReaderError
+
+    reader = _connect(gateway)
+    try:
+        batches = reader.fetch(piece.stream, piece.start, piece.end)
+        page: list[Any] = []
+        page_start = piece.start
+        try:
+            for batch in batches:
+                page.append(batch.to_frame())
+                if batch.end_position - page_start >= page_bytes:
+                    yield from _slices(frames_to_batch(piece.stream, page, schema))
+                    page, page_start = [], batch.end_position
+            if page:
+                yield from _slices(frames_to_batch(piece.stream, page, schema))
+        except ReaderError as error:
+            raise SourceError(
+                f"stream {piece.stream!r}: fetching positions {piece.start} to {piece.end} "
+                f"from gateway {gateway} failed: {error}"
+            ) from None
+        finally:
+            batches.close()
+    finally:
+        reader.close()
+
+
+def _slices(batch: pa.RecordBatch) -> Iterator[pa.RecordBatch]:
+    for first in range(0, batch.num_rows, BATCH_RECORDS):
+        yield batch.slice(first, BATCH_RECORDS)

@@ -1,0 +1,114 @@
+"""``headgate tail STREAM``: watch a stream's records as the gateway appends them.
+
+The tail is lossy by design: when this process (or the terminal it writes
+to) cannot keep up, the gateway skips batches rather than slow its producers,
+and the tail reports how many it missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import BinaryIO
+
+from headgate.client.reader import Missed, Reader, TailBatch
+from headgate.protocol.messages import StartAt
+from headgate.protocol.records import decode_records
+
+__all__ = ["TailOptions", "parse_start", "run_tail"]
+
+
+def parse_start(text: str) -> StartAt | int:
+    """``now``, ``earliest`` or a log position; ValueError says what is accepted."""
+    word = text.strip().lower()
+    if word == "now":
+        return StartAt.NOW
+    if word == "earliest":
+        return StartAt.EARLIEST
+    if word.isdigit():
+        return int(word)
+    raise ValueError(f"--from must be now, earliest or a log position (a number), got {text!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TailOptions:
+    gateway: str
+    stream: str
+    start: StartAt | int = StartAt.NOW
+    sample_every: int = 1
+    #: "raw" (one value per line) or "json" (one object per record).
+    output: str = "raw"
+    #: Stop after this many records (None: until interrupted).
+    count: int | None = None
+
+
+def _text(data: bytes, name: str) -> dict[str, str]:
+    try:
+        return {name: data.decode("utf-8")}
+    except UnicodeDecodeError:
+        return {f"{name}_base64": base64.b64encode(data).decode("ascii")}
+
+
+def _write_batch(batch: TailBatch, options: TailOptions, out: BinaryIO, budget: int | None) -> int:
+    values, keys = decode_records(batch.records).to_lists()
+    if budget is not None:
+        values = values[:budget]
+    if options.output == "raw":
+        out.write(b"".join(v + b"\n" for v in values))
+        return len(values)
+    h = batch.header
+    stamp = datetime.fromtimestamp(h.timestamp_us / 1e6, UTC).isoformat()
+    lines = []
+    for i, value in enumerate(values):
+        record: dict[str, object] = {
+            "stream": batch.stream,
+            "position": h.position,
+            "producer": h.producer_id,
+            "sequence": h.first_sequence + i,
+            "ingest_time": stamp,
+        }
+        key = None if keys is None else keys[i]
+        if key is not None:
+            record.update(_text(key, "key"))
+        record.update(_text(value, "value"))
+        lines.append(json.dumps(record) + "\n")
+    out.write("".join(lines).encode("utf-8"))
+    return len(values)
+
+
+def _write_missed(missed: Missed, options: TailOptions, out: BinaryIO) -> None:
+    if options.output == "json":
+        out.write((json.dumps({"missed_batches": missed.count}) + "\n").encode())
+    else:
+        print(
+            f"headgate tail: missed {missed.count} batches (this tail was too slow)",
+            file=sys.stderr,
+        )
+
+
+async def run_tail(options: TailOptions, out: BinaryIO) -> int:
+    """Follow the stream until ``count`` records were written; return that number.
+
+    Raises :class:`~headgate.client.reader.ReaderError` (naming the gateway)
+    when the gateway cannot be reached or refuses the subscription.
+    """
+    written = 0
+    async with Reader(options.gateway, client_name="headgate-tail") as reader:
+        subscription = reader.subscribe(
+            options.stream, options.start, sample_every=options.sample_every
+        )
+        async for item in subscription:
+            if isinstance(item, Missed):
+                _write_missed(item, options, out)
+                continue
+            budget = None if options.count is None else options.count - written
+            written += _write_batch(item, options, out, budget)
+            out.flush()
+            if options.count is not None and written >= options.count:
+                break
+            await asyncio.sleep(0)
+    return written
