@@ -214,8 +214,10 @@ def run_demo(data_dir: Path, seconds: float, console: Console) -> list[StreamSum
         during_load = {s: st.records_acked for s, st in producer.statistics().streams.items()}
         console.print("load finished; flushing the producer and letting Spark catch up ...")
         prod_thread.loop.call_soon_threadsafe(stop.set)
+        # A load stops at its next send; one waiting for credit on the slow
+        # stream waits for Spark, which can take a while on a busy machine.
         for load in loads:
-            load.result(30)
+            load.result(300)
         prod_thread.run(producer.flush(), 300)
         final = producer.statistics().streams
         pipeline.catch_up()
