@@ -88,7 +88,8 @@ class Secured:
                 await producer.flush()
 
         self.loop.run(send(), 30)
-        return self.log(stream).durable_position
+        end: int = self.log(stream).durable_position
+        return end
 
     def log(self, stream: str) -> Any:
         return self.gateway.streams[stream].log
