@@ -11,7 +11,7 @@ from headgate.client.security import ClientSecurity
 from headgate.config import ConfigError
 from headgate.spark.pipeline import pipeline_config_from_dict
 
-STREAMS = {"streams": {"s": {}}}
+STREAMS: dict[str, Any] = {"streams": {"s": {}}}
 
 
 def test_the_token_source_and_tls_keys_make_the_security_settings() -> None:
