@@ -33,6 +33,7 @@ def test_the_token_source_and_tls_keys_make_the_security_settings() -> None:
         ({"gateway": "h:1", "tls_key_file": "k.pem"}, r"needs its certificate .tls_cert_file."),
         ({"gateway": "h:1", "tls_ca_file": "/no/such/ca.pem"}, "cannot load CA file"),
         ({"gateway": "h:1", "token": "secret"}, r"unknown key.* token"),
+        ({"gateway": "unix:/tmp/gw.sock", "tls": True}, r"Unix socket .* does not speak TLS"),
     ],
 )
 def test_bad_security_keys_are_named(keys: dict[str, Any], fragment: str) -> None:

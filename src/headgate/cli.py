@@ -440,9 +440,7 @@ async def _send(
         producer_id=producer_id,
         client_name="headgate-send",
         reconnect_timeout=timeout,
-        token=security.token_bytes(),
-        ssl=security.ssl_context(),
-        server_hostname=security.server_name,
+        security=security,
     ) as producer:
         with Progress(transient=True) as progress:
             task = progress.add_task(f"sending to {stream}", total=None)

@@ -78,8 +78,7 @@ class Secured:
         async def send() -> None:
             async with Producer(
                 self.address,
-                token=ADMIN,
-                ssl=self.security(None).ssl_context(),
+                security=self.security(ADMIN),  # the producer takes the same settings
                 max_batch_bytes=512,
                 reconnect_timeout=10,
             ) as producer:
@@ -153,6 +152,14 @@ def test_bad_client_security_settings_are_clear_errors(
 ) -> None:
     with pytest.raises(SecurityError, match=fragment):
         ClientSecurity(**settings)
+
+
+def test_tls_to_a_unix_socket_is_refused_plainly() -> None:
+    tls = ClientSecurity(tls=True)
+    with pytest.raises(ReaderError, match=r"Unix socket .* does not speak TLS"):
+        Reader("unix:/tmp/gw.sock", security=tls)
+    with pytest.raises(SecurityError, match="does not speak TLS"):
+        ReleaseClient("unix:/tmp/gw.sock", security=tls)
 
 
 def test_a_missing_token_source_is_a_clear_error(

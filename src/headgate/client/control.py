@@ -114,7 +114,8 @@ class ReleaseClient:
             raise ValueError("connect_timeout and max_backoff must be positive")
         self.address = GatewayAddress.parse(address)
         self._security = security or ClientSecurity()
-        # Fail now, in the caller's thread, on files that cannot be loaded.
+        # Fail now, in the caller's thread, on settings that cannot work.
+        self._security.check_address(self.address)
         self._security.ssl_context()
         self._client_name = client_name
         self._connect_timeout = connect_timeout

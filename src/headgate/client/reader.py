@@ -204,6 +204,10 @@ class Reader:
             raise ReaderError(str(error)) from None
         self._where = str(self.address)
         self._security = security or ClientSecurity()
+        try:
+            self._security.check_address(self.address)
+        except SecurityError as error:
+            raise ReaderError(str(error)) from None
         self._token = token.encode() if isinstance(token, str) else token
         if self._token is not None and len(self._token) > m.MAX_TOKEN_BYTES:
             raise ValueError(f"a token is at most {m.MAX_TOKEN_BYTES} bytes")

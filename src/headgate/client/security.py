@@ -23,6 +23,7 @@ import ssl as ssl_module
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from headgate.client.address import GatewayAddress
 from headgate.client.tls import client_context
 from headgate.protocol.messages import MAX_TOKEN_BYTES
 
@@ -128,6 +129,14 @@ class ClientSecurity:
             )
         except ValueError as exc:
             raise SecurityError(str(exc)) from None
+
+    def check_address(self, address: GatewayAddress) -> None:
+        """Refuse TLS to a Unix socket: the gateway speaks TLS on TCP only."""
+        if address.is_unix and self.uses_tls:
+            raise SecurityError(
+                f"the gateway's Unix socket ({address}) does not speak TLS; "
+                "drop the TLS settings (the socket's file permissions protect it) or use TCP"
+            )
 
     def wrap_socket(self, sock: socket.socket, host: str | None) -> socket.socket:
         """``sock`` itself for plain TCP, else a TLS socket after the handshake.

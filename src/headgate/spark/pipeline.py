@@ -224,6 +224,8 @@ def _path(value: object, what: str) -> Path:
 
 def _security_from_dict(raw: dict[str, Any], remote: bool, where: str) -> ClientSecurity:
     """The token source and TLS keys; files must load. The token itself is read at start."""
+    from headgate.client.address import GatewayAddress
+
     given = {key: raw[key] for key in _SECURITY_KEYS if key in raw}
     if not given:
         return ClientSecurity()
@@ -250,6 +252,7 @@ def _security_from_dict(raw: dict[str, Any], remote: bool, where: str) -> Client
             server_name=given.get("tls_server_name"),
         )
         security.ssl_context()
+        security.check_address(GatewayAddress.parse(raw["gateway"]))
     except SecurityError as exc:
         text = str(exc).replace("token_env and token_file", "token_env or token_file")
         text = text.replace("cert_file", "tls_cert_file")
