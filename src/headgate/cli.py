@@ -7,13 +7,11 @@ import contextlib
 import logging
 import os
 import signal
-import ssl
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -26,12 +24,67 @@ from headgate.config import (
 )
 from headgate.protocol.messages import is_valid_name
 
+if TYPE_CHECKING:
+    from headgate.client.security import ClientSecurity
 
-@dataclass(frozen=True)
-class _Security:
-    token: str | None
-    ssl: ssl.SSLContext | None
-    server_hostname: str | None
+F = TypeVar("F", bound=Callable[..., Any])
+
+_SECURITY_OPTIONS = ("token", "tls", "ca_file", "cert", "key", "server_name")
+
+
+def _security_options(command: F) -> F:
+    """The token and TLS options every client command takes (send, tail)."""
+    file = click.Path(exists=True, dir_okay=False, path_type=Path)
+    for option in reversed(
+        (
+            click.option(
+                "--token",
+                envvar="HEADGATE_TOKEN",
+                help="Authentication token (or set HEADGATE_TOKEN, which keeps it out of `ps`).",
+            ),
+            click.option(
+                "--tls", is_flag=True, help="Use TLS; the gateway's certificate is verified."
+            ),
+            click.option(
+                "--ca-file",
+                type=file,
+                help="CA bundle to verify the gateway with (implies --tls; default: the system's).",
+            ),
+            click.option(
+                "--cert", type=file, help="Client certificate for mutual TLS (implies --tls)."
+            ),
+            click.option("--key", type=file, help="Its key."),
+            click.option(
+                "--server-name", help="Name the gateway's certificate must carry (default: host)."
+            ),
+        )
+    ):
+        command = option(command)
+    return command
+
+
+def _security(options: dict[str, Any]) -> ClientSecurity:
+    """The :class:`ClientSecurity` of the options ``_security_options`` added; usage errors."""
+    from headgate.client.security import ClientSecurity, SecurityError
+
+    values = {name: options.pop(name) for name in _SECURITY_OPTIONS}
+    token = values["token"]
+    try:
+        security = ClientSecurity(
+            token=token.encode() if token else None,
+            tls=values["tls"],
+            ca_file=None if values["ca_file"] is None else str(values["ca_file"]),
+            cert_file=None if values["cert"] is None else str(values["cert"]),
+            key_file=None if values["key"] is None else str(values["key"]),
+            server_name=values["server_name"],
+        )
+        security.ssl_context()  # files that cannot be loaded are usage errors
+    except SecurityError as exc:
+        message = str(exc).replace(
+            "a client key needs its certificate (cert_file)", "--key needs --cert"
+        )
+        raise click.UsageError(message) from None
+    return security
 
 
 def _size(value: str | None, what: str) -> int | None:
@@ -250,26 +303,7 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     show_default=True,
     help="Seconds to keep trying to reach the gateway before giving up.",
 )
-@click.option(
-    "--token",
-    envvar="HEADGATE_TOKEN",
-    help="Authentication token (or set HEADGATE_TOKEN, which keeps it out of `ps`).",
-)
-@click.option("--tls", is_flag=True, help="Use TLS; the gateway's certificate is verified.")
-@click.option(
-    "--ca-file",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="CA bundle to verify the gateway with (implies --tls; default: the system's).",
-)
-@click.option(
-    "--cert",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Client certificate for mutual TLS (implies --tls).",
-)
-@click.option(
-    "--key", type=click.Path(exists=True, dir_okay=False, path_type=Path), help="Its key."
-)
-@click.option("--server-name", help="Name the gateway's certificate must carry (default: host).")
+@_security_options
 def send(
     stream: str,
     source: Any,
@@ -278,12 +312,7 @@ def send(
     policy: str,
     producer_id: int | None,
     timeout: float,
-    token: str | None,
-    tls: bool,
-    ca_file: Path | None,
-    cert: Path | None,
-    key: Path | None,
-    server_name: str | None,
+    **options: Any,
 ) -> None:
     """Send the lines of SOURCE (a file, or - for stdin) as records of STREAM.
 
@@ -301,17 +330,7 @@ def send(
             f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "
             "up to 255, starting with a letter or digit"
         )
-    context = None
-    if tls or ca_file is not None or cert is not None:
-        from headgate.client.tls import client_context
-
-        try:
-            context = client_context(ca_file=ca_file, cert_file=cert, key_file=key)
-        except ValueError as exc:
-            raise click.UsageError(str(exc)) from None
-    elif key is not None:
-        raise click.UsageError("--key needs --cert")
-    security = _Security(token=token, ssl=context, server_hostname=server_name)
+    security = _security(options)
     try:
         sent, acked, nbytes, bad = asyncio.run(
             _send(stream, source, gateway, fmt, policy, producer_id, timeout, security)
@@ -330,7 +349,12 @@ def send(
 
 @main.command()
 @click.argument("stream")
-@click.option("--gateway", default="127.0.0.1:7878", show_default=True, help="host:port.")
+@click.option(
+    "--gateway",
+    default="127.0.0.1:7878",
+    show_default=True,
+    help="host:port, or unix:PATH for the gateway's Unix socket.",
+)
 @click.option(
     "--from",
     "start",
@@ -348,7 +372,16 @@ def send(
     help="raw: one value per line; json: one object per record, with its position.",
 )
 @click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
-def tail(stream: str, gateway: str, start: str, sample: int, fmt: str, count: int | None) -> None:
+@_security_options
+def tail(
+    stream: str,
+    gateway: str,
+    start: str,
+    sample: int,
+    fmt: str,
+    count: int | None,
+    **options: Any,
+) -> None:
     """Print records of STREAM as the gateway appends them.
 
     The tail never slows the producers: when it cannot keep up, the gateway
@@ -360,12 +393,15 @@ def tail(stream: str, gateway: str, start: str, sample: int, fmt: str, count: in
 
     if not is_valid_name(stream):
         raise click.UsageError(f"{stream!r} is not a stream name")
+    security = _security(options)
     try:
-        options = TailOptions(gateway, stream, parse_start(start), sample, fmt, count)
+        tail_options = TailOptions(
+            gateway, stream, parse_start(start), sample, fmt, count, security=security
+        )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        asyncio.run(run_tail(options, sys.stdout.buffer))
+        asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
         click.echo(f"headgate tail: {exc}", err=True)
         sys.exit(1)
@@ -385,7 +421,7 @@ async def _send(
     policy: str,
     producer_id: int | None,
     timeout: float,
-    security: _Security,
+    security: ClientSecurity,
 ) -> tuple[int, int, int, int]:
     import json
 
@@ -404,9 +440,7 @@ async def _send(
         producer_id=producer_id,
         client_name="headgate-send",
         reconnect_timeout=timeout,
-        token=security.token,
-        ssl=security.ssl,
-        server_hostname=security.server_hostname,
+        security=security,
     ) as producer:
         with Progress(transient=True) as progress:
             task = progress.add_task(f"sending to {stream}", total=None)

@@ -11,11 +11,12 @@ import asyncio
 import base64
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import BinaryIO
 
 from headgate.client.reader import Missed, Reader, TailBatch
+from headgate.client.security import ClientSecurity
 from headgate.protocol.messages import StartAt
 from headgate.protocol.records import decode_records
 
@@ -44,6 +45,8 @@ class TailOptions:
     output: str = "raw"
     #: Stop after this many records (None: until interrupted).
     count: int | None = None
+    #: Token and TLS settings.
+    security: ClientSecurity = field(default_factory=ClientSecurity)
 
 
 def _text(data: bytes, name: str) -> dict[str, str]:
@@ -97,7 +100,9 @@ async def run_tail(options: TailOptions, out: BinaryIO) -> int:
     when the gateway cannot be reached or refuses the subscription.
     """
     written = 0
-    async with Reader(options.gateway, client_name="headgate-tail") as reader:
+    async with Reader(
+        options.gateway, client_name="headgate-tail", security=options.security
+    ) as reader:
         subscription = reader.subscribe(
             options.stream, options.start, sample_every=options.sample_every
         )

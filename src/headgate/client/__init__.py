@@ -7,7 +7,8 @@ and resend without duplicates (the gateway deduplicates by producer id,
 stream and sequence number). :class:`ReleaseClient` is the pipeline's side:
 it tells a gateway how far Spark has committed each stream. Every client
 takes the gateway's address as ``host:port`` or ``unix:PATH``
-(:class:`GatewayAddress`).
+(:class:`GatewayAddress`) and its token and TLS settings as one
+:class:`ClientSecurity`.
 """
 
 from headgate.client.address import GatewayAddress
@@ -21,10 +22,12 @@ from headgate.client.producer import (
     ProducerStatistics,
     StreamStatistics,
 )
+from headgate.client.security import ClientSecurity, SecurityError
 from headgate.client.sync import SyncProducer
 
 __all__ = [
     "BatchResult",
+    "ClientSecurity",
     "Delivery",
     "GatewayAddress",
     "Policy",
@@ -33,6 +36,7 @@ __all__ = [
     "ProducerStatistics",
     "ReleaseClient",
     "ReleaseStatistics",
+    "SecurityError",
     "SessionRefused",
     "StreamRefused",
     "StreamStatistics",

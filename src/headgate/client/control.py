@@ -21,6 +21,10 @@ position beyond its log's tail, as after a gateway lost data it had not made
 durable) closes the connection. Which Release it refused is not said, so
 every position written on that connection counts as settled, the refusal is
 logged, and the client reconnects: the next commit brings a newer position.
+The same goes for a token without the ``admin`` right (``FORBIDDEN``): each
+refused release is logged as an error. A gateway that does not know the
+token (``UNAUTHENTICATED``) is logged as an error and tried again with the
+backoff, as tokens files can be reloaded.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ import contextlib
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
 
 from headgate.client.address import GatewayAddress
+from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
@@ -71,9 +77,12 @@ class ReleaseStatistics:
 class _Closed(Exception):
     """The connection ended; the message says why."""
 
-    def __init__(self, reason: str, *, refused: bool = False) -> None:
+    def __init__(
+        self, reason: str, *, refused: bool = False, code: ErrorCode = ErrorCode.NONE
+    ) -> None:
         super().__init__(reason)
         self.refused = refused
+        self.code = code
 
 
 class ReleaseClient:
@@ -86,6 +95,8 @@ class ReleaseClient:
         connect_timeout: how long one connection attempt (connect and
             handshake) may take.
         max_backoff: the longest pause between two connection attempts.
+        security: token and TLS settings (:class:`ClientSecurity`); Release
+            needs a token with the ``admin`` right on a gateway with tokens.
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -97,10 +108,15 @@ class ReleaseClient:
         client_name: str = "headgate-pipeline",
         connect_timeout: float = 5.0,
         max_backoff: float = 2.0,
+        security: ClientSecurity | None = None,
     ) -> None:
         if connect_timeout <= 0 or max_backoff <= 0:
             raise ValueError("connect_timeout and max_backoff must be positive")
         self.address = GatewayAddress.parse(address)
+        self._security = security or ClientSecurity()
+        # Fail now, in the caller's thread, on settings that cannot work.
+        self._security.check_address(self.address)
+        self._security.ssl_context()
         self._client_name = client_name
         self._connect_timeout = connect_timeout
         self._max_backoff = max_backoff
@@ -210,13 +226,18 @@ class ReleaseClient:
                     return
             try:
                 sock, session, keepalive = self._open()
-            except (OSError, _Closed) as exc:
+            except (OSError, _Closed, SecurityError) as exc:
                 with self._lock:
                     if self._closing:
                         return
                 reason = _describe(exc)
                 if reason != self._last_error:
-                    log.warning("cannot reach the gateway at %s: %s", self.address, reason)
+                    level = logging.WARNING
+                    if isinstance(exc, SecurityError | ssl.SSLError) or (
+                        isinstance(exc, _Closed) and exc.code is ErrorCode.UNAUTHENTICATED
+                    ):
+                        level = logging.ERROR  # waiting will not fix it by itself
+                    log.log(level, "cannot reach the gateway at %s: %s", self.address, reason)
                 self._last_error = reason
                 self._sleep(backoff)
                 backoff = min(backoff * 2, self._max_backoff)
@@ -249,10 +270,12 @@ class ReleaseClient:
 
     def _open(self) -> tuple[socket.socket, Session, float]:
         """Connect and complete the handshake; return the socket, session and Ping interval."""
+        token = self._security.token_bytes()
         sock = self.address.connect_socket(self._connect_timeout)
+        sock = self._security.wrap_socket(sock, None if self.address.is_unix else self.address.host)
         try:
             session = Session(Role.PRODUCER)
-            session.send_global(m.Hello(producer_id=0, client_name=self._client_name))
+            session.send_global(m.Hello(producer_id=0, client_name=self._client_name, token=token))
             sock.sendall(session.data_to_send())
             deadline = time.monotonic() + self._connect_timeout
             while True:
@@ -286,8 +309,8 @@ class ReleaseClient:
                 message = event.message
                 if isinstance(message, m.Error):
                     text = f"{message.code.name}: {message.text}"
-                    refused = message.code is ErrorCode.UNEXPECTED_FRAME
-                    raise _Closed(text, refused=refused)
+                    refused = message.code in (ErrorCode.UNEXPECTED_FRAME, ErrorCode.FORBIDDEN)
+                    raise _Closed(text, refused=refused, code=message.code)
                 if isinstance(message, m.Goodbye):
                     raise _Closed(f"the gateway said goodbye ({message.code.name})")
         out = session.data_to_send()  # Pongs for the gateway's Pings
@@ -370,10 +393,16 @@ class ReleaseClient:
     def _read(
         self, sock: socket.socket, session: Session, probes: dict[int, dict[str, int]]
     ) -> None:
+        chunks = []
         try:
-            data = sock.recv(_READ_SIZE)
-        except BlockingIOError:
-            return
+            chunks.append(sock.recv(_READ_SIZE))
+            # TLS may hold decrypted bytes that select() cannot see.
+            while isinstance(sock, ssl.SSLSocket) and chunks[-1] and sock.pending():
+                chunks.append(sock.recv(_READ_SIZE))
+        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            if not chunks:
+                return
+        data = b"".join(chunks)
         if not data:
             raise _Closed("the gateway closed the connection")
         for event in self._receive(session, sock, data):
@@ -402,6 +431,11 @@ def _linger(sock: socket.socket) -> None:
 
 
 def _describe(exc: BaseException) -> str:
+    tls = describe_tls_failure(exc)
+    if tls is not None:
+        return tls
+    if isinstance(exc, SecurityError):
+        return str(exc)
     if isinstance(exc, ConnectionRefusedError):
         return "connection refused"
     if isinstance(exc, FileNotFoundError):

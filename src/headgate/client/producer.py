@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
+from headgate.client.security import ClientSecurity
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -428,6 +429,9 @@ class Producer:
             which verifies the gateway by default); None for plain TCP.
         server_hostname: the name the gateway's certificate must carry; the
             host of ``address`` by default.
+        security: token and TLS settings as one :class:`ClientSecurity`
+            (what every client takes); ``token``, ``ssl`` and
+            ``server_hostname`` override it. Its token is read here.
 
     Use it as ``async with Producer(...) as p:``; leaving the block normally
     flushes and closes, leaving it by an exception aborts.
@@ -447,7 +451,12 @@ class Producer:
         token: bytes | str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         server_hostname: str | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
+        if security is not None:
+            token = security.token_bytes() if token is None else token
+            ssl = security.ssl_context() if ssl is None else ssl
+            server_hostname = server_hostname or security.server_name
         if policy not in ("wait", "optimistic", "window"):
             raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
         if producer_id is None:

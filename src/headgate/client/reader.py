@@ -24,12 +24,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl as ssl_module
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from headgate.config import ConfigError, parse_address
+from headgate.client.address import GatewayAddress
+from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
+from headgate.config import ConfigError
 from headgate.costs import batch_cost
 from headgate.log import LogFrame
 from headgate.protocol import messages as m
@@ -49,6 +53,7 @@ __all__ = [
     "Missed",
     "Reader",
     "ReaderError",
+    "ReaderRefused",
     "Subscription",
     "SyncReader",
     "TailBatch",
@@ -66,6 +71,21 @@ T = TypeVar("T")
 
 class ReaderError(Exception):
     """The gateway could not be read; the message names its address and the reason."""
+
+
+class ReaderRefused(ReaderError):
+    """The gateway refused this reader: a bad token (``UNAUTHENTICATED``), a stream
+    the token may not read or a Release without ``admin`` (``FORBIDDEN``), ...
+
+    The gateway closes the connection with such an error.
+    """
+
+    def __init__(self, message: str, code: ErrorCode, text: str) -> None:
+        super().__init__(message)
+        #: The gateway's reason, as an error code.
+        self.code = code
+        #: The gateway's explanation, for people.
+        self.text = text
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,28 +169,50 @@ class Reader:
     Use as ``async with Reader("host:port") as reader: ...``.
 
     Args:
-        address: the gateway, ``"host:port"`` or ``(host, port)``.
+        address: the gateway, ``"host:port"``, ``"unix:PATH"`` or ``(host, port)``.
         buffer_bytes: guarantees issued per channel: how much the gateway may
             send ahead of what the application has taken.
         client_name: sent in Hello, for the gateway's logs.
         connect_timeout: seconds to open the connection and get Welcome.
+        security: token and TLS settings (:class:`ClientSecurity`); the
+            arguments below override it.
+        token: the token for a gateway with a tokens file; its ``read``
+            patterns decide what the reader may fetch, subscribe to and list,
+            ``admin`` whether it may release.
+        ssl: a TLS context (:func:`headgate.client.tls.client_context`).
+        server_hostname: the name the gateway's certificate must carry.
+
+    While connected, the reader Pings the gateway at a third of the idle
+    timeout its Welcome announces, so a quiet reader is not closed as idle.
     """
 
     def __init__(
         self,
-        address: str | tuple[str, int],
+        address: str | tuple[str, int] | GatewayAddress,
         *,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         client_name: str = "headgate-reader",
         connect_timeout: float = 10.0,
+        security: ClientSecurity | None = None,
+        token: bytes | str | None = None,
+        ssl: ssl_module.SSLContext | None = None,
+        server_hostname: str | None = None,
     ) -> None:
-        if isinstance(address, str):
-            try:
-                address = parse_address(address, what="gateway address")
-            except ConfigError as error:
-                raise ReaderError(str(error)) from None
-        self.address = address
-        self._where = f"{address[0]}:{address[1]}"
+        try:
+            self.address = GatewayAddress.parse(address)
+        except ConfigError as error:
+            raise ReaderError(str(error)) from None
+        self._where = str(self.address)
+        self._security = security or ClientSecurity()
+        try:
+            self._security.check_address(self.address)
+        except SecurityError as error:
+            raise ReaderError(str(error)) from None
+        self._token = token.encode() if isinstance(token, str) else token
+        if self._token is not None and len(self._token) > m.MAX_TOKEN_BYTES:
+            raise ValueError(f"a token is at most {m.MAX_TOKEN_BYTES} bytes")
+        self._ssl = ssl
+        self._server_hostname = server_hostname
         if buffer_bytes < batch_cost(m.TAIL_HEADER_SIZE + 8):
             raise ValueError(f"buffer_bytes {buffer_bytes} is too small for any batch")
         self._buffer_bytes = buffer_bytes
@@ -191,6 +233,11 @@ class Reader:
         self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
+        self._keepalive: asyncio.TimerHandle | None = None
+        self._last_write = 0.0
+        self._nonce = 0
+        #: The gateway's Welcome, once connected.
+        self.welcome: m.Welcome | None = None
         #: Where the last completed fetch says the next one should start.
         self.last_next_position: int | None = None
 
@@ -200,11 +247,21 @@ class Reader:
         """Open the connection; ReaderError names the address if it cannot be."""
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
-        self._session.send_global(m.Hello(producer_id=0, client_name=self._client_name))
-        host, port = self.address
+        try:
+            token = self._security.token_bytes() if self._token is None else self._token
+            context = self._ssl if self._ssl is not None else self._security.ssl_context()
+        except SecurityError as error:
+            raise ReaderError(f"gateway {self._where}: {error}") from None
+        self._session.send_global(
+            m.Hello(producer_id=0, client_name=self._client_name, token=token)
+        )
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, protocol = await loop.create_connection(lambda: _Protocol(self), host, port)
+                _, protocol = await self.address.connect(
+                    lambda: _Protocol(self),
+                    ssl=context,
+                    server_hostname=self._server_hostname or self._security.server_name,
+                )
                 self._protocol = protocol
                 self._write()
                 await self._welcome
@@ -215,6 +272,9 @@ class Reader:
             ) from None
         except OSError as error:
             self._abort()
+            reason = describe_tls_failure(error)
+            if reason is not None:
+                raise ReaderError(f"gateway {self._where}: {reason}") from None
             reason = error.strerror or str(error) or type(error).__name__
             raise ReaderError(f"cannot connect to gateway {self._where}: {reason}") from None
         except ReaderError:
@@ -233,6 +293,7 @@ class Reader:
         protocol.transport.close()
 
     def _abort(self) -> None:
+        self._stop_keepalive()
         if self._protocol is not None and self._protocol.transport is not None:
             self._protocol.transport.abort()
 
@@ -248,6 +309,30 @@ class Reader:
         transport = None if self._protocol is None else self._protocol.transport
         if data and transport is not None and not transport.is_closing():
             transport.write(data)
+            self._last_write = time.monotonic()
+
+    def _start_keepalive(self, welcome: m.Welcome) -> None:
+        if welcome.idle_timeout_ms <= 0:
+            return
+        # A third of the gateway's idle timeout, as PROTOCOL.md advises.
+        interval = max(0.05, welcome.idle_timeout_ms / 3000.0)
+        loop = asyncio.get_running_loop()
+        self._keepalive = loop.call_later(interval, self._ping, interval)
+
+    def _ping(self, interval: float) -> None:
+        self._keepalive = None
+        if self._error is not None or self._session.closed:
+            return
+        if time.monotonic() - self._last_write >= interval * 0.9:
+            self._nonce = (self._nonce + 1) & U64_MAX
+            self._session.send_global(m.Ping(nonce=self._nonce))
+            self._write()
+        self._keepalive = asyncio.get_running_loop().call_later(interval, self._ping, interval)
+
+    def _stop_keepalive(self) -> None:
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
 
     def _check(self) -> None:
         if self._error is not None:
@@ -270,6 +355,8 @@ class Reader:
             match event:
                 case WelcomeReceived(welcome=welcome):
                     self._session.grant(m.STREAM_CHANNEL, BIND_BUFFER_BYTES)
+                    self.welcome = welcome
+                    self._start_keepalive(welcome)
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(welcome)
                 case StreamBound(handle=handle, stream=stream):
@@ -320,7 +407,11 @@ class Reader:
                     channel.items.append((Missed(count), 0))
                     channel.wake.set()
             case m.Error(code=code, text=text):
-                self._fail(ReaderError(f"gateway {self._where} refused: {text} ({code.name})"))
+                self._fail(
+                    ReaderRefused(
+                        f"gateway {self._where} refused: {text} ({code.name})", code, text
+                    )
+                )
             case m.Goodbye(code=code, text=text):
                 why = "" if code == ErrorCode.NONE else f": {text} ({code.name})"
                 self._fail(ReaderError(f"gateway {self._where} closed the connection{why}"))
@@ -341,6 +432,7 @@ class Reader:
         if self._error is not None:
             return
         self._error = error
+        self._stop_keepalive()
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_exception(error)
         for future in self._lists.values():
@@ -521,16 +613,23 @@ class SyncReader:
 
     It runs a private event loop only while one of its calls runs, in the
     calling thread; between calls, TCP holds what the gateway sent. Not for
-    use from a thread whose event loop is running.
+    use from a thread whose event loop is running. It takes the options of
+    :class:`Reader` (``token``, ``security``, ...).
+
+    Between calls nothing Pings the gateway, so a call that comes after more
+    than half the gateway's idle timeout opens a new connection first (the
+    gateway may have closed the old one as idle).
     """
 
-    def __init__(self, address: str | tuple[str, int], **options: object) -> None:
+    def __init__(self, address: str | tuple[str, int] | GatewayAddress, **options: object) -> None:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
             pass
         else:
             raise RuntimeError("SyncReader cannot run inside an event loop; use Reader")
+        self._address = address
+        self._options = options
         self._loop = asyncio.new_event_loop()
         try:
             self._reader = self._run(self._make(address, options))
@@ -538,22 +637,45 @@ class SyncReader:
         except BaseException:
             self._loop.close()
             raise
+        self._last_used = time.monotonic()
+        #: New connections opened because the previous one sat idle too long.
+        self.reconnects = 0
 
     @staticmethod
-    async def _make(address: str | tuple[str, int], options: dict[str, object]) -> Reader:
+    async def _make(
+        address: str | tuple[str, int] | GatewayAddress, options: dict[str, object]
+    ) -> Reader:
         return Reader(address, **options)  # type: ignore[arg-type]
 
     def _run(self, coroutine: Awaitable[T]) -> T:
-        return self._loop.run_until_complete(coroutine)
+        try:
+            return self._loop.run_until_complete(coroutine)
+        finally:
+            self._last_used = time.monotonic()
+
+    def _fresh(self) -> Reader:
+        """The reader, on a new connection if the old one idled past half the timeout."""
+        welcome = self._reader.welcome
+        if welcome is None or welcome.idle_timeout_ms <= 0:
+            return self._reader
+        if time.monotonic() - self._last_used < welcome.idle_timeout_ms / 2000.0:
+            return self._reader
+        old = self._reader
+        with contextlib.suppress(ReaderError, OSError):
+            self._run(old.close())
+        self._reader = self._run(self._make(self._address, self._options))
+        self._run(self._reader.connect())
+        self.reconnects += 1
+        return self._reader
 
     def list_streams(self) -> list[m.StreamInfo]:
-        return self._run(self._reader.list_streams())
+        return self._run(self._fresh().list_streams())
 
     def fetch(
         self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
     ) -> Generator[TailBatch, None, None]:
         """As :meth:`Reader.fetch`, as a plain generator (``close()`` it to stop early)."""
-        batches = self._reader.fetch(stream, start, end, max_bytes=max_bytes)
+        batches = self._fresh().fetch(stream, start, end, max_bytes=max_bytes)
         try:
             while True:
                 try:
@@ -568,10 +690,10 @@ class SyncReader:
         self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
     ) -> tuple[list[TailBatch], int]:
         """As :meth:`Reader.fetch_all`."""
-        return self._run(self._reader.fetch_all(stream, start, end, max_bytes=max_bytes))
+        return self._run(self._fresh().fetch_all(stream, start, end, max_bytes=max_bytes))
 
     def release(self, stream: str, position: int) -> None:
-        self._run(self._reader.release(stream, position))
+        self._run(self._fresh().release(stream, position))
 
     def close(self) -> None:
         if self._loop.is_closed():

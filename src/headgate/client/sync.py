@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.producer import BatchResult, Policy, Producer, ProducerStatistics
+from headgate.client.security import ClientSecurity
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -80,6 +81,7 @@ class SyncProducer:
         token: bytes | str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         server_hostname: str | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         self._producer = Producer(
             address,
@@ -93,6 +95,7 @@ class SyncProducer:
             token=token,
             ssl=ssl,
             server_hostname=server_hostname,
+            security=security,
         )
         self._linger = max(linger_ms / 1000.0, 0.001)
         self._handoff = max(1, handoff_records)

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from headgate.client.security import SecurityError
 from headgate.config import ConfigError
 from headgate.spark.pipeline import (
     Pipeline,
@@ -49,6 +50,10 @@ def run_pipeline_file(
             is not there; the message names the file and the key.
     """
     config = load_pipeline_config(path)
+    try:
+        config.security.token_bytes()  # an unset variable or unreadable file: say so now
+    except SecurityError as exc:
+        raise ConfigError(f"{config.origin}: {exc}") from None
     if not config.read_through_gateway and not config.data_dir.is_dir():
         raise ConfigError(
             f"{config.origin}: data_dir {config.data_dir} does not exist; it must be the "
@@ -84,7 +89,11 @@ def run_pipeline(
     owned = SparkContext._active_spark_context is None
     echo("starting Spark ..." if owned else "using the running Spark session")
     spark = spark_session("headgate-pipeline")
-    client = ReleaseClient(config.gateway) if config.gateway is not None else None
+    client = (
+        ReleaseClient(config.gateway, security=config.security)
+        if config.gateway is not None
+        else None
+    )
     pipeline = Pipeline(spark, config, release=client.release if client is not None else None)
     status = 0
     try:

@@ -22,6 +22,8 @@ shows every key)::
 
     data_dir = "./headgate-data"        # the gateway's data directory, read locally
     gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
+    token_env = "HEADGATE_TOKEN"        # a gateway with tokens: admin (releases), read
+    tls_ca_file = "ca.pem"              # a TLS gateway, verified with this CA
 
     [streams.ticks]
     format = "json"
@@ -53,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from headgate.client.security import ClientSecurity, SecurityError
 from headgate.config import ConfigError, parse_size
 
 Release = Callable[[str, int], None]
@@ -116,6 +119,18 @@ PARSER_OPTIONS = {
 #: The parsed struct's extra field that Spark fills with a record it cannot parse.
 CORRUPT_COLUMN = "_headgate_corrupt_record"
 
+#: How the gateway is reached safely: the token's source (never the token
+#: itself: config files get shared and committed) and TLS.
+_SECURITY_KEYS = (
+    "token_env",
+    "token_file",
+    "tls",
+    "tls_ca_file",
+    "tls_cert_file",
+    "tls_key_file",
+    "tls_server_name",
+)
+
 _TOP_KEYS = (
     "data_dir",
     "gateway",
@@ -123,6 +138,7 @@ _TOP_KEYS = (
     "output_dir",
     "checkpoint_dir",
     "streams",
+    *_SECURITY_KEYS,
 )
 
 
@@ -165,6 +181,8 @@ class PipelineConfig:
     checkpoint_dir: Path = field(default=Path())
     #: Read the logs through ``gateway`` instead of from ``data_dir``.
     read_through_gateway: bool = False
+    #: The token's source and TLS settings for ``gateway`` (releases and reads).
+    security: ClientSecurity = field(default_factory=ClientSecurity)
     #: What error messages call this configuration (its file name).
     origin: str = "pipeline"
 
@@ -202,6 +220,44 @@ def _path(value: object, what: str) -> Path:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{what} must be a non-empty path, got {value!r}")
     return Path(value)
+
+
+def _security_from_dict(raw: dict[str, Any], remote: bool, where: str) -> ClientSecurity:
+    """The token source and TLS keys; files must load. The token itself is read at start."""
+    from headgate.client.address import GatewayAddress
+
+    given = {key: raw[key] for key in _SECURITY_KEYS if key in raw}
+    if not given:
+        return ClientSecurity()
+    if not remote:
+        raise ConfigError(f"{where}: {', '.join(given)} need(s) a gateway address")
+    tls = given.pop("tls", False)
+    if not isinstance(tls, bool):
+        raise ConfigError(f"{where}: tls must be true or false, got {tls!r}")
+    for key, value in given.items():
+        if not isinstance(value, str) or not value.strip():
+            raise ConfigError(f"{where}: {key} must be non-empty text, got {value!r}")
+    if "token_env" in given and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", given["token_env"]):
+        raise ConfigError(
+            f"{where}: token_env must name an environment variable, got {given['token_env']!r}"
+        )
+    try:
+        security = ClientSecurity(
+            token_env=given.get("token_env"),
+            token_file=given.get("token_file"),
+            tls=tls,
+            ca_file=given.get("tls_ca_file"),
+            cert_file=given.get("tls_cert_file"),
+            key_file=given.get("tls_key_file"),
+            server_name=given.get("tls_server_name"),
+        )
+        security.ssl_context()
+        security.check_address(GatewayAddress.parse(raw["gateway"]))
+    except SecurityError as exc:
+        text = str(exc).replace("token_env and token_file", "token_env or token_file")
+        text = text.replace("cert_file", "tls_cert_file")
+        raise ConfigError(f"{where}: {text}") from None
+    return security
 
 
 def _option_text(value: object, what: str) -> str:
@@ -309,6 +365,7 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
         raise ConfigError(f"{where}: read_through_gateway must be true or false")
     if through and gateway is None:
         raise ConfigError(f"{where}: read_through_gateway = true needs a gateway address")
+    security = _security_from_dict(raw, gateway is not None, where)
     streams_raw = raw.get("streams")
     if not isinstance(streams_raw, dict) or not streams_raw:
         raise ConfigError(f"{where}: needs at least one [streams.NAME] table")
@@ -327,6 +384,7 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
         output_dir=output_dir,
         checkpoint_dir=checkpoint_dir,
         read_through_gateway=through,
+        security=security,
         origin=where,
     )
     # Two queries sharing a checkpoint or an output would corrupt each other.
@@ -587,7 +645,7 @@ class Pipeline:
         if release is None and config.gateway is not None:
             from headgate.client.control import ReleaseClient
 
-            self._gateway_releases = ReleaseClient(config.gateway)
+            self._gateway_releases = ReleaseClient(config.gateway, security=config.security)
             release = self._gateway_releases.release
         self._release = release
         self.queries: dict[str, Any] = {}
@@ -651,7 +709,11 @@ class Pipeline:
         stream = plan.stream
         reader = self.spark.readStream.format("headgate").option("streams", stream.name)
         if self.config.read_through_gateway:
+            from headgate.spark.source import security_options
+
             reader = reader.option("gateway", self.config.gateway)
+            for key, value in security_options(self.config.security).items():
+                reader = reader.option(key, value)
         else:
             reader = reader.option("path", str(self.config.data_dir))
         if stream.max_records_per_trigger is not None:

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
     from headgate.client.reader import SyncReader
+    from headgate.client.security import ClientSecurity
     from headgate.protocol.messages import StreamInfo
 
 log = logging.getLogger("headgate.spark")
@@ -40,11 +41,13 @@ log = logging.getLogger("headgate.spark")
 LIST_FRESH_S = 0.05
 
 
-def _connect(gateway: str) -> SyncReader:
+def _connect(gateway: str, security: ClientSecurity | None) -> SyncReader:
     from headgate.client.reader import ReaderError, SyncReader
 
     try:
-        return SyncReader(gateway, client_name="headgate-spark", connect_timeout=10.0)
+        return SyncReader(
+            gateway, client_name="headgate-spark", connect_timeout=10.0, security=security
+        )
     except ReaderError as error:
         raise SourceError(f"headgate: cannot read through gateway {gateway}: {error}") from None
 
@@ -52,16 +55,19 @@ def _connect(gateway: str) -> SyncReader:
 class GatewayLogs:
     """The driver's view of a gateway's streams; the interface of ``StreamLogs``."""
 
-    def __init__(self, gateway: str, selection: StreamSelection) -> None:
+    def __init__(
+        self, gateway: str, selection: StreamSelection, security: ClientSecurity | None = None
+    ) -> None:
         self.gateway = gateway
         self.selection = selection
+        self.security = security
         self._reader: SyncReader | None = None
         self._infos: dict[str, StreamInfo] = {}
         self._listed_at = float("-inf")
 
     def _client(self) -> SyncReader:
         if self._reader is None:
-            self._reader = _connect(self.gateway)
+            self._reader = _connect(self.gateway, self.security)
         return self._reader
 
     def _call(self, what: str, call: Any) -> Any:
@@ -151,12 +157,17 @@ class GatewayLogs:
 
 
 def read_remote_slice(
-    gateway: str, piece: StreamSlice, schema: pa.Schema, *, page_bytes: int = PAGE_LOG_BYTES
+    gateway: str,
+    piece: StreamSlice,
+    schema: pa.Schema,
+    *,
+    page_bytes: int = PAGE_LOG_BYTES,
+    security: ClientSecurity | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Fetch one stream slice from ``gateway``; yield batches of at most BATCH_RECORDS rows."""
     from headgate.client.reader import ReaderError
 
-    reader = _connect(gateway)
+    reader = _connect(gateway, security)
     try:
         batches = reader.fetch(piece.stream, piece.start, piece.end)
         page: list[Any] = []

@@ -42,6 +42,20 @@ Options:
     batches; ``Trigger.Once`` ignores them, as Spark asks.
 ``bytesPerPartition``
     Log bytes per Spark partition (default 32 MiB), cut at frame boundaries.
+``tokenEnv`` / ``tokenFile`` / ``token``
+    With ``gateway``: the token for a gateway with a tokens file (it needs
+    the ``read`` right on the streams). ``tokenEnv`` names an environment
+    variable and ``tokenFile`` a file that hold it; the driver and every
+    executor read it there when they connect, so set the variable on both
+    (``spark.executorEnv.NAME``) or put the file where both can read it.
+    Prefer them to ``token``: Spark shows a query's options in its plans, UI
+    and logs, so a token given as an option is visible to whoever sees those.
+``tls`` / ``tlsCaFile`` / ``tlsCertFile`` / ``tlsKeyFile`` / ``tlsServerName``
+    With ``gateway``: speak TLS (``tls`` ``true`` verifies the gateway with
+    the system's trust store, ``tlsCaFile`` with a CA bundle; any of these
+    options implies TLS), show a client certificate for mutual TLS, check
+    another name than the host of ``gateway``. The files must exist on the
+    driver and the executors.
 
 Offsets are JSON objects from stream name to log position, keys sorted.
 """
@@ -76,6 +90,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from headgate.client.security import ClientSecurity, SecurityError
 from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import (
     Logs,
@@ -151,6 +166,7 @@ class SourceOptions:
     max_records: int | None = None
     max_bytes: int | None = None
     bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION
+    security: ClientSecurity = field(default_factory=ClientSecurity)
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
@@ -170,6 +186,7 @@ class SourceOptions:
                     f"got {gateway!r}"
                 )
             gateway = gateway.strip()
+        security = _security(options, gateway is not None)
         names, pattern = options.get("streams"), options.get("streampattern")
         if names is not None and pattern is not None:
             raise ValueError("headgate: set option 'streams' or 'streamPattern', not both")
@@ -200,7 +217,77 @@ class SourceOptions:
             max_bytes=_positive(options, "maxBytesPerTrigger"),
             bytes_per_partition=_positive(options, "bytesPerPartition")
             or DEFAULT_BYTES_PER_PARTITION,
+            security=security,
         )
+
+
+#: Option (lower case, as Spark hands them over) -> its spelling in messages.
+_SECURITY_OPTIONS = {
+    "token": "token",
+    "tokenenv": "tokenEnv",
+    "tokenfile": "tokenFile",
+    "tls": "tls",
+    "tlscafile": "tlsCaFile",
+    "tlscertfile": "tlsCertFile",
+    "tlskeyfile": "tlsKeyFile",
+    "tlsservername": "tlsServerName",
+}
+
+
+def security_options(security: ClientSecurity) -> dict[str, str]:
+    """The source options that give a reader ``security`` (for ``headgate pipeline``).
+
+    Raises ValueError for a token given as such: it would show in Spark's plans.
+    """
+    if security.token is not None:
+        raise ValueError("pass the token to Spark by tokenEnv or tokenFile, not as an option")
+    options = {
+        "tokenEnv": security.token_env,
+        "tokenFile": security.token_file,
+        "tls": "true" if security.tls else None,
+        "tlsCaFile": security.ca_file,
+        "tlsCertFile": security.cert_file,
+        "tlsKeyFile": security.key_file,
+        "tlsServerName": security.server_name,
+    }
+    return {key: value for key, value in options.items() if value is not None}
+
+
+def _security(options: Mapping[str, str], remote: bool) -> ClientSecurity:
+    """The token and TLS options, checked (they make sense only with ``gateway``)."""
+    given = {key: options[key] for key in _SECURITY_OPTIONS if key in options}
+    if not given:
+        return ClientSecurity()
+    if not remote:
+        names = ", ".join(repr(_SECURITY_OPTIONS[k]) for k in given)
+        raise ValueError(f"headgate: option {names} needs option 'gateway'")
+    for key, value in given.items():
+        if not value.strip():
+            raise ValueError(f"headgate: option {_SECURITY_OPTIONS[key]!r} is empty")
+    tls = given.get("tls", "false").strip().lower()
+    if tls not in ("true", "false"):
+        raise ValueError(f"headgate: option 'tls' must be true or false, got {given['tls']!r}")
+    token = given.get("token")
+    try:
+        return ClientSecurity(
+            token=None if token is None else token.encode(),
+            token_env=given.get("tokenenv"),
+            token_file=given.get("tokenfile"),
+            tls=tls == "true",
+            ca_file=given.get("tlscafile"),
+            cert_file=given.get("tlscertfile"),
+            key_file=given.get("tlskeyfile"),
+            server_name=given.get("tlsservername"),
+        )
+    except SecurityError as error:
+        text = str(error)
+        for field_name, option in (
+            ("token_env", "tokenEnv"),
+            ("token_file", "tokenFile"),
+            ("cert_file", "tlsCertFile"),
+        ):
+            text = text.replace(field_name, option)
+        raise ValueError(f"headgate: {text}") from None
 
 
 # --- partitions and reading -----------------------------------------------------
@@ -220,6 +307,8 @@ class HeadgatePartition(InputPartition):
     data_dir: str | None
     #: ``host:port`` of the gateway, for a remote read.
     gateway: str | None = None
+    #: How to authenticate to it (a token's source, never logged; TLS files).
+    security: ClientSecurity | None = None
 
 
 def _read(partition: InputPartition) -> Iterator[Any]:
@@ -230,7 +319,9 @@ def _read(partition: InputPartition) -> Iterator[Any]:
         from headgate.spark.remote import read_remote_slice
 
         for piece in partition.slices:
-            yield from read_remote_slice(partition.gateway, piece, schema)
+            yield from read_remote_slice(
+                partition.gateway, piece, schema, security=partition.security
+            )
         return
     if partition.data_dir is None:
         raise SourceError("headgate: a partition with neither a gateway nor a data directory")
@@ -247,7 +338,7 @@ class _Planner:
         if options.gateway is not None:
             from headgate.spark.remote import GatewayLogs
 
-            self.logs = GatewayLogs(options.gateway, options.selection)
+            self.logs = GatewayLogs(options.gateway, options.selection, options.security)
         else:
             assert options.data_dir is not None
             self.logs = StreamLogs(options.data_dir, options.selection)
@@ -301,7 +392,12 @@ class _Planner:
         }
         planned = plan_slices(self.logs, ranges, self.options.bytes_per_partition)
         return [
-            HeadgatePartition(tuple(p), self.options.data_dir, self.options.gateway)
+            HeadgatePartition(
+                tuple(p),
+                self.options.data_dir,
+                self.options.gateway,
+                self.options.security if self.options.gateway is not None else None,
+            )
             for p in planned
         ]
 
