@@ -289,3 +289,39 @@ def test_the_next_term_is_written_ahead(tmp_path: Path) -> None:
             time.sleep(0.005)
     names = sorted(os.listdir(tmp_path))
     assert not [n for n in names if "creating" in n or "preparing" in n]
+
+
+def _resident_kib(path: Path) -> int:
+    """Resident kB of this process's mappings of ``path`` (from /proc/self/smaps)."""
+    total = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            inside = fields[-1] == str(path)
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1])
+    return total
+
+
+def test_durable_full_terms_leave_the_process_and_read_back_intact(tmp_path: Path) -> None:
+    with open_log(tmp_path, term_length=64 * 1024, capacity=16 * 64 * 1024) as log:
+        results = [
+            log.append(
+                bytes([i % 251]) * 4000,
+                producer_id=1,
+                first_sequence=i,
+                record_count=1,
+                timestamp_us=0,
+            )
+            for i in range(60)
+        ]
+        assert log.tail_position > 3 * 64 * 1024  # the writer is in the fourth term
+        first_term = next(p for p in sorted(tmp_path.iterdir()) if p.name.startswith("0" * 16))
+        assert _resident_kib(first_term) > 0
+        log.sync()
+        assert _resident_kib(first_term) == 0
+        frames = log.read(0)
+        assert [f.position for f in frames] == [r.position for r in results]
+        for i, frame in enumerate(frames):
+            assert bytes(frame.payload) == bytes([i % 251]) * 4000

@@ -143,6 +143,8 @@ class StreamLog:
         self._lock = threading.Lock()
         self._durable_changed = threading.Condition(self._lock)
         self._sync_lock = threading.Lock()
+        # Terms below this id have had their pages dropped (see TermFile.drop_pages).
+        self._pages_dropped_below = min(terms, default=0)
         self._scanner = FrameScanner(directory, settings.term_length, self._terms.get)
         active = terms[term_id_of(tail, self._shift)]
         self._active = active
@@ -717,6 +719,17 @@ class StreamLog:
                 self._durable_changed.notify_all()
             release_term = term_id_of(self._release, self._shift)
             freed = [t for t in self._terms if t < release_term]
+            # Terms wholly durable and behind the writer: their pages leave
+            # the process (each term once).
+            done_below = term_id_of(self._durable, self._shift)
+            finished = [
+                self._terms[t]
+                for t in range(self._pages_dropped_below, done_below)
+                if t in self._terms and t >= release_term
+            ]
+            self._pages_dropped_below = max(self._pages_dropped_below, done_below)
+        for term in finished:
+            term.drop_pages()
         if freed:
             # The release that frees these terms must reach the disk before
             # they leave it, or recovery would find history missing.

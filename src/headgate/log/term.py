@@ -206,6 +206,18 @@ class TermFile:
         """
         os.fdatasync(self.fd)
 
+    def drop_pages(self) -> None:
+        """Unmap the pages of this (full, durable) term from the process; keep the map.
+
+        The bytes stay in the page cache and on disk, and a later read faults
+        them back in. Without this, every term the writer ever filled stays
+        resident in the gateway until Spark releases it: gigabytes of mapped
+        pages that the kernel must unmap page by page before it can reuse
+        them, which stalls the appends and fsyncs of every stream.
+        """
+        if self.buffer is not None:
+            self.buffer.madvise(mmap.MADV_DONTNEED)
+
     def close(self) -> None:
         """Unmap and close. Payload views handed out keep the mapping alive until dropped."""
         self._unmap()
