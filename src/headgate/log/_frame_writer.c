@@ -39,6 +39,8 @@
 #define DATA_FRAME 0x0001
 #define FORMAT_VERSION 1
 #define MAX_FRAME_LENGTH 0xFFFFFFFFull
+/* Payloads from this size on are written with the GIL released. */
+#define GIL_RELEASE_THRESHOLD 4096
 
 static PyObject *log_error; /* headgate.log.errors.LogError */
 
@@ -218,8 +220,15 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
 
-    /* Nothing can fail from here on: write the frame. */
+    /* Nothing can fail from here on: write the frame. A large frame is
+     * written without the GIL, as zlib.crc32 does for large inputs, so that
+     * the log's other threads (group commit, term preparer) are not held up;
+     * the exported buffers keep the maps and the payload alive meanwhile. */
     unsigned char *frame = (unsigned char *)term.buf + offset;
+    PyThreadState *saved = NULL;
+    if (payload.len >= GIL_RELEASE_THRESHOLD) {
+        saved = PyEval_SaveThread();
+    }
     unsigned char body[HEADER_LENGTH - TYPE_OFFSET];
     uint16_t frame_type = DATA_FRAME;
     uint32_t count = (uint32_t)record_count;
@@ -240,6 +249,11 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (meta != Py_None) {
         __atomic_store_n((int64_t *)((unsigned char *)page.buf + published_offset),
                          (int64_t)end, __ATOMIC_RELEASE);
+    }
+    if (saved != NULL) {
+        PyEval_RestoreThread(saved);
+    }
+    if (meta != Py_None) {
         PyBuffer_Release(&page);
     }
     PyBuffer_Release(&term);
