@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import zlib
 from pathlib import Path
 
@@ -299,3 +300,22 @@ def test_pure_python_env_selects_the_python_writer(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv(stream_log_module.PURE_PYTHON_ENV, "0")
     assert stream_log_module._load_frame_writer() is BUILT
     assert os.environ[stream_log_module.PURE_PYTHON_ENV] == "0"
+
+
+def test_a_missing_extension_falls_back_to_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(stream_log_module.PURE_PYTHON_ENV, raising=False)
+    # None in sys.modules makes the import raise ImportError, as a missing .so does.
+    monkeypatch.setitem(sys.modules, "headgate.log._frame_writer", None)
+    writer = stream_log_module._load_frame_writer()
+    assert writer is None
+    monkeypatch.setattr(stream_log_module, "_write_frame", writer)
+    assert stream_log_module.frame_writer() == "Python"
+    with StreamLog.open(tmp_path, term_length=TERM, capacity=8 * TERM) as log:
+        for seq in range(40):
+            _frames.append(log, seq)
+        frames = log.read(0)
+    assert [f.first_sequence for f in frames] == list(range(40))
+    for frame in frames:
+        _frames.check_frame(frame)
