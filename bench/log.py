@@ -269,7 +269,7 @@ def explain_small_appends(directory: Path, count: int) -> list[tuple[str, float]
         write = _write_frame
         for seq in range(count):
             offset = (seq * 144) & mask
-            write(buffer, offset, offset, 1 << 62, payload, 1, seq, 1, seq, meta, 64)
+            write(buffer, offset, offset, 1 << 62, payload, 1, seq, 1, seq, meta, 64, None)
 
     def real() -> None:
         log = StreamLog.open(directory / "explain-log", term_length=TERM_LENGTH)

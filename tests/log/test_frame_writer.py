@@ -7,10 +7,11 @@ import os
 import sys
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from headgate.log import LogError, StreamLog
+from headgate.log import AppendResult, LogError, StreamLog
 from headgate.log import stream_log as stream_log_module
 from headgate.log.frame import HEADER, HEADER_LENGTH, frame_cost
 from headgate.log.metadata import META_FILE_NAME, PUBLISHED_POSITION_OFFSET
@@ -183,18 +184,10 @@ def _write(
     meta: object = None,
     published_offset: int = 0,
 ) -> int:
-    return write(
-        term,  # type: ignore[arg-type]
-        offset,
-        position,
-        limit,
-        payload,  # type: ignore[arg-type]
-        1,
-        2,
-        3,
-        4,
-        meta,  # type: ignore[arg-type]
-        published_offset,
+    # Hostile arguments on purpose: the call is untyped.
+    untyped: Any = write
+    return int(
+        untyped(term, offset, position, limit, payload, 1, 2, 3, 4, meta, published_offset, None)
     )
 
 
@@ -236,6 +229,19 @@ def test_write_frame_writes_a_checkable_frame_and_publishes() -> None:
     # Past the limit: nothing written, 0 returned.
     snapshot = bytes(term)
     assert _write(BUILT, term, 512, position=512, limit=512 + 47, payload=b"x" * 8) == 0
+    assert bytes(term) == snapshot
+    # With a result type: an AppendResult, or None past the limit.
+    args = (b"xyz", 1, 2, 3, 4, None, 0)
+    result = BUILT(term, 1024, 1024, 1 << 40, *args, AppendResult)
+    assert type(result) is AppendResult
+    assert result == (1024, 1024 + frame_cost(3))
+    assert result.end_position == 1024 + frame_cost(3)
+    assert BUILT(term, 2048, 2048, 2048, *args, AppendResult) is None
+    snapshot = bytes(term)
+    untyped: Any = BUILT
+    for bad in (int, list, "AppendResult", 0):
+        with pytest.raises(TypeError, match="result_type"):
+            untyped(term, 4096 - 64, 0, 1 << 40, *args, bad)
     assert bytes(term) == snapshot
 
 
@@ -285,8 +291,8 @@ def test_write_frame_refuses_hostile_arguments_without_writing(
     assert bytes(term) == bytes(TERM)
     assert bytes(page) == bytes(4096)
     assert bytes(readonly) == bytes(TERM)
-    with pytest.raises(TypeError, match="11 arguments"):
-        BUILT(term, 0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="12 arguments"):
+        BUILT(term, 0)  # type: ignore[call-overload]
     # The maps have no buffer left exported: they can be closed.
     term.close()
     page.close()

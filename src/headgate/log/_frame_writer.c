@@ -141,12 +141,14 @@ get_target(PyObject *obj, const char *name, long long offset, long long need,
 
 PyDoc_STRVAR(write_frame_doc,
 "write_frame(term, offset, position, limit, payload, producer_id, first_sequence,\n"
-"            record_count, timestamp_us, meta, published_offset) -> int\n"
+"            record_count, timestamp_us, meta, published_offset, result_type)\n"
 "\n"
 "Write one data frame at byte `offset` of the writable buffer `term`, for the\n"
 "stream position `position`, and return its end position\n"
-"(position + the frame's aligned length). If that end exceeds `limit`,\n"
-"write nothing and return 0. The commit word is stored last, with release\n"
+"(position + the frame's aligned length), or, if `result_type` (a tuple\n"
+"subclass such as AppendResult) is not None, result_type((position, end)).\n"
+"If that end exceeds `limit`, write nothing and return 0 (None with a\n"
+"result_type). The commit word is stored last, with release\n"
 "ordering; then, unless `meta` is None, the end position is stored at byte\n"
 "`published_offset` of `meta`, with release ordering.");
 
@@ -154,8 +156,15 @@ static PyObject *
 write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    if (nargs != 11) {
-        PyErr_Format(PyExc_TypeError, "write_frame() takes 11 arguments (%zd given)", nargs);
+    if (nargs != 12) {
+        PyErr_Format(PyExc_TypeError, "write_frame() takes 12 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *result_type = args[11];
+    if (result_type != Py_None &&
+        !(PyType_Check(result_type) &&
+          PyType_FastSubclass((PyTypeObject *)result_type, Py_TPFLAGS_TUPLE_SUBCLASS))) {
+        PyErr_SetString(PyExc_TypeError, "result_type must be None or a subclass of tuple");
         return NULL;
     }
     long long offset, position, limit, published_offset = 0;
@@ -193,6 +202,9 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     long long end = position + cost;
     if (end > limit) {
         PyBuffer_Release(&payload);
+        if (result_type != Py_None) {
+            Py_RETURN_NONE;
+        }
         return PyLong_FromLong(0);
     }
 
@@ -215,6 +227,33 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     if (meta != Py_None && get_target(meta, "meta", published_offset, 8, &page) < 0) {
+        PyBuffer_Release(&term);
+        PyBuffer_Release(&payload);
+        return NULL;
+    }
+    /* The result exists before the first store: once the frame is written,
+     * nothing may fail, or the caller would not learn that it was. */
+    PyObject *result = PyLong_FromLongLong(end);
+    if (result != NULL && result_type != Py_None) {
+        PyObject *start = PyLong_FromLongLong(position);
+        PyObject *pair = start == NULL
+                             ? NULL
+                             : ((PyTypeObject *)result_type)
+                                   ->tp_alloc((PyTypeObject *)result_type, 2);
+        if (pair == NULL) {
+            Py_XDECREF(start);
+            Py_CLEAR(result);
+        }
+        else {
+            PyTuple_SET_ITEM(pair, 0, start);
+            PyTuple_SET_ITEM(pair, 1, result);
+            result = pair;
+        }
+    }
+    if (result == NULL) {
+        if (meta != Py_None) {
+            PyBuffer_Release(&page);
+        }
         PyBuffer_Release(&term);
         PyBuffer_Release(&payload);
         return NULL;
@@ -258,7 +297,7 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyBuffer_Release(&term);
     PyBuffer_Release(&payload);
-    return PyLong_FromLongLong(end);
+    return result;
 }
 
 static PyMethodDef methods[] = {

@@ -39,10 +39,10 @@ import struct
 import sys
 import threading
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol, overload
 
 from headgate.log.errors import LogCorruptError, LogError, LogFullError, storage_error
 from headgate.log.frame import (
@@ -99,23 +99,48 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
         "little-endian) as one native 64-bit word, which needs a little-endian host"
     )
 
-WriteFrame = Callable[
-    [
-        mmap.mmap,
-        int,
-        int,
-        int,
-        bytes | bytearray | memoryview,
-        int,
-        int,
-        int,
-        int,
-        mmap.mmap | None,
-        int,
-    ],
-    int,
-]
-"""The signature of :func:`headgate.log._frame_writer.write_frame`."""
+_Buffer = mmap.mmap | bytearray | memoryview
+
+
+class WriteFrame(Protocol):
+    """The signature of :func:`headgate.log._frame_writer.write_frame` (see its stub)."""
+
+    @overload
+    def __call__(
+        self,
+        term: _Buffer,
+        offset: int,
+        position: int,
+        limit: int,
+        payload: bytes | bytearray | memoryview,
+        producer_id: int,
+        first_sequence: int,
+        record_count: int,
+        timestamp_us: int,
+        meta: _Buffer | None,
+        published_offset: int,
+        result_type: None,
+        /,
+    ) -> int: ...
+
+    @overload
+    def __call__(
+        self,
+        term: _Buffer,
+        offset: int,
+        position: int,
+        limit: int,
+        payload: bytes | bytearray | memoryview,
+        producer_id: int,
+        first_sequence: int,
+        record_count: int,
+        timestamp_us: int,
+        meta: _Buffer | None,
+        published_offset: int,
+        result_type: type[AppendResult],
+        /,
+    ) -> AppendResult | None: ...
+
 
 PURE_PYTHON_ENV: Final = "HEADGATE_PURE_PYTHON_LOG"
 """Set to anything but empty or ``0`` to write frames in Python although the C writer is built."""
@@ -461,10 +486,11 @@ class StreamLog:
         """
         write = _write_frame
         if write is not None:
-            # The C writer does the whole frame and the publish, or nothing
-            # and returns 0 if the frame would end past _fast_end.
+            # The C writer does the whole frame and the publish and builds
+            # the AppendResult, or writes nothing and returns None if the
+            # frame would end past _fast_end.
             position = self._tail
-            end = write(
+            result = write(
                 self._buffer,
                 position - self._term_base,
                 position,
@@ -476,10 +502,11 @@ class StreamLog:
                 timestamp_us,
                 self._meta_page,
                 PUBLISHED_POSITION_OFFSET,
+                AppendResult,
             )
-            if end:
-                self._tail = end
-                return _new_result(AppendResult, (position, end))
+            if result is not None:
+                self._tail = result[1]
+                return result
             return self._append_slowly(
                 payload, producer_id, first_sequence, record_count, timestamp_us
             )
@@ -634,6 +661,7 @@ class StreamLog:
                     timestamp_us,
                     None,
                     0,
+                    None,
                 )
                 if not end:
                     self._tail = tail
@@ -705,6 +733,7 @@ class StreamLog:
                 timestamp_us,
                 None,
                 0,
+                None,
             )
             if not written:  # len() counted items, not bytes: nothing was written
                 raise LogError("the payload must be bytes (a memoryview must be of bytes)")
