@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 
 .PHONY: setup run test lint typecheck unit bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py src/headgate/log/_frame_writer.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 	$(BIN)/pip install --quiet -e '.[dev,bench]'

@@ -2,6 +2,11 @@
 
     .venv/bin/python bench/log.py            # about a minute
     .venv/bin/python bench/log.py --quick    # a few seconds
+    HEADGATE_PURE_PYTHON_LOG=1 .venv/bin/python bench/log.py   # without the C frame writer
+
+The first lines say which frame writer was measured: the optional C extension
+``headgate.log._frame_writer`` (the default when it is built), or the pure-Python
+path (when it is not built, or with HEADGATE_PURE_PYTHON_LOG=1).
 
 Workloads: payloads of 100 bytes and of 16 KiB.
 
@@ -47,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from headgate.log import HEADER_LENGTH, LogReader, StreamLog, frame_cost
+from headgate.log.stream_log import _write_frame, frame_writer
 
 COMMIT_INTERVAL = 0.002
 BATCH_GROUP = 16
@@ -258,6 +264,13 @@ def explain_small_appends(directory: Path, count: int) -> list[tuple[str, float]
 
         return run
 
+    def in_c() -> None:
+        assert _write_frame is not None
+        write = _write_frame
+        for seq in range(count):
+            offset = (seq * 144) & mask
+            write(buffer, offset, offset, 1 << 62, payload, 1, seq, 1, seq, meta, 64, None)
+
     def real() -> None:
         log = StreamLog.open(directory / "explain-log", term_length=TERM_LENGTH)
         try:
@@ -277,6 +290,8 @@ def explain_small_appends(directory: Path, count: int) -> list[tuple[str, float]
         ("+ CRC-32 of header and payload", steps(3)),
         ("+ commit word and published position", steps(4)),
     ]
+    if _write_frame is not None:
+        plan.append(("all of the above in C: one write_frame call", in_c))
     timings = {name: Best() for name, _ in plan} | {"append": Best()}
     try:
         for _ in range(3):
@@ -314,6 +329,9 @@ def main() -> int:
     base_dir = Path(tempfile.mkdtemp(prefix="headgate-bench-", dir=args.dir))
     print(f"# headgate.log benchmark: {rounds} round(s), files in {base_dir}", flush=True)
     print(f"# group commit: a thread commits every {COMMIT_INTERVAL * 1000:g} ms", flush=True)
+    print(
+        f"# frame writer: {frame_writer()} (HEADGATE_PURE_PYTHON_LOG=1 forces Python)", flush=True
+    )
     results: dict[tuple[str, str, str], Best] = {}
     try:
         for round_number in range(rounds):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import mmap
 import os
 import struct
 import sys
@@ -41,7 +42,7 @@ import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Final
+from typing import Final, Protocol, overload
 
 from headgate.log.errors import LogCorruptError, LogError, LogFullError, storage_error
 from headgate.log.frame import (
@@ -61,6 +62,7 @@ from headgate.log.frame import (
 )
 from headgate.log.metadata import (
     META_FILE_NAME,
+    PUBLISHED_POSITION_OFFSET,
     PUBLISHED_WORD,
     MetadataPage,
     Settings,
@@ -97,6 +99,73 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
         "little-endian) as one native 64-bit word, which needs a little-endian host"
     )
 
+_Buffer = mmap.mmap | bytearray | memoryview
+
+
+class WriteFrame(Protocol):
+    """The signature of :func:`headgate.log._frame_writer.write_frame` (see its stub)."""
+
+    @overload
+    def __call__(
+        self,
+        term: _Buffer,
+        offset: int,
+        position: int,
+        limit: int,
+        payload: bytes | bytearray | memoryview,
+        producer_id: int,
+        first_sequence: int,
+        record_count: int,
+        timestamp_us: int,
+        meta: _Buffer | None,
+        published_offset: int,
+        result_type: None,
+        /,
+    ) -> int: ...
+
+    @overload
+    def __call__(
+        self,
+        term: _Buffer,
+        offset: int,
+        position: int,
+        limit: int,
+        payload: bytes | bytearray | memoryview,
+        producer_id: int,
+        first_sequence: int,
+        record_count: int,
+        timestamp_us: int,
+        meta: _Buffer | None,
+        published_offset: int,
+        result_type: type[AppendResult],
+        /,
+    ) -> AppendResult | None: ...
+
+
+PURE_PYTHON_ENV: Final = "HEADGATE_PURE_PYTHON_LOG"
+"""Set to anything but empty or ``0`` to write frames in Python although the C writer is built."""
+
+
+def _load_frame_writer() -> WriteFrame | None:
+    """The C frame writer, or ``None`` if it is not built or :data:`PURE_PYTHON_ENV` is set."""
+    if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
+        return None
+    try:
+        from headgate.log._frame_writer import write_frame
+    except ImportError:
+        return None
+    return write_frame
+
+
+# Looked up on every append, so that tests can switch paths in one process.
+_write_frame: WriteFrame | None = _load_frame_writer()
+
+
+def frame_writer() -> str:
+    """Which frame writer appends use: ``"C"`` or ``"Python"`` (see LOG.md)."""
+    return "Python" if _write_frame is None else "C"
+
+
 FrameSpec = tuple[bytes | bytearray | memoryview, int, int, int, int]
 """One frame for :meth:`StreamLog.append_many`: payload, producer id, first
 sequence, record count, timestamp (microseconds)."""
@@ -125,6 +194,7 @@ class StreamLog:
         self._lock_fd = lock_fd
         self._meta = meta
         self._meta_words = meta.words
+        self._meta_page = meta.buffer
         self._term_length = settings.term_length
         self._shift = settings.term_length.bit_length() - 1
         self._capacity = settings.capacity
@@ -414,6 +484,32 @@ class StreamLog:
         the padding is written even if the frame then does not fit, so that
         the frame fits once the consumer releases up to the new term.
         """
+        write = _write_frame
+        if write is not None:
+            # The C writer does the whole frame and the publish and builds
+            # the AppendResult, or writes nothing and returns None if the
+            # frame would end past _fast_end.
+            position = self._tail
+            result = write(
+                self._buffer,
+                position - self._term_base,
+                position,
+                self._fast_end,
+                payload,
+                producer_id,
+                first_sequence,
+                record_count,
+                timestamp_us,
+                self._meta_page,
+                PUBLISHED_POSITION_OFFSET,
+                AppendResult,
+            )
+            if result is not None:
+                self._tail = result[1]
+                return result
+            return self._append_slowly(
+                payload, producer_id, first_sequence, record_count, timestamp_us
+            )
         length = HEADER_LENGTH + len(payload)
         position = self._tail
         end = position + ((length + FRAME_ALIGNMENT - 1) & -FRAME_ALIGNMENT)
@@ -480,6 +576,9 @@ class StreamLog:
         term after padding), so that a caller keeping per-batch books knows
         each frame's place, and which frames went in before an error.
         """
+        write = _write_frame
+        if write is not None:
+            return self._append_many_c(write, frames, ends)
         record = None if ends is None else ends.append
         tail = published = self._tail
         fast_end = self._fast_end
@@ -539,6 +638,50 @@ class StreamLog:
                 self._meta_words[PUBLISHED_WORD] = tail
         return tail
 
+    def _append_many_c(
+        self, write: WriteFrame, frames: Iterable[FrameSpec], ends: list[int] | None
+    ) -> int:
+        """:meth:`append_many` with the C frame writer: one publish at the end."""
+        record = None if ends is None else ends.append
+        tail = published = self._tail
+        fast_end = self._fast_end
+        buffer = self._buffer
+        base = self._term_base
+        try:
+            for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
+                end = write(
+                    buffer,
+                    tail - base,
+                    tail,
+                    fast_end,
+                    payload,
+                    producer_id,
+                    first_sequence,
+                    record_count,
+                    timestamp_us,
+                    None,
+                    0,
+                    None,
+                )
+                if not end:
+                    self._tail = tail
+                    self._append_slowly(
+                        payload, producer_id, first_sequence, record_count, timestamp_us
+                    )
+                    end = published = self._tail
+                    fast_end = self._fast_end
+                    buffer = self._buffer
+                    base = self._term_base
+                tail = end
+                if record is not None:
+                    record(end)
+        finally:
+            # Whatever was committed is published, also when a frame failed.
+            if tail != published:
+                self._tail = tail
+                self._meta_words[PUBLISHED_WORD] = tail
+        return tail
+
     def _append_slowly(
         self,
         payload: bytes | bytearray | memoryview,
@@ -575,6 +718,27 @@ class StreamLog:
         offset = position - self._term_base
         length = HEADER_LENGTH + payload_length
         buffer = self._buffer
+        write = _write_frame
+        if write is not None:
+            # Publishing is left to _advance_tail, which also moves to the next term.
+            written = write(
+                buffer,
+                offset,
+                position,
+                position + cost,
+                payload,
+                producer_id,
+                first_sequence,
+                record_count,
+                timestamp_us,
+                None,
+                0,
+                None,
+            )
+            if not written:  # len() counted items, not bytes: nothing was written
+                raise LogError("the payload must be bytes (a memoryview must be of bytes)")
+            self._advance_tail(end)
+            return AppendResult(position, end)
         # The same frame write as append()'s fast path, repeated on purpose:
         # there it is inlined, since a method call costs about 5% of an append.
         try:

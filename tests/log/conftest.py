@@ -1,0 +1,32 @@
+"""Every test in tests/log runs twice: with the C frame writer and with the pure-Python one.
+
+The C writer (headgate.log._frame_writer) is optional; where it is not
+built, its half of the runs is skipped. Child processes (crash, disk-full
+and corruption writers) follow through HEADGATE_PURE_PYTHON_LOG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from headgate.log import stream_log
+
+_BUILT = stream_log._load_frame_writer()
+
+
+@pytest.fixture(autouse=True, params=["C", "Python"])
+def frame_writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Which frame writer this run uses: ``"C"`` or ``"Python"``."""
+    path: str = request.param
+    if path == "C":
+        if _BUILT is None:
+            pytest.skip("the C frame writer is not built (or HEADGATE_PURE_PYTHON_LOG is set)")
+        monkeypatch.setattr(stream_log, "_write_frame", _BUILT)
+        monkeypatch.delenv(stream_log.PURE_PYTHON_ENV, raising=False)
+    else:
+        monkeypatch.setattr(stream_log, "_write_frame", None)
+        monkeypatch.setenv(stream_log.PURE_PYTHON_ENV, "1")
+    assert stream_log.frame_writer() == path
+    yield path
