@@ -171,6 +171,51 @@ FrameSpec = tuple[bytes | bytearray | memoryview, int, int, int, int]
 sequence, record count, timestamp (microseconds)."""
 
 
+def _write_frame_py(
+    buffer: mmap.mmap,
+    view: memoryview,
+    words: memoryview,
+    offset: int,
+    position: int,
+    length: int,
+    payload: bytes | bytearray | memoryview,
+    producer_id: int,
+    first_sequence: int,
+    record_count: int,
+    timestamp_us: int,
+) -> None:
+    """The pure-Python frame write (the C writer's fallback); publishes nothing.
+
+    The body first (header fields after the checksum, then the payload); the
+    commit word (length and checksum) last makes the frame visible.
+    """
+    try:
+        _pack_body(
+            buffer,
+            offset + TYPE_OFFSET,
+            DATA_FRAME,
+            0,
+            FORMAT_VERSION,
+            record_count,
+            producer_id,
+            first_sequence,
+            timestamp_us,
+        )
+    except struct.error as exc:
+        raise LogError(f"frame header field out of range: {exc}") from None
+    buffer[offset + HEADER_LENGTH : offset + length] = payload
+    # One aligned 8-byte word store: the length in the low half, the checksum
+    # in the high half, which on a little-endian host is the layout of bytes
+    # 0..8 (see LOG.md, "Ordering").
+    words[offset >> 3] = (
+        length
+        | _crc32(
+            view[offset + TYPE_OFFSET : offset + length], (position ^ (position >> 32)) & MAX_U32
+        )
+        << 32
+    )
+
+
 class StreamLog:
     """The single writer of one stream's log: append, group commit, release, read back.
 
@@ -517,35 +562,18 @@ class StreamLog:
             return self._append_slowly(
                 payload, producer_id, first_sequence, record_count, timestamp_us
             )
-        buffer = self._buffer
-        offset = position - self._term_base
-        # The body first (header fields after the checksum, then the payload);
-        # the commit word (length and checksum) makes the frame visible.
-        try:
-            _pack_body(
-                buffer,
-                offset + TYPE_OFFSET,
-                DATA_FRAME,
-                0,
-                FORMAT_VERSION,
-                record_count,
-                producer_id,
-                first_sequence,
-                timestamp_us,
-            )
-        except struct.error as exc:
-            raise LogError(f"frame header field out of range: {exc}") from None
-        buffer[offset + HEADER_LENGTH : offset + length] = payload
-        # One aligned 8-byte word store: the length in the low half, the
-        # checksum in the high half, which on a little-endian host is the
-        # layout of bytes 0..8 (see LOG.md, "Ordering").
-        self._words[offset >> 3] = (
-            length
-            | _crc32(
-                self._view[offset + TYPE_OFFSET : offset + length],
-                (position ^ (position >> 32)) & MAX_U32,
-            )
-            << 32
+        _write_frame_py(
+            self._buffer,
+            self._view,
+            self._words,
+            position - self._term_base,
+            position,
+            length,
+            payload,
+            producer_id,
+            first_sequence,
+            record_count,
+            timestamp_us,
         )
         self._tail = end
         self._meta_words[PUBLISHED_WORD] = end
@@ -604,29 +632,18 @@ class StreamLog:
                     if record is not None:
                         record(tail)
                     continue
-                offset = tail - base
-                try:
-                    _pack_body(
-                        buffer,
-                        offset + TYPE_OFFSET,
-                        DATA_FRAME,
-                        0,
-                        FORMAT_VERSION,
-                        record_count,
-                        producer_id,
-                        first_sequence,
-                        timestamp_us,
-                    )
-                except struct.error as exc:
-                    raise LogError(f"frame header field out of range: {exc}") from None
-                buffer[offset + HEADER_LENGTH : offset + length] = payload
-                words[offset >> 3] = (
-                    length
-                    | _crc32(
-                        view[offset + TYPE_OFFSET : offset + length],
-                        (tail ^ (tail >> 32)) & MAX_U32,
-                    )
-                    << 32
+                _write_frame_py(
+                    buffer,
+                    view,
+                    words,
+                    tail - base,
+                    tail,
+                    length,
+                    payload,
+                    producer_id,
+                    first_sequence,
+                    record_count,
+                    timestamp_us,
                 )
                 tail = end
                 if record is not None:
@@ -739,30 +756,18 @@ class StreamLog:
                 raise LogError("the payload must be bytes (a memoryview must be of bytes)")
             self._advance_tail(end)
             return AppendResult(position, end)
-        # The same frame write as append()'s fast path, repeated on purpose:
-        # there it is inlined, since a method call costs about 5% of an append.
-        try:
-            _pack_body(
-                buffer,
-                offset + TYPE_OFFSET,
-                DATA_FRAME,
-                0,
-                FORMAT_VERSION,
-                record_count,
-                producer_id,
-                first_sequence,
-                timestamp_us,
-            )
-        except struct.error as exc:
-            raise LogError(f"frame header field out of range: {exc}") from None
-        buffer[offset + HEADER_LENGTH : offset + length] = payload
-        self._words[offset >> 3] = (
-            length
-            | _crc32(
-                self._view[offset + TYPE_OFFSET : offset + length],
-                (position ^ (position >> 32)) & MAX_U32,
-            )
-            << 32
+        _write_frame_py(
+            buffer,
+            self._view,
+            self._words,
+            offset,
+            position,
+            length,
+            payload,
+            producer_id,
+            first_sequence,
+            record_count,
+            timestamp_us,
         )
         self._advance_tail(end)
         return AppendResult(position, end)
