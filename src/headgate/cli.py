@@ -17,6 +17,7 @@ import click
 
 from headgate.config import (
     DEFAULT_METRICS_PORT,
+    DEFAULT_PORT,
     ConfigError,
     load_gateway_config,
     parse_address,
@@ -30,6 +31,15 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 _SECURITY_OPTIONS = ("token", "tls", "ca_file", "cert", "key", "server_name")
+
+
+#: Where a client command finds the gateway (send, tail).
+_gateway_option = click.option(
+    "--gateway",
+    default=f"127.0.0.1:{DEFAULT_PORT}",
+    show_default=True,
+    help="host:port, or unix:PATH for the gateway's Unix socket.",
+)
 
 
 def _security_options(command: F) -> F:
@@ -274,12 +284,7 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
 @main.command()
 @click.argument("stream")
 @click.argument("source", type=click.File("rb"), default="-")
-@click.option(
-    "--gateway",
-    default="127.0.0.1:7878",
-    show_default=True,
-    help="host:port, or unix:PATH for the gateway's Unix socket.",
-)
+@_gateway_option
 @click.option(
     "--format",
     "fmt",
@@ -349,12 +354,7 @@ def send(
 
 @main.command()
 @click.argument("stream")
-@click.option(
-    "--gateway",
-    default="127.0.0.1:7878",
-    show_default=True,
-    help="host:port, or unix:PATH for the gateway's Unix socket.",
-)
+@_gateway_option
 @click.option(
     "--from",
     "start",
