@@ -22,6 +22,10 @@ Workloads, for 100-byte and 1-KiB records:
    time from its first ``send()`` to the return of its ``flush()``, the
    durable ack of its last record (so it is the worst latency of the burst);
 5. peak RSS of the gateway (VmHWM), and peak anonymous RSS sampled every 50 ms.
+6. allocations per record: calls into CPython's allocators, in the gateway and
+   in the producer, for ``send()`` and ``send_many`` (``bench/alloccount.py``
+   counts them; tracemalloc cannot), in separate runs with counted servers
+   after the timed ones (``--no-allocations`` skips them).
 
 Baseline, in the same run: ``--baseline-server`` (in this file) is an asyncio
 receiver of frames (4-byte length + payload) that appends each frame's
@@ -355,6 +359,8 @@ class RunSpec:
     max_records: int
     rate: float = 0.0
     profile: bool = False
+    #: Count this process's allocator calls over the run (bench/alloccount.py).
+    count_allocations: bool = False
 
 
 @dataclass
@@ -365,6 +371,8 @@ class RunResult:
     latencies: list[float] = field(default_factory=list)
     error: str | None = None
     profile: str | None = None
+    #: Allocator calls and the bytes they asked for, over the run (count_allocations).
+    allocations: tuple[int, int] | None = None
 
 
 def _pool(size: int) -> list[bytes]:
@@ -479,6 +487,8 @@ async def _go(conn: Connection) -> None:
 
 
 async def _profiled(spec: RunSpec, run: Coroutine[Any, Any, RunResult]) -> RunResult:
+    if spec.count_allocations:
+        return await _counted(run)
     if not spec.profile:
         return await run
     profiler = cProfile.Profile()
@@ -490,6 +500,23 @@ async def _profiled(spec: RunSpec, run: Coroutine[Any, Any, RunResult]) -> RunRe
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(14)
     result.profile = text.getvalue()
+    return result
+
+
+async def _counted(run: Coroutine[Any, Any, RunResult]) -> RunResult:
+    """Run with this process's allocator calls counted (the hook stays installed)."""
+    import alloccount
+
+    hook = alloccount.load()
+    if hook is None:
+        result = await run
+        result.error = result.error or "allocation counts unavailable (see stderr)"
+        return result
+    hook.install()
+    before = hook.counts()
+    result = await run
+    after = hook.counts()
+    result.allocations = (after[0] - before[0], after[1] - before[1])
     return result
 
 
@@ -792,6 +819,109 @@ def _latency(result: RunResult, rate: float) -> Latency:
     )
 
 
+#: Records per allocation-counting run (a multiple of CHUNK).
+ALLOCATION_RECORDS = 200_000
+
+
+@dataclass
+class Allocations:
+    """Allocator calls per record in one counted run, on each side of the connection."""
+
+    records: int = 0
+    server: tuple[int, int] = (0, 0)  # calls, bytes asked
+    client: tuple[int, int] = (0, 0)
+    error: str | None = None
+
+
+def _count_allocations(
+    args: argparse.Namespace, base: Path, workers: Workers
+) -> dict[tuple[str, str, int], Allocations]:
+    """Runs with allocator calls counted in the servers and the producer.
+
+    Fresh servers run under bench/alloccount.py (a hook in front of CPython's
+    allocators, which slows them a little, so these runs are separate from
+    the timed ones); each run sends ALLOCATION_RECORDS records on a new
+    stream, and the counts are sampled before and after it.
+    """
+    import alloccount
+
+    if alloccount.load() is None:
+        return {}
+    here = Path(__file__).resolve()
+    wrapper = [sys.executable, str(here.with_name("alloccount.py"))]
+    counted: dict[str, tuple[Server, Path]] = {}
+    out: dict[tuple[str, str, int], Allocations] = {}
+    try:
+        counts = base / "gateway-counted.counts"
+        counted["headgate"] = (
+            Server(
+                "gateway (counted)",
+                [
+                    *wrapper,
+                    str(counts),
+                    "-m",
+                    "headgate.cli",
+                    "serve",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--data-dir",
+                    str(base / "gateway-counted"),
+                    "--stream-capacity",
+                    STREAM_CAPACITY,
+                    "--term-length",
+                    args.term_length,
+                    "--group-commit-ms",
+                    f"{COMMIT_INTERVAL_S * 1000:g}",
+                ],
+                base / "gateway-counted.log",
+            ),
+            counts,
+        )
+        counts = base / "baseline-counted.counts"
+        counted["baseline"] = (
+            Server(
+                "baseline (counted)",
+                [*wrapper, str(counts), str(here), "--baseline-server", "0", str(base / "bc")],
+                base / "baseline-counted.log",
+            ),
+            counts,
+        )
+        for size in RECORD_SIZES:
+            for mode in ("send", "bulk"):
+                for system, (server, counts) in counted.items():
+                    spec = RunSpec(
+                        system=system,
+                        mode=mode,
+                        size=size,
+                        port=server.port,
+                        stream=f"counted-{mode}-{size}",
+                        duration=60.0,
+                        max_records=ALLOCATION_RECORDS,
+                        count_allocations=True,
+                    )
+                    before = alloccount.sample(server.pid, counts)
+                    result = workers.run([spec])[0]
+                    after = alloccount.sample(server.pid, counts)
+                    figure = Allocations(
+                        records=result.records + 1,  # the first record binds the stream
+                        server=(after[0] - before[0], after[1] - before[1]),
+                        client=result.allocations or (0, 0),
+                        error=result.error,
+                    )
+                    out[(system, mode, size)] = figure
+                    print(
+                        f"# allocations {system} {mode} {size} B: "
+                        f"{figure.server[0] / figure.records:.3f} per record (server), "
+                        f"{figure.client[0] / figure.records:.3f} (client)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    finally:
+        for server, _ in counted.values():
+            server.stop()
+    return out
+
+
 def _machine() -> list[str]:
     model = "?"
     with contextlib.suppress(OSError):
@@ -850,6 +980,7 @@ def benchmark(args: argparse.Namespace) -> int:
     latencies: dict[tuple[str, int], Latency] = {}
     rss: dict[str, tuple[int, int]] = {}
     profiles: list[tuple[str, str]] = []
+    allocations: dict[tuple[str, str, int], Allocations] = {}
     log_bytes = 0
     try:
         workers = Workers(max(PROCESS_COUNTS))
@@ -943,6 +1074,9 @@ def benchmark(args: argparse.Namespace) -> int:
         log_bytes = sum(
             f.stat().st_size for f in (base / "gateway" / "streams").rglob("*.term") if f.is_file()
         )
+        if not args.no_allocations:
+            # Last: the counting hook, once installed in a worker, stays there.
+            allocations = _count_allocations(args, base, workers)
     finally:
         if sampler is not None:
             sampler.halt.set()
@@ -955,6 +1089,7 @@ def benchmark(args: argparse.Namespace) -> int:
 
     elapsed = time.monotonic() - started
     _report(args, figures, latencies, rss, log_bytes, load_start, elapsed)
+    _report_allocations(allocations)
     for name, text in profiles:
         print(f"\n### cProfile, producer process, headgate {name}\n\n```\n{text.strip()}\n```")
     return 0
@@ -1038,6 +1173,47 @@ def _report(
     )
 
 
+def _report_allocations(allocations: dict[tuple[str, str, int], Allocations]) -> None:
+    if not allocations:
+        return
+    print(
+        "\n### Allocations per record\n\n"
+        "| mode | record | gateway: calls (bytes asked) | baseline server | ratio "
+        "| producer: calls (bytes asked) | baseline client |"
+    )
+    print("|---|--:|--:|--:|--:|--:|--:|")
+
+    def cell(figure: Allocations, side: tuple[int, int]) -> str:
+        if figure.error:
+            return f"failed: {figure.error[:60]}"
+        return f"{side[0] / figure.records:.3f} ({side[1] / figure.records:,.0f} B)"
+
+    for size in RECORD_SIZES:
+        for mode, label in (("send", "`send()`"), ("bulk", "`send_many`")):
+            ours = allocations.get(("headgate", mode, size))
+            theirs = allocations.get(("baseline", mode, size))
+            if ours is None or theirs is None:
+                continue
+            ratio = (
+                "-"
+                if ours.error or theirs.error
+                else _ratio(ours.server[0] / ours.records, theirs.server[0] / theirs.records)
+            )
+            print(
+                f"| {label} | {size} B | {cell(ours, ours.server)} | {cell(theirs, theirs.server)} "
+                f"| {ratio} | {cell(ours, ours.client)} | {cell(theirs, theirs.client)} |"
+            )
+    print(
+        f"\nCalls into CPython's allocators (malloc, calloc, realloc; all domains) per "
+        f"record, from a hook in front of them (bench/alloccount.py; tracemalloc keeps live "
+        f"blocks, not a count of allocations), over one run of {ALLOCATION_RECORDS:,} "
+        "records on a new stream: in the server, between samples taken before and after the "
+        "run (so the connection's setup and the stream's binding are included); in the "
+        "producer, from its first record to flush() returning. Bytes asked per record in "
+        "brackets. These runs use separate, counted servers and come after the timed ones."
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs, one round")
@@ -1050,6 +1226,11 @@ def main() -> int:
         "--profile",
         action="store_true",
         help="also profile the producer side of headgate's single-process runs (cProfile)",
+    )
+    parser.add_argument(
+        "--no-allocations",
+        action="store_true",
+        help="skip the allocation counts (which build bench/_alloc_hook.c with the C compiler)",
     )
     parser.add_argument(
         "--baseline-server",

@@ -16,7 +16,9 @@ path's buffer (what the kernel's ``recv`` does), every batch is split
 is only the receive path. It reports records/s and MB/s (best of the
 rounds, which interleave the two paths) and, from a separate run under
 ``tracemalloc``, the peak of the Python heap above where it started, which
-includes the ring itself (its first 128 KiB and what it grows to).
+includes the ring itself (its first 128 KiB and what it grows to), and the
+calls into CPython's allocators per record (``bench/alloccount.py``: a hook
+in front of the allocators, which tracemalloc cannot count).
 
     .venv/bin/python bench/receive.py            # about 30 s
     .venv/bin/python bench/receive.py --quick    # about 6 s
@@ -33,6 +35,8 @@ import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import alloccount
+from alloccount import Hook
 from headgate.gateway.ring import HANDLED, ReceiveRing
 from headgate.gateway.server import RING_INITIAL, RING_MIN_READ, ring_limit
 from headgate.protocol import messages as m
@@ -119,8 +123,17 @@ def ring(stream: bytes, sink: bytearray) -> int:
 PATHS: dict[str, Callable[[bytes, bytearray], int]] = {"copying": copying, "ring": ring}
 
 
-def measure(workload: Workload, rounds: int) -> dict[str, tuple[float, float, int]]:
-    """Per path: (records/s, MB/s, tracemalloc peak bytes); rounds interleave the paths."""
+@dataclass
+class Figures:
+    rate: float  # records/s
+    mbps: float
+    heap_peak: int = 0  # bytes, tracemalloc
+    calls: float | None = None  # allocator calls per record (None: no hook)
+    call_bytes: float | None = None  # bytes those calls asked for, per record
+
+
+def measure(workload: Workload, rounds: int) -> dict[str, Figures]:
+    """Per path: records/s and MB/s, the best of rounds that interleave the paths."""
     stream, records = build(workload)
     sink = bytearray(MAX_MESSAGE)
     best = dict.fromkeys(PATHS, float("inf"))
@@ -130,16 +143,27 @@ def measure(workload: Workload, rounds: int) -> dict[str, tuple[float, float, in
             got = path(stream, sink)
             best[name] = min(best[name], time.perf_counter() - start)
             assert got == records, (name, got, records)
-    out = {}
+    return {name: Figures(records / best[name], len(stream) / best[name] / 1e6) for name in PATHS}
+
+
+def count(workload: Workload, figures: dict[str, Figures], hook: Hook | None) -> None:
+    """Fill in the heap peak (tracemalloc) and the allocator calls per record (hook)."""
+    stream, records = build(workload)
+    sink = bytearray(MAX_MESSAGE)
     for name, path in PATHS.items():
+        if hook is not None:
+            before = hook.counts()
+            path(stream, sink)
+            after = hook.counts()
+            figures[name].calls = (after[0] - before[0]) / records
+            figures[name].call_bytes = (after[1] - before[1]) / records
         tracemalloc.start()
         base, _ = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
         path(stream, sink)
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        out[name] = (records / best[name], len(stream) / best[name] / 1e6, peak - base)
-    return out
+        figures[name].heap_peak = peak - base
 
 
 def main() -> int:
@@ -160,16 +184,32 @@ def main() -> int:
         f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} at start"
     )
     print(f"- reads of at most {READ_SIZE // 1024} KiB; best of {rounds} round(s)\n")
-    print("| workload | path | records/s | MB/s | heap peak (tracemalloc) | ratio |")
-    print("|---|---|--:|--:|--:|--:|")
-    for workload in workloads:
-        results = measure(workload, rounds)
-        base_rate = results["copying"][0]
-        for name, (rate, mbps, peak) in results.items():
+    # Every timed round first: the counting hook, once installed, stays installed.
+    results = [measure(workload, rounds) for workload in workloads]
+    hook = alloccount.load()
+    if hook is not None:
+        hook.install()
+    for workload, figures in zip(workloads, results, strict=True):
+        count(workload, figures, hook)
+    print(
+        "| workload | path | records/s | MB/s | ratio | heap peak (tracemalloc) "
+        "| allocations per record (bytes asked) |"
+    )
+    print("|---|---|--:|--:|--:|--:|--:|")
+    for workload, figures in zip(workloads, results, strict=True):
+        base_rate = figures["copying"].rate
+        for name, f in figures.items():
+            calls = "-" if f.calls is None else f"{f.calls:.4f} ({f.call_bytes or 0:,.1f} B)"
             print(
-                f"| {workload.name} | {name} | {rate:,.0f} | {mbps:,.0f} | "
-                f"{peak / 1024:,.0f} KiB | {rate / base_rate:.2f} |"
+                f"| {workload.name} | {name} | {f.rate:,.0f} | {f.mbps:,.0f} | "
+                f"{f.rate / base_rate:.2f} | {f.heap_peak / 1024:,.0f} KiB | {calls} |"
             )
+    print(
+        "\nallocations per record: calls into CPython's allocators (malloc, calloc and "
+        "realloc, all domains) during one pass of the path, divided by its records, "
+        "counted by bench/_alloc_hook.c (tracemalloc keeps live blocks, not a count of "
+        "allocations); the bytes those calls asked for, per record, in brackets."
+    )
     sys.stdout.flush()
     return 0
 
