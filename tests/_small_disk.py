@@ -5,10 +5,12 @@ Preferred: a small tmpfs mounted by the test (we run as root here and in CI);
 ``ENOSPC`` and :meth:`SmallDisk.free` deletes it. Where mounting is not
 permitted, a plain directory stands in and "full" is the file size limit
 ``RLIMIT_FSIZE`` of the process under test, lowered and raised again with
-``prlimit``: a file cannot grow past it, so reserving a new term fails with
-``EFBIG`` (CPython ignores SIGXFSZ, so the process gets the error instead of
-the signal). Because a limit applies to a whole process, whatever is under
-test runs in a child process, in both modes, and the test passes its pid.
+``prlimit``: no byte may be written past it, so reserving a new term fails
+with ``EFBIG``, and so does a frame written past it inside a term reserved
+earlier (the log writes frames with ``pwrite``); CPython ignores SIGXFSZ, so
+the process gets the error instead of the signal. Because a limit applies
+to a whole process, whatever is under test runs in a child process, in both
+modes, and the test passes its pid.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from pathlib import Path
 
 #: File size limit while "full" in the fallback mode: below any term length
 #: the tests use (64 KiB), above the metadata page and the state files.
-RLIMIT_FULL = 32 * 1024
+#: Above where the disk-full tests' first appends end in their term (about
+#: 33 KB into a 64 KiB term), so that later appends get some way before the
+#: limit stops them.
+RLIMIT_FULL = 48 * 1024
 
 
 class SmallDisk:

@@ -175,9 +175,10 @@ def test_append_refuses_fields_out_of_range_without_writing(
 
 def _write(
     write: WriteFrame,
-    term: object,
+    fd: object,
     offset: int = 0,
     *,
+    term_size: object = TERM,
     position: int = 0,
     limit: int = 1 << 40,
     payload: object = b"hello",
@@ -187,62 +188,89 @@ def _write(
     # Hostile arguments on purpose: the call is untyped.
     untyped: Any = write
     return int(
-        untyped(term, offset, position, limit, payload, 1, 2, 3, 4, meta, published_offset, None)
+        untyped(
+            fd,
+            term_size,
+            offset,
+            position,
+            limit,
+            payload,
+            1,
+            2,
+            3,
+            4,
+            meta,
+            published_offset,
+            None,
+        )
     )
+
+
+def _term_file(path: Path) -> int:
+    """A zeroed term file of TERM bytes, open for writing; the caller closes the fd."""
+    path.write_bytes(bytes(TERM))
+    return os.open(path, os.O_RDWR)
 
 
 @needs_c
-def test_write_frame_writes_a_checkable_frame_and_publishes() -> None:
+def test_write_frame_writes_a_checkable_frame_and_publishes(tmp_path: Path) -> None:
     assert BUILT is not None
-    term = mmap.mmap(-1, TERM)
+    fd = _term_file(tmp_path / "term")
+    term = mmap.mmap(fd, TERM)  # what readers see: the same page cache
     meta = mmap.mmap(-1, 4096)
-    end = _write(
-        BUILT,
-        term,
-        64,
-        position=8192 + 64,
-        payload=b"abc",
-        meta=meta,
-        published_offset=PUBLISHED_POSITION_OFFSET,
-    )
-    assert end == 8192 + 64 + frame_cost(3)
-    length, checksum, kind, flags, version, count, producer, first, stamp = HEADER.unpack_from(
-        term, 64
-    )
-    assert (length, kind, flags, version, count, producer, first, stamp) == (
-        43,
-        1,
-        0,
-        1,
-        3,
-        1,
-        2,
-        4,
-    )
-    position = 8192 + 64
-    assert checksum == zlib.crc32(term[72:107], (position ^ position >> 32) & 0xFFFFFFFF)
-    assert term[104:107] == b"abc"
-    assert (
-        int.from_bytes(meta[PUBLISHED_POSITION_OFFSET : PUBLISHED_POSITION_OFFSET + 8], "little")
-        == end
-    )
-    # Past the limit: nothing written, 0 returned.
-    snapshot = bytes(term)
-    assert _write(BUILT, term, 512, position=512, limit=512 + 47, payload=b"x" * 8) == 0
-    assert bytes(term) == snapshot
-    # With a result type: an AppendResult, or None past the limit.
-    args = (b"xyz", 1, 2, 3, 4, None, 0)
-    result = BUILT(term, 1024, 1024, 1 << 40, *args, AppendResult)
-    assert type(result) is AppendResult
-    assert result == (1024, 1024 + frame_cost(3))
-    assert result.end_position == 1024 + frame_cost(3)
-    assert BUILT(term, 2048, 2048, 2048, *args, AppendResult) is None
-    snapshot = bytes(term)
-    untyped: Any = BUILT
-    for bad in (int, list, "AppendResult", 0):
-        with pytest.raises(TypeError, match="result_type"):
-            untyped(term, 4096 - 64, 0, 1 << 40, *args, bad)
-    assert bytes(term) == snapshot
+    try:
+        end = _write(
+            BUILT,
+            fd,
+            64,
+            position=8192 + 64,
+            payload=b"abc",
+            meta=meta,
+            published_offset=PUBLISHED_POSITION_OFFSET,
+        )
+        assert end == 8192 + 64 + frame_cost(3)
+        length, checksum, kind, flags, version, count, producer, first, stamp = HEADER.unpack_from(
+            term, 64
+        )
+        assert (length, kind, flags, version, count, producer, first, stamp) == (
+            43,
+            1,
+            0,
+            1,
+            3,
+            1,
+            2,
+            4,
+        )
+        position = 8192 + 64
+        assert checksum == zlib.crc32(term[72:107], (position ^ position >> 32) & 0xFFFFFFFF)
+        assert term[104:107] == b"abc"
+        published = meta[PUBLISHED_POSITION_OFFSET : PUBLISHED_POSITION_OFFSET + 8]
+        assert int.from_bytes(published, "little") == end
+        # An empty payload: the checksum covers the header body alone.
+        assert _write(BUILT, fd, 256, position=256, payload=b"") == 256 + 40
+        (length, checksum) = HEADER.unpack_from(term, 256)[:2]
+        assert (length, checksum) == (40, zlib.crc32(term[264:296], 256))
+        # Past the limit: nothing written, 0 returned.
+        snapshot = bytes(term)
+        assert _write(BUILT, fd, 512, position=512, limit=512 + 47, payload=b"x" * 8) == 0
+        assert bytes(term) == snapshot
+        # With a result type: an AppendResult, or None past the limit.
+        args = (b"xyz", 1, 2, 3, 4, None, 0)
+        result = BUILT(fd, TERM, 1024, 1024, 1 << 40, *args, AppendResult)
+        assert type(result) is AppendResult
+        assert result == (1024, 1024 + frame_cost(3))
+        assert result.end_position == 1024 + frame_cost(3)
+        assert BUILT(fd, TERM, 2048, 2048, 2048, *args, AppendResult) is None
+        snapshot = bytes(term)
+        untyped: Any = BUILT
+        for bad in (int, list, "AppendResult", 0):
+            with pytest.raises(TypeError, match="result_type"):
+                untyped(fd, TERM, 4096 - 64, 0, 1 << 40, *args, bad)
+        assert bytes(term) == snapshot
+    finally:
+        term.close()
+        os.close(fd)
 
 
 @needs_c
@@ -254,6 +282,9 @@ def test_write_frame_writes_a_checkable_frame_and_publishes() -> None:
         ({"offset": -8}, ValueError),
         ({"offset": 4}, ValueError),
         ({"offset": 2**70}, ValueError),
+        ({"term_size": 40}, ValueError),
+        ({"term_size": -1}, ValueError),
+        ({"term_size": 4.0}, TypeError),
         ({"position": -8}, ValueError),
         ({"position": 3}, ValueError),
         ({"position": 2**63 - 16}, ValueError),
@@ -261,8 +292,11 @@ def test_write_frame_writes_a_checkable_frame_and_publishes() -> None:
         ({"meta": "page", "published_offset": 4}, ValueError),
         ({"meta": "page", "published_offset": -8}, ValueError),
         ({"meta": "readonly"}, ValueError),
-        ({"term": "readonly"}, ValueError),
-        ({"term": "bytes"}, ValueError),
+        ({"fd": "readonly"}, OSError),  # EBADF at the first write: nothing written
+        ({"fd": "closed"}, OSError),
+        ({"fd": -1}, ValueError),
+        ({"fd": 2**40}, ValueError),
+        ({"fd": "bytes"}, TypeError),
         ({"payload": "text"}, TypeError),
         ({"payload": 5}, TypeError),
         ({"offset": 8.0}, TypeError),
@@ -272,31 +306,37 @@ def test_write_frame_refuses_hostile_arguments_without_writing(
     tmp_path: Path, case: dict[str, object], error: type[Exception]
 ) -> None:
     assert BUILT is not None
-    term = mmap.mmap(-1, TERM)
+    fd = _term_file(tmp_path / "term")
     page = mmap.mmap(-1, 4096)
     path = tmp_path / "readonly"
     path.write_bytes(bytes(TERM))
-    with path.open("rb") as file:
-        readonly = mmap.mmap(file.fileno(), TERM, access=mmap.ACCESS_READ)
+    readonly_fd = os.open(path, os.O_RDONLY)
+    readonly = mmap.mmap(readonly_fd, TERM, access=mmap.ACCESS_READ)
+    closed = os.open(tmp_path / "term", os.O_RDWR)
+    os.close(closed)
     stand_ins: dict[object, object] = {
         "page": page,
-        "readonly": readonly,
+        "readonly": readonly_fd if case.get("fd") == "readonly" else readonly,
+        "closed": closed,
         "bytes": bytes(TERM),
         "text": "a string is no buffer",
     }
     arguments = {key: stand_ins.get(value, value) for key, value in case.items()}
-    target = arguments.pop("term", term)
-    with pytest.raises(error):
-        _write(BUILT, target, **arguments)  # type: ignore[arg-type]
-    assert bytes(term) == bytes(TERM)
-    assert bytes(page) == bytes(4096)
-    assert bytes(readonly) == bytes(TERM)
-    with pytest.raises(TypeError, match="12 arguments"):
-        BUILT(term, 0)  # type: ignore[call-overload]
-    # The maps have no buffer left exported: they can be closed.
-    term.close()
-    page.close()
-    readonly.close()
+    target = arguments.pop("fd", fd)
+    try:
+        with pytest.raises(error):
+            _write(BUILT, target, **arguments)  # type: ignore[arg-type]
+        assert (tmp_path / "term").read_bytes() == bytes(TERM)
+        assert path.read_bytes() == bytes(TERM)
+        assert bytes(page) == bytes(4096)
+        with pytest.raises(TypeError, match="13 arguments"):
+            BUILT(fd, 0)  # type: ignore[call-overload]
+        # The page has no buffer left exported: it can be closed.
+        page.close()
+        readonly.close()
+    finally:
+        os.close(fd)
+        os.close(readonly_fd)
 
 
 @needs_c

@@ -8,7 +8,8 @@ _Buffer = mmap.mmap | bytearray | memoryview
 
 @overload
 def write_frame(
-    term: _Buffer,
+    fd: int,
+    term_size: int,
     offset: int,
     position: int,
     limit: int,
@@ -24,7 +25,8 @@ def write_frame(
 ) -> int: ...
 @overload
 def write_frame(
-    term: _Buffer,
+    fd: int,
+    term_size: int,
     offset: int,
     position: int,
     limit: int,

@@ -5,10 +5,11 @@ so preparing a term puts no data on the disk queue that the group commit's
 ``fdatasync`` (whose latency is the producers' ack latency) would wait
 behind. Writing zeros instead, as an earlier version did, made each rotation
 of a 16 MiB term cost tens of milliseconds of disk writes and showed up as
-ack-latency spikes. The term is then read once, so its zero pages are cached
-(no disk I/O: reserved, unwritten blocks read as zeros), and fdatasynced,
-which writes only the allocation. All of it runs on a short-lived helper
-thread whenever the writer enters a new term; every call releases the GIL.
+ack-latency spikes; reading the new term once to cache its zero pages, as a
+later version did, slowed the concurrent fdatasyncs too (see
+``TermFile.prepare``). The term is fdatasynced, which writes only the
+allocation. All of it runs on a short-lived helper thread whenever the writer
+enters a new term; every call releases the GIL.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ What is locked, exactly:
   fsyncs themselves run with no lock held (and without the GIL), so appends
   never wait for the disk.
 * Appends take no lock. They write a frame's bytes, then its commit word
-  (length and checksum), then the tail and the published position. ``sync``
+  (length and checksum), both with ``pwrite`` on the term file's descriptor
+  (readers map the same page cache; see LOG.md, "Writing through the
+  descriptor"), then the tail and the published position. ``sync``
   reads the tail once (an int attribute read is atomic under the GIL); every
   frame below that tail is already whole in the page cache, so the fsync
   that follows covers it.
@@ -108,7 +110,8 @@ class WriteFrame(Protocol):
     @overload
     def __call__(
         self,
-        term: _Buffer,
+        fd: int,
+        term_size: int,
         offset: int,
         position: int,
         limit: int,
@@ -126,7 +129,8 @@ class WriteFrame(Protocol):
     @overload
     def __call__(
         self,
-        term: _Buffer,
+        fd: int,
+        term_size: int,
         offset: int,
         position: int,
         limit: int,
@@ -171,10 +175,26 @@ FrameSpec = tuple[bytes | bytearray | memoryview, int, int, int, int]
 sequence, record count, timestamp (microseconds)."""
 
 
+def _pwrite_all(fd: int, buffers: list[bytes | bytearray | memoryview], at: int) -> None:
+    """Write every byte of ``buffers`` at file offset ``at`` (short writes resumed)."""
+    total = sum(memoryview(b).nbytes for b in buffers)
+    done = os.pwritev(fd, buffers, at)
+    if done < total:  # pragma: no cover - regular files take whole writes in practice
+        rest = memoryview(b"".join(buffers))[done:]
+        while rest:
+            written = os.pwrite(fd, rest, at + done)
+            if written <= 0:
+                raise OSError(errno.EIO, "a write to the term file made no progress")
+            rest = rest[written:]
+            done += written
+
+
+_ALIGNMENT_ZEROS: Final = bytes(FRAME_ALIGNMENT)
+_pack_commit = struct.Struct("<Q").pack_into
+
+
 def _write_frame_py(
-    buffer: mmap.mmap,
-    view: memoryview,
-    words: memoryview,
+    fd: int,
     offset: int,
     position: int,
     length: int,
@@ -186,13 +206,19 @@ def _write_frame_py(
 ) -> None:
     """The pure-Python frame write (the C writer's fallback); publishes nothing.
 
-    The body first (header fields after the checksum, then the payload); the
-    commit word (length and checksum) last makes the frame visible.
+    Through the term file's descriptor, not its mapping (see LOG.md,
+    "Writing through the descriptor"): one ``pwritev`` of the whole frame,
+    the commit word (length and checksum) first, then header bytes 8..40,
+    the payload, and zeros up to the next multiple of 8. A failed write
+    raises ``OSError`` (the caller scrubs what may have been written).
     """
+    if type(payload) is memoryview and payload.nbytes != length - HEADER_LENGTH:
+        raise LogError("the payload must be bytes (a memoryview must be of bytes)")
+    header = bytearray(HEADER_LENGTH)
     try:
         _pack_body(
-            buffer,
-            offset + TYPE_OFFSET,
+            header,
+            TYPE_OFFSET,
             DATA_FRAME,
             0,
             FORMAT_VERSION,
@@ -203,24 +229,19 @@ def _write_frame_py(
         )
     except struct.error as exc:
         raise LogError(f"frame header field out of range: {exc}") from None
-    buffer[offset + HEADER_LENGTH : offset + length] = payload
-    # One aligned 8-byte word store: the length in the low half, the checksum
-    # in the high half, which on a little-endian host is the layout of bytes
-    # 0..8 (see LOG.md, "Ordering").
-    words[offset >> 3] = (
-        length
-        | _crc32(
-            view[offset + TYPE_OFFSET : offset + length], (position ^ (position >> 32)) & MAX_U32
-        )
-        << 32
-    )
+    seed = (position ^ (position >> 32)) & MAX_U32
+    checksum = _crc32(payload, _crc32(memoryview(header)[TYPE_OFFSET:], seed))
+    _pack_commit(header, 0, length | checksum << 32)
+    pad = -length & (FRAME_ALIGNMENT - 1)
+    _pwrite_all(fd, [header, payload, _ALIGNMENT_ZEROS[:pad]], offset)
 
 
 class StreamLog:
     """The single writer of one stream's log: append, group commit, release, read back.
 
-    Open one with :meth:`open`. Appends go to memory-mapped term files and
-    never wait for the disk; :meth:`sync` makes them durable in groups;
+    Open one with :meth:`open`. Appends write to the term files' page cache
+    (``pwrite``; reads go through memory maps of the same files) and never
+    wait for the disk; :meth:`sync` makes them durable in groups;
     :meth:`release` frees the space a consumer is done with. Positions are
     byte offsets into the stream's whole history (see LOG.md).
     """
@@ -263,9 +284,7 @@ class StreamLog:
         self._scanner = FrameScanner(directory, settings.term_length, self._terms.get)
         active = terms[term_id_of(tail, self._shift)]
         self._active = active
-        self._buffer = active.mapped
-        self._view = active.view
-        self._words = active.words
+        self._fd = active.fd
         self._term_base = term_start(active.term_id, self._shift)
         self._fast_end = 0
         self._refresh_fast_end()
@@ -535,20 +554,24 @@ class StreamLog:
             # the AppendResult, or writes nothing and returns None if the
             # frame would end past _fast_end.
             position = self._tail
-            result = write(
-                self._buffer,
-                position - self._term_base,
-                position,
-                self._fast_end,
-                payload,
-                producer_id,
-                first_sequence,
-                record_count,
-                timestamp_us,
-                self._meta_page,
-                PUBLISHED_POSITION_OFFSET,
-                AppendResult,
-            )
+            try:
+                result = write(
+                    self._fd,
+                    self._term_length,
+                    position - self._term_base,
+                    position,
+                    self._fast_end,
+                    payload,
+                    producer_id,
+                    first_sequence,
+                    record_count,
+                    timestamp_us,
+                    self._meta_page,
+                    PUBLISHED_POSITION_OFFSET,
+                    AppendResult,
+                )
+            except OSError as exc:
+                raise self._write_failed(exc, position - self._term_base, payload) from exc
             if result is not None:
                 self._tail = result[1]
                 return result
@@ -562,19 +585,20 @@ class StreamLog:
             return self._append_slowly(
                 payload, producer_id, first_sequence, record_count, timestamp_us
             )
-        _write_frame_py(
-            self._buffer,
-            self._view,
-            self._words,
-            position - self._term_base,
-            position,
-            length,
-            payload,
-            producer_id,
-            first_sequence,
-            record_count,
-            timestamp_us,
-        )
+        try:
+            _write_frame_py(
+                self._fd,
+                position - self._term_base,
+                position,
+                length,
+                payload,
+                producer_id,
+                first_sequence,
+                record_count,
+                timestamp_us,
+            )
+        except OSError as exc:
+            raise self._write_failed(exc, position - self._term_base, payload) from exc
         self._tail = end
         self._meta_words[PUBLISHED_WORD] = end
         return _new_result(AppendResult, (position, end))
@@ -610,9 +634,7 @@ class StreamLog:
         record = None if ends is None else ends.append
         tail = published = self._tail
         fast_end = self._fast_end
-        buffer = self._buffer
-        view = self._view
-        words = self._words
+        fd = self._fd
         base = self._term_base
         try:
             for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
@@ -625,17 +647,13 @@ class StreamLog:
                     )
                     tail = published = self._tail
                     fast_end = self._fast_end
-                    buffer = self._buffer
-                    view = self._view
-                    words = self._words
+                    fd = self._fd
                     base = self._term_base
                     if record is not None:
                         record(tail)
                     continue
                 _write_frame_py(
-                    buffer,
-                    view,
-                    words,
+                    fd,
                     tail - base,
                     tail,
                     length,
@@ -648,6 +666,8 @@ class StreamLog:
                 tail = end
                 if record is not None:
                     record(end)
+        except OSError as exc:
+            raise self._write_failed(exc, tail - base, payload) from exc
         finally:
             # Whatever was committed is published, also when a frame failed.
             if tail != published:
@@ -662,12 +682,14 @@ class StreamLog:
         record = None if ends is None else ends.append
         tail = published = self._tail
         fast_end = self._fast_end
-        buffer = self._buffer
+        fd = self._fd
+        term_length = self._term_length
         base = self._term_base
         try:
             for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
                 end = write(
-                    buffer,
+                    fd,
+                    term_length,
                     tail - base,
                     tail,
                     fast_end,
@@ -687,11 +709,13 @@ class StreamLog:
                     )
                     end = published = self._tail
                     fast_end = self._fast_end
-                    buffer = self._buffer
+                    fd = self._fd
                     base = self._term_base
                 tail = end
                 if record is not None:
                     record(end)
+        except OSError as exc:
+            raise self._write_failed(exc, tail - base, payload) from exc
         finally:
             # Whatever was committed is published, also when a frame failed.
             if tail != published:
@@ -734,41 +758,45 @@ class StreamLog:
         position = self._tail
         offset = position - self._term_base
         length = HEADER_LENGTH + payload_length
-        buffer = self._buffer
         write = _write_frame
         if write is not None:
             # Publishing is left to _advance_tail, which also moves to the next term.
-            written = write(
-                buffer,
+            try:
+                written = write(
+                    self._fd,
+                    term_length,
+                    offset,
+                    position,
+                    position + cost,
+                    payload,
+                    producer_id,
+                    first_sequence,
+                    record_count,
+                    timestamp_us,
+                    None,
+                    0,
+                    None,
+                )
+            except OSError as exc:
+                raise self._write_failed(exc, offset, payload) from exc
+            if not written:  # len() counted items, not bytes: nothing was written
+                raise LogError("the payload must be bytes (a memoryview must be of bytes)")
+            self._advance_tail(end)
+            return AppendResult(position, end)
+        try:
+            _write_frame_py(
+                self._fd,
                 offset,
                 position,
-                position + cost,
+                length,
                 payload,
                 producer_id,
                 first_sequence,
                 record_count,
                 timestamp_us,
-                None,
-                0,
-                None,
             )
-            if not written:  # len() counted items, not bytes: nothing was written
-                raise LogError("the payload must be bytes (a memoryview must be of bytes)")
-            self._advance_tail(end)
-            return AppendResult(position, end)
-        _write_frame_py(
-            buffer,
-            self._view,
-            self._words,
-            offset,
-            position,
-            length,
-            payload,
-            producer_id,
-            first_sequence,
-            record_count,
-            timestamp_us,
-        )
+        except OSError as exc:
+            raise self._write_failed(exc, offset, payload) from exc
         self._advance_tail(end)
         return AppendResult(position, end)
 
@@ -778,11 +806,33 @@ class StreamLog:
         offset = position - self._term_base
         end = position + self._term_length - offset
         self._ensure_term(term_id_of(end, self._shift))
-        buffer = self._buffer
-        buffer[offset + TYPE_OFFSET : offset + HEADER_LENGTH] = _PADDING_BODY
+        header = bytearray(HEADER_LENGTH)
+        header[TYPE_OFFSET:] = _PADDING_BODY
         checksum = padding_checksum(_PADDING_BODY, position)
-        self._words[offset >> 3] = (self._term_length - offset) | checksum << 32
+        _pack_commit(header, 0, (self._term_length - offset) | checksum << 32)
+        try:
+            _pwrite_all(self._fd, [header], offset)
+        except OSError as exc:
+            raise self._write_failed(exc, offset, b"") from exc
         self._advance_tail(end)
+
+    def _write_failed(
+        self, exc: OSError, offset: int, payload: bytes | bytearray | memoryview
+    ) -> LogError:
+        """The error for a frame write the file system refused; nothing was appended.
+
+        Part of the frame may have reached the page cache, beyond the tail
+        where no reader looks. It is overwritten with zeros, if the file
+        system lets us, so that no byte of a frame that was never appended
+        (the payload is the producer's) can pass for a frame in recovery's
+        scan after a crash. Whatever happens, the error is the write's.
+        """
+        size = HEADER_LENGTH + memoryview(payload).nbytes
+        span = min(size + FRAME_ALIGNMENT - 1 & -FRAME_ALIGNMENT, self._term_length - offset)
+        with contextlib.suppress(OSError):
+            _pwrite_all(self._fd, [bytes(span)], offset)
+        path = self._active.path
+        return storage_error(f"cannot write to term file {path}", path, exc)
 
     def _ensure_term(self, term_id: int) -> None:
         """Make term ``term_id`` exist: usually the preparer has written it already."""
@@ -811,9 +861,7 @@ class StreamLog:
         if term_id != self._active.term_id:
             term = self._terms[term_id]
             self._active = term
-            self._buffer = term.mapped
-            self._view = term.view
-            self._words = term.words
+            self._fd = term.fd
             self._term_base = term_start(term_id, self._shift)
             self._refresh_fast_end()
             if term_id + 1 not in self._terms:
@@ -931,7 +979,8 @@ class StreamLog:
             view = term.view
             for offset in range(low, high, chunk):
                 stop = min(offset + chunk, high)
-                view[offset:stop] = bytes(view[offset:stop])
+                # Through the descriptor, as appends write (see _write_frame_py).
+                _pwrite_all(term.fd, [bytes(view[offset:stop])], offset)
 
     def ensure_next_term(self) -> None:
         """Create the term after the active one now, if it does not exist yet.
