@@ -67,6 +67,7 @@ from headgate.gateway.turns import TurnTaker
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.records import load_accelerator
 from headgate.protocol.session import (
     Absolved,
     BatchDropped,
@@ -650,6 +651,8 @@ class Gateway:
 
     async def start(self) -> None:
         """Open the data directory and start listening."""
+        # Not at the first batch, on the event loop, while producers wait.
+        load_accelerator()
         data = Path(self.config.data_dir)
         (data / "streams").mkdir(parents=True, exist_ok=True)
         # Streams on disk are opened now, so their dedup state is ready and a

@@ -273,6 +273,15 @@ def _numpy() -> Any:
     return numpy
 
 
+def load_accelerator() -> bool:
+    """Import the optional accelerator (numpy) now; True if it is there.
+
+    Checking a records block imports it on first use, which takes tens of
+    milliseconds: a server calls this at start, so that no batch waits for it.
+    """
+    return _numpy() is not None
+
+
 def _offsets_in_order(section: memoryview) -> bool:
     """True if the little-endian int32 array in ``section`` never decreases."""
     np = _numpy()

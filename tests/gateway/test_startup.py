@@ -1,0 +1,34 @@
+"""What the gateway does at start so that no producer's batch waits for it later."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+
+def test_start_imports_the_records_accelerator_before_any_batch(tmp_path: Path) -> None:
+    # In a fresh interpreter: this test process has numpy imported already.
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        from headgate.config import GatewayConfig
+        from headgate.gateway import Gateway
+
+        async def main() -> None:
+            gateway = Gateway(GatewayConfig(data_dir={str(tmp_path)!r}, listen=("127.0.0.1", 0)))
+            before = "numpy" in sys.modules
+            await gateway.start()
+            after = "numpy" in sys.modules
+            await gateway.stop()
+            print(before, after)
+
+        asyncio.run(main())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False", "True"]
