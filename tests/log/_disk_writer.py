@@ -7,6 +7,9 @@ tests/_small_disk.py). Each command line gets one JSON line back:
 
 * ``append N`` appends up to N frames (``tests.log._frames``, sequences
   continuing), stopping at the first error;
+* ``append-large N`` appends up to N frames of 2,000 bytes (large enough to
+  be written through the descriptor): payload ``bytes([i % 251]) * 2000``
+  for the i-th such frame of the process, counted across calls;
 * ``sync`` runs a group commit; ``retry`` runs ``ensure_next_term``;
 * ``close`` closes the log and exits.
 
@@ -30,6 +33,7 @@ def main() -> None:
     directory, term_length, capacity = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
     seq = 0
+    large = 0
     for line in sys.stdin:
         command, *args = line.split()
         answer: dict[str, object] = {}
@@ -40,6 +44,22 @@ def main() -> None:
                     for _ in range(int(args[0])):
                         _frames.append(log, seq)
                         seq += _frames.record_count(seq)
+                        appended += 1
+                finally:
+                    answer["appended"] = appended
+            elif command == "append-large":
+                appended = 0
+                try:
+                    for _ in range(int(args[0])):
+                        log.append(
+                            bytes([large % 251]) * 2000,
+                            producer_id=_frames.PRODUCER_ID,
+                            first_sequence=seq,
+                            record_count=1,
+                            timestamp_us=0,
+                        )
+                        seq += 1
+                        large += 1
                         appended += 1
                 finally:
                     answer["appended"] = appended

@@ -82,30 +82,19 @@ def test_a_full_disk_stops_appends_cleanly_and_they_resume_when_space_returns(
         assert full["error"] == "StorageFull", full
         assert full["errno"] == disk.full_errno
         assert str(directory) in full["path"]
-        if disk.mode == "tmpfs":
-            # It stops where a new term is needed, with a clear error.
-            assert "cannot reserve" in full["message"] or "cannot create" in full["message"]
-        else:
-            # A file size limit also bounds the offsets written inside a term
-            # reserved earlier (frames are written with pwrite): it stops at
-            # the first frame that would cross the limit, with a clear error.
-            assert "cannot write to term file" in full["message"], full
+        # It stops where a new term is needed, with a clear error. (These
+        # frames are small, so they are stored into the mapped term, which a
+        # file size limit does not bound; see the next test for frames
+        # written through the descriptor.)
+        assert "cannot reserve" in full["message"] or "cannot create" in full["message"]
         stored = 250 + full["appended"]
         assert full["tail"] > first["tail"]
-        # Nothing of the frame that failed is left after the tail: a write cut
-        # short by the limit is scrubbed with zeros.
-        term = directory / f"{full['tail'] // TERM:016x}.term"
-        assert term.read_bytes()[full["tail"] % TERM :] == bytes(TERM - full["tail"] % TERM)
         # What was appended is whole, and becomes durable: nothing is harmed.
         synced = writer("sync")
         assert "error" not in synced and synced["durable"] == full["tail"]
         assert check_log(directory, stored) == full["tail"]
-        # Still full: an append still fails the same way, and on the full
-        # tmpfs the probe (reserving the next term) says so too. (Under the
-        # file size limit the next term may already be reserved, by the
-        # preparer, before the limit came down: the probe then succeeds.)
-        if disk.mode == "tmpfs":
-            assert writer("retry")["error"] == "StorageFull"
+        # Still full: the probe says so, and an append still fails the same way.
+        assert writer("retry")["error"] == "StorageFull"
         again = writer("append 1")
         assert again["error"] == "StorageFull" and again["appended"] == 0
         assert again["tail"] == full["tail"]
@@ -126,6 +115,47 @@ def test_a_full_disk_stops_appends_cleanly_and_they_resume_when_space_returns(
     with StreamLog.open(directory) as reopened:
         assert reopened.tail_position == rest["tail"]
         assert reopened.recovery is not None and reopened.recovery.cut is None
+
+
+def test_a_frame_write_past_a_file_size_limit_fails_cleanly_and_is_scrubbed(
+    tmp_path: Path,
+) -> None:
+    # Frames of 1 KiB and more go through the descriptor (pwrite), and a file
+    # size limit bounds the offsets written even inside a reserved term.
+    with small_disk(tmp_path, 1024 * 1024, mount=False) as disk:
+        directory = disk.directory / "log"
+        writer = Writer(directory)
+        try:
+            first = writer("append 250")  # ends about 33 KB into a 64 KiB term
+            assert first["appended"] == 250 and writer("sync")["durable"] == first["tail"]
+            disk.fill(writer.process.pid)  # no byte past 48 KiB
+            full = writer("append-large 40")
+            assert full["error"] == "StorageFull" and full["errno"] == errno.EFBIG, full
+            assert "cannot write to term file" in full["message"]
+            assert 0 < full["appended"] < 40
+            tail = full["tail"]
+            assert tail % TERM <= 48 * 1024 < tail % TERM + 2048
+            # The part of the refused frame that got in was overwritten with zeros.
+            term = directory / f"{tail // TERM:016x}.term"
+            assert term.read_bytes()[tail % TERM :] == bytes(TERM - tail % TERM)
+            assert writer("sync")["durable"] == tail
+            disk.free(writer.process.pid)
+            rest = writer("append-large 40")
+            assert rest["appended"] == 40 and "error" not in rest
+            assert writer("sync")["durable"] == rest["tail"]
+            assert writer("close") == {"closed": True}
+            assert writer.process.wait(timeout=30) == 0
+        finally:
+            if writer.process.poll() is None:
+                writer.process.kill()
+                writer.process.wait(timeout=30)
+        with StreamLog.open(directory) as reopened:
+            assert reopened.tail_position == rest["tail"]
+            assert reopened.recovery is not None and reopened.recovery.cut is None
+            frames = reopened.read(0)
+        assert len(frames) == 250 + full["appended"] + 40
+        large = [bytes(f.payload) for f in frames[250:]]
+        assert large == [bytes([i % 251]) * 2000 for i in range(len(large))]
 
 
 def test_storage_errors_name_the_file_and_errno_and_survive_pickling(tmp_path: Path) -> None:

@@ -296,7 +296,11 @@ def test_write_frame_writes_a_checkable_frame_and_publishes(tmp_path: Path) -> N
         ({"fd": "closed"}, OSError),
         ({"fd": -1}, ValueError),
         ({"fd": 2**40}, ValueError),
-        ({"fd": "bytes"}, TypeError),
+        ({"fd": "bytes"}, ValueError),  # neither a descriptor nor a writable buffer
+        ({"fd": "readonly_map"}, ValueError),
+        ({"fd": "map", "term_size": 2 * TERM}, ValueError),  # the map is shorter
+        ({"fd": "map", "offset": 4}, ValueError),
+        ({"fd": "map", "offset": TERM - 40}, ValueError),
         ({"payload": "text"}, TypeError),
         ({"payload": 5}, TypeError),
         ({"offset": 8.0}, TypeError),
@@ -312,6 +316,7 @@ def test_write_frame_refuses_hostile_arguments_without_writing(
     path.write_bytes(bytes(TERM))
     readonly_fd = os.open(path, os.O_RDONLY)
     readonly = mmap.mmap(readonly_fd, TERM, access=mmap.ACCESS_READ)
+    mapped = mmap.mmap(fd, TERM)  # before the closed fd: mmap dups a descriptor
     closed = os.open(tmp_path / "term", os.O_RDWR)
     os.close(closed)
     stand_ins: dict[object, object] = {
@@ -319,6 +324,8 @@ def test_write_frame_refuses_hostile_arguments_without_writing(
         "readonly": readonly_fd if case.get("fd") == "readonly" else readonly,
         "closed": closed,
         "bytes": bytes(TERM),
+        "readonly_map": readonly,
+        "map": mapped,
         "text": "a string is no buffer",
     }
     arguments = {key: stand_ins.get(value, value) for key, value in case.items()}
@@ -331,9 +338,10 @@ def test_write_frame_refuses_hostile_arguments_without_writing(
         assert bytes(page) == bytes(4096)
         with pytest.raises(TypeError, match="13 arguments"):
             BUILT(fd, 0)  # type: ignore[call-overload]
-        # The page has no buffer left exported: it can be closed.
+        # No buffer is left exported: the maps can be closed.
         page.close()
         readonly.close()
+        mapped.close()
     finally:
         os.close(fd)
         os.close(readonly_fd)

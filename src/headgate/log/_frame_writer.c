@@ -3,7 +3,10 @@
  *
  * One function, write_frame(), does what the pure-Python fast path of
  * StreamLog.append does, byte for byte (see frame.py for the header and
- * LOG.md, "Ordering"):
+ * LOG.md, "Ordering"). A frame goes to the term file one of two ways.
+ *
+ * Through the descriptor (the term argument is an int; how StreamLog writes
+ * every frame with a payload of 1 KiB or more):
  *
  *   1. one pwritev on the term file's descriptor of the whole frame: the
  *      commit word (length | crc32 << 32) at byte 0, header bytes 8..40
@@ -16,6 +19,15 @@
  * Readers act only on frames below the published position, and check each
  * frame's checksum; recovery cuts the log at the first frame whose checksum
  * fails. So the commit word need not reach the page cache after the rest.
+ *
+ * Into the mapping (the term argument is a writable buffer, the mapped term;
+ * how StreamLog writes smaller frames, where a system call would cost more
+ * than the copy):
+ *
+ *   1. header bytes 8..40 and the payload, with memcpy;
+ *   2. the commit word at byte 0, one aligned 8-byte store with release
+ *      ordering, after every other byte of the frame;
+ *   3. optionally the published position, as above.
  *
  * The term is written through its descriptor, not through its mapping:
  * stores into a shared mapping fault on every page that a group commit has
@@ -55,6 +67,8 @@
 #define DATA_FRAME 0x0001
 #define FORMAT_VERSION 1
 #define MAX_FRAME_LENGTH 0xFFFFFFFFull
+/* Payloads from this size on are stored into a mapping with the GIL released. */
+#define GIL_RELEASE_THRESHOLD 4096
 
 static PyObject *log_error; /* headgate.log.errors.LogError */
 
@@ -179,17 +193,18 @@ pwrite_all(int fd, struct iovec *iov, int count, size_t total, off_t at)
 }
 
 PyDoc_STRVAR(write_frame_doc,
-"write_frame(fd, term_size, offset, position, limit, payload, producer_id,\n"
+"write_frame(term, term_size, offset, position, limit, payload, producer_id,\n"
 "            first_sequence, record_count, timestamp_us, meta, published_offset,\n"
 "            result_type)\n"
 "\n"
-"Write one data frame at byte `offset` of the term file open on `fd` (of\n"
-"`term_size` bytes), for the stream position `position`, and return its end\n"
+"Write one data frame at byte `offset` of a term of `term_size` bytes: `term`\n"
+"is the term file's descriptor (pwritev) or a writable buffer of the mapped\n"
+"term (stores, commit word last). `position` is the frame's stream position.\n"
+"Returns its end\n"
 "position (position + the frame's aligned length), or, if `result_type` (a\n"
 "tuple subclass such as AppendResult) is not None,\n"
 "result_type((position, end)). If that end exceeds `limit`, write nothing and\n"
-"return 0 (None with a result_type). The frame, its commit word first, is\n"
-"written with one pwritev; then, unless `meta` is None, the end position is\n"
+"return 0 (None with a result_type). Then, unless `meta` is None, the end position is\n"
 "stored at byte `published_offset` of `meta`, with release ordering. A failed\n"
 "write raises OSError and publishes nothing.");
 
@@ -208,13 +223,16 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "result_type must be None or a subclass of tuple");
         return NULL;
     }
-    long long fd, term_size, offset, position, limit, published_offset = 0;
-    if (as_i64(args[0], "fd", &fd) < 0 || as_i64(args[1], "term_size", &term_size) < 0 ||
-        as_i64(args[2], "offset", &offset) < 0 || as_i64(args[3], "position", &position) < 0 ||
-        as_i64(args[4], "limit", &limit) < 0) {
+    long long fd = -1, term_size, offset, position, limit, published_offset = 0;
+    /* An int is the term file's descriptor (pwrite); anything else must be
+     * a writable buffer of the mapped term (stores). */
+    int to_fd = PyLong_Check(args[0]);
+    if ((to_fd && as_i64(args[0], "fd", &fd) < 0) ||
+        as_i64(args[1], "term_size", &term_size) < 0 || as_i64(args[2], "offset", &offset) < 0 ||
+        as_i64(args[3], "position", &position) < 0 || as_i64(args[4], "limit", &limit) < 0) {
         return NULL;
     }
-    if (fd < 0 || fd > INT_MAX) {
+    if (to_fd && (fd < 0 || fd > INT_MAX)) {
         PyErr_Format(PyExc_ValueError, "fd %lld is not a file descriptor", fd);
         return NULL;
     }
@@ -261,6 +279,27 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
                      cost, offset, term_size);
         return NULL;
     }
+    Py_buffer term;
+    if (!to_fd) {
+        if (PyObject_GetBuffer(args[0], &term, PyBUF_WRITABLE) < 0) {
+            PyErr_Clear();
+            PyBuffer_Release(&payload);
+            PyErr_Format(PyExc_ValueError,
+                         "term must be a file descriptor or a writable buffer, not %.100s",
+                         Py_TYPE(args[0])->tp_name);
+            return NULL;
+        }
+        if (term.len < term_size ||
+            ((uintptr_t)((char *)term.buf + offset)) % FRAME_ALIGNMENT != 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "term: a buffer of %zd bytes, not 8-byte aligned at offset %lld, "
+                         "for a term of %lld",
+                         term.len, offset, term_size);
+            PyBuffer_Release(&term);
+            PyBuffer_Release(&payload);
+            return NULL;
+        }
+    }
 
     uint64_t producer_id, first_sequence, record_count;
     int64_t timestamp_us;
@@ -271,12 +310,18 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         as_u64_field(args[8], "record_count", UINT32_MAX, "an unsigned 32-bit integer",
                      &record_count) < 0 ||
         as_i64_field(args[9], "timestamp_us", &timestamp_us) < 0) {
+        if (!to_fd) {
+            PyBuffer_Release(&term);
+        }
         PyBuffer_Release(&payload);
         return NULL;
     }
 
     Py_buffer page;
     if (meta != Py_None && get_page(meta, published_offset, &page) < 0) {
+        if (!to_fd) {
+            PyBuffer_Release(&term);
+        }
         PyBuffer_Release(&payload);
         return NULL;
     }
@@ -303,6 +348,9 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (meta != Py_None) {
             PyBuffer_Release(&page);
         }
+        if (!to_fd) {
+            PyBuffer_Release(&term);
+        }
         PyBuffer_Release(&payload);
         return NULL;
     }
@@ -319,13 +367,44 @@ write_frame(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     memcpy(body + 16, &first_sequence, 8);
     memcpy(body + 24, &timestamp_us, 8);
     static const unsigned char zeros[FRAME_ALIGNMENT];
+    uint32_t seed = (uint32_t)(((uint64_t)position ^ ((uint64_t)position >> 32)) & 0xFFFFFFFFu);
+
+    if (!to_fd) {
+        /* Stores into the mapped term (small frames): the body, then the
+         * commit word with release ordering, then the published position.
+         * A large payload is copied without the GIL; the exported buffers
+         * keep the map and the payload alive meanwhile. */
+        unsigned char *frame = (unsigned char *)term.buf + offset;
+        PyThreadState *unlocked = NULL;
+        if (payload.len >= GIL_RELEASE_THRESHOLD) {
+            unlocked = PyEval_SaveThread();
+        }
+        memcpy(frame + TYPE_OFFSET, body, HEADER_LENGTH - TYPE_OFFSET);
+        /* memmove: a hostile payload may be a view of the same map. */
+        memmove(frame + HEADER_LENGTH, payload.buf, (size_t)payload.len);
+        uint32_t sum = (uint32_t)crc32(seed, frame + TYPE_OFFSET, (uInt)(length - TYPE_OFFSET));
+        __atomic_store_n((uint64_t *)frame, (uint64_t)length | ((uint64_t)sum << 32),
+                         __ATOMIC_RELEASE);
+        if (meta != Py_None) {
+            __atomic_store_n((int64_t *)((unsigned char *)page.buf + published_offset),
+                             (int64_t)end, __ATOMIC_RELEASE);
+        }
+        if (unlocked != NULL) {
+            PyEval_RestoreThread(unlocked);
+        }
+        if (meta != Py_None) {
+            PyBuffer_Release(&page);
+        }
+        PyBuffer_Release(&term);
+        PyBuffer_Release(&payload);
+        return result;
+    }
 
     /* Without the GIL, as os.pwrite does: a write may block in the kernel
      * (page allocation, dirty-page throttling), and the log's other threads
      * (group commit, term preparer) must not wait for it. The exported
      * payload buffer stays valid meanwhile. */
     PyThreadState *saved = PyEval_SaveThread();
-    uint32_t seed = (uint32_t)(((uint64_t)position ^ ((uint64_t)position >> 32)) & 0xFFFFFFFFu);
     uLong crc = crc32(seed, body, (uInt)(HEADER_LENGTH - TYPE_OFFSET));
     if (payload.len > 0) { /* crc32() with a NULL buffer would return 0, not crc */
         crc = crc32(crc, (const Bytef *)payload.buf, (uInt)payload.len);

@@ -8,7 +8,7 @@ _Buffer = mmap.mmap | bytearray | memoryview
 
 @overload
 def write_frame(
-    fd: int,
+    term: int | _Buffer,
     term_size: int,
     offset: int,
     position: int,
@@ -25,7 +25,7 @@ def write_frame(
 ) -> int: ...
 @overload
 def write_frame(
-    fd: int,
+    term: int | _Buffer,
     term_size: int,
     offset: int,
     position: int,

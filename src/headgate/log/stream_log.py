@@ -110,7 +110,7 @@ class WriteFrame(Protocol):
     @overload
     def __call__(
         self,
-        fd: int,
+        term: int | _Buffer,
         term_size: int,
         offset: int,
         position: int,
@@ -129,7 +129,7 @@ class WriteFrame(Protocol):
     @overload
     def __call__(
         self,
-        fd: int,
+        term: int | _Buffer,
         term_size: int,
         offset: int,
         position: int,
@@ -189,8 +189,58 @@ def _pwrite_all(fd: int, buffers: list[bytes | bytearray | memoryview], at: int)
             done += written
 
 
+WRITE_FROM: Final = 1024
+"""Payload bytes from which a frame goes to the term file with ``pwritev``;
+smaller frames are stored into the mapped term (see LOG.md, "Writing
+through the descriptor")."""
+
 _ALIGNMENT_ZEROS: Final = bytes(FRAME_ALIGNMENT)
 _pack_commit = struct.Struct("<Q").pack_into
+
+
+def _store_frame_py(
+    buffer: mmap.mmap,
+    view: memoryview,
+    words: memoryview,
+    offset: int,
+    position: int,
+    length: int,
+    payload: bytes | bytearray | memoryview,
+    producer_id: int,
+    first_sequence: int,
+    record_count: int,
+    timestamp_us: int,
+) -> None:
+    """The pure-Python store of a small frame into the mapped term; publishes nothing.
+
+    The body first (header fields after the checksum, then the payload); the
+    commit word (length and checksum) last makes the frame visible.
+    """
+    try:
+        _pack_body(
+            buffer,
+            offset + TYPE_OFFSET,
+            DATA_FRAME,
+            0,
+            FORMAT_VERSION,
+            record_count,
+            producer_id,
+            first_sequence,
+            timestamp_us,
+        )
+    except struct.error as exc:
+        raise LogError(f"frame header field out of range: {exc}") from None
+    buffer[offset + HEADER_LENGTH : offset + length] = payload
+    # One aligned 8-byte word store: the length in the low half, the checksum
+    # in the high half, which on a little-endian host is the layout of bytes
+    # 0..8 (see LOG.md, "Ordering").
+    words[offset >> 3] = (
+        length
+        | _crc32(
+            view[offset + TYPE_OFFSET : offset + length], (position ^ (position >> 32)) & MAX_U32
+        )
+        << 32
+    )
 
 
 def _write_frame_py(
@@ -204,7 +254,7 @@ def _write_frame_py(
     record_count: int,
     timestamp_us: int,
 ) -> None:
-    """The pure-Python frame write (the C writer's fallback); publishes nothing.
+    """The pure-Python write of a frame through the descriptor; publishes nothing.
 
     Through the term file's descriptor, not its mapping (see LOG.md,
     "Writing through the descriptor"): one ``pwritev`` of the whole frame,
@@ -234,6 +284,49 @@ def _write_frame_py(
     _pack_commit(header, 0, length | checksum << 32)
     pad = -length & (FRAME_ALIGNMENT - 1)
     _pwrite_all(fd, [header, payload, _ALIGNMENT_ZEROS[:pad]], offset)
+
+
+def _put_frame_py(
+    fd: int,
+    buffer: mmap.mmap,
+    view: memoryview,
+    words: memoryview,
+    offset: int,
+    position: int,
+    length: int,
+    payload: bytes | bytearray | memoryview,
+    producer_id: int,
+    first_sequence: int,
+    record_count: int,
+    timestamp_us: int,
+) -> None:
+    """One frame in Python: through the descriptor from WRITE_FROM bytes, else into the map."""
+    if length - HEADER_LENGTH >= WRITE_FROM:
+        _write_frame_py(
+            fd,
+            offset,
+            position,
+            length,
+            payload,
+            producer_id,
+            first_sequence,
+            record_count,
+            timestamp_us,
+        )
+    else:
+        _store_frame_py(
+            buffer,
+            view,
+            words,
+            offset,
+            position,
+            length,
+            payload,
+            producer_id,
+            first_sequence,
+            record_count,
+            timestamp_us,
+        )
 
 
 class StreamLog:
@@ -285,6 +378,9 @@ class StreamLog:
         active = terms[term_id_of(tail, self._shift)]
         self._active = active
         self._fd = active.fd
+        self._buffer = active.mapped
+        self._view = active.view
+        self._words = active.words
         self._term_base = term_start(active.term_id, self._shift)
         self._fast_end = 0
         self._refresh_fast_end()
@@ -556,7 +652,7 @@ class StreamLog:
             position = self._tail
             try:
                 result = write(
-                    self._fd,
+                    self._fd if len(payload) >= WRITE_FROM else self._buffer,
                     self._term_length,
                     position - self._term_base,
                     position,
@@ -586,8 +682,11 @@ class StreamLog:
                 payload, producer_id, first_sequence, record_count, timestamp_us
             )
         try:
-            _write_frame_py(
+            _put_frame_py(
                 self._fd,
+                self._buffer,
+                self._view,
+                self._words,
                 position - self._term_base,
                 position,
                 length,
@@ -635,6 +734,9 @@ class StreamLog:
         tail = published = self._tail
         fast_end = self._fast_end
         fd = self._fd
+        buffer = self._buffer
+        view = self._view
+        words = self._words
         base = self._term_base
         try:
             for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
@@ -648,12 +750,18 @@ class StreamLog:
                     tail = published = self._tail
                     fast_end = self._fast_end
                     fd = self._fd
+                    buffer = self._buffer
+                    view = self._view
+                    words = self._words
                     base = self._term_base
                     if record is not None:
                         record(tail)
                     continue
-                _write_frame_py(
+                _put_frame_py(
                     fd,
+                    buffer,
+                    view,
+                    words,
                     tail - base,
                     tail,
                     length,
@@ -683,12 +791,13 @@ class StreamLog:
         tail = published = self._tail
         fast_end = self._fast_end
         fd = self._fd
+        buffer = self._buffer
         term_length = self._term_length
         base = self._term_base
         try:
             for payload, producer_id, first_sequence, record_count, timestamp_us in frames:
                 end = write(
-                    fd,
+                    fd if len(payload) >= WRITE_FROM else buffer,
                     term_length,
                     tail - base,
                     tail,
@@ -710,6 +819,7 @@ class StreamLog:
                     end = published = self._tail
                     fast_end = self._fast_end
                     fd = self._fd
+                    buffer = self._buffer
                     base = self._term_base
                 tail = end
                 if record is not None:
@@ -763,7 +873,7 @@ class StreamLog:
             # Publishing is left to _advance_tail, which also moves to the next term.
             try:
                 written = write(
-                    self._fd,
+                    self._fd if payload_length >= WRITE_FROM else self._buffer,
                     term_length,
                     offset,
                     position,
@@ -784,8 +894,11 @@ class StreamLog:
             self._advance_tail(end)
             return AppendResult(position, end)
         try:
-            _write_frame_py(
+            _put_frame_py(
                 self._fd,
+                self._buffer,
+                self._view,
+                self._words,
                 offset,
                 position,
                 length,
@@ -862,6 +975,9 @@ class StreamLog:
             term = self._terms[term_id]
             self._active = term
             self._fd = term.fd
+            self._buffer = term.mapped
+            self._view = term.view
+            self._words = term.words
             self._term_base = term_start(term_id, self._shift)
             self._refresh_fast_end()
             if term_id + 1 not in self._terms:
