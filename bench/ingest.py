@@ -861,17 +861,7 @@ def _count_allocations(
                     str(counts),
                     "-m",
                     "headgate.cli",
-                    "serve",
-                    "--listen",
-                    "127.0.0.1:0",
-                    "--data-dir",
-                    str(base / "gateway-counted"),
-                    "--stream-capacity",
-                    STREAM_CAPACITY,
-                    "--term-length",
-                    args.term_length,
-                    "--group-commit-ms",
-                    f"{COMMIT_INTERVAL_S * 1000:g}",
+                    *_serve_arguments(args, base / "gateway-counted"),
                 ],
                 base / "gateway-counted.log",
             ),
@@ -960,6 +950,23 @@ def _lat(lat: Latency) -> str:
     return f"{lat.p50 * 1e3:.2f} / {lat.p99 * 1e3:.2f} / {lat.worst * 1e3:.2f} ms"
 
 
+def _serve_arguments(args: argparse.Namespace, data_dir: Path) -> list[str]:
+    """``serve`` and its options, as every gateway of this benchmark runs."""
+    return [
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        str(data_dir),
+        "--stream-capacity",
+        STREAM_CAPACITY,
+        "--term-length",
+        args.term_length,
+        "--group-commit-ms",
+        f"{COMMIT_INTERVAL_S * 1000:g}",
+    ]
+
+
 def _headgate_command() -> list[str]:
     script = Path(sys.executable).parent / "headgate"
     return [str(script)] if script.exists() else [sys.executable, "-m", "headgate.cli"]
@@ -986,20 +993,7 @@ def benchmark(args: argparse.Namespace) -> int:
         workers = Workers(max(PROCESS_COUNTS))
         gateway = Server(
             "gateway",
-            [
-                *_headgate_command(),
-                "serve",
-                "--listen",
-                "127.0.0.1:0",
-                "--data-dir",
-                str(base / "gateway"),
-                "--stream-capacity",
-                STREAM_CAPACITY,
-                "--term-length",
-                args.term_length,
-                "--group-commit-ms",
-                f"{COMMIT_INTERVAL_S * 1000:g}",
-            ],
+            [*_headgate_command(), *_serve_arguments(args, base / "gateway")],
             base / "gateway.log",
         )
         servers.append(gateway)

@@ -39,6 +39,15 @@ class Writer:
             text=True,
         )
 
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        # A test that failed half way leaves no child behind.
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
     def __call__(self, command: str) -> dict[str, Any]:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(command + "\n")
@@ -71,8 +80,7 @@ def test_a_full_disk_stops_appends_cleanly_and_they_resume_when_space_returns(
     disk: SmallDisk,
 ) -> None:
     directory = disk.directory / "log"
-    writer = Writer(directory)
-    try:
+    with Writer(directory) as writer:
         first = writer("append 250")
         assert first["appended"] == 250 and "error" not in first
         assert writer("sync")["durable"] == first["tail"]
@@ -107,10 +115,6 @@ def test_a_full_disk_stops_appends_cleanly_and_they_resume_when_space_returns(
         assert done["durable"] == rest["tail"]
         assert writer("close") == {"closed": True}
         assert writer.process.wait(timeout=30) == 0
-    finally:
-        if writer.process.poll() is None:
-            writer.process.kill()
-            writer.process.wait(timeout=30)
     assert check_log(directory, stored + 600) == rest["tail"]
     with StreamLog.open(directory) as reopened:
         assert reopened.tail_position == rest["tail"]
@@ -124,8 +128,7 @@ def test_a_frame_write_past_a_file_size_limit_fails_cleanly_and_is_scrubbed(
     # size limit bounds the offsets written even inside a reserved term.
     with small_disk(tmp_path, 1024 * 1024, mount=False) as disk:
         directory = disk.directory / "log"
-        writer = Writer(directory)
-        try:
+        with Writer(directory) as writer:
             first = writer("append 250")  # ends about 33 KB into a 64 KiB term
             assert first["appended"] == 250 and writer("sync")["durable"] == first["tail"]
             disk.fill(writer.process.pid)  # no byte past 48 KiB
@@ -145,10 +148,6 @@ def test_a_frame_write_past_a_file_size_limit_fails_cleanly_and_is_scrubbed(
             assert writer("sync")["durable"] == rest["tail"]
             assert writer("close") == {"closed": True}
             assert writer.process.wait(timeout=30) == 0
-        finally:
-            if writer.process.poll() is None:
-                writer.process.kill()
-                writer.process.wait(timeout=30)
         with StreamLog.open(directory) as reopened:
             assert reopened.tail_position == rest["tail"]
             assert reopened.recovery is not None and reopened.recovery.cut is None

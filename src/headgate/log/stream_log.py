@@ -198,7 +198,8 @@ _ALIGNMENT_ZEROS: Final = bytes(FRAME_ALIGNMENT)
 _pack_commit = struct.Struct("<Q").pack_into
 
 
-def _store_frame_py(
+def _write_frame_py(
+    fd: int,
     buffer: mmap.mmap,
     view: memoryview,
     words: memoryview,
@@ -211,64 +212,25 @@ def _store_frame_py(
     record_count: int,
     timestamp_us: int,
 ) -> None:
-    """The pure-Python store of a small frame into the mapped term; publishes nothing.
+    """The pure-Python frame write (the C writer's fallback); publishes nothing.
 
-    The body first (header fields after the checksum, then the payload); the
-    commit word (length and checksum) last makes the frame visible.
+    A payload under :data:`WRITE_FROM` bytes is stored into the mapped term
+    (``buffer``, ``view`` and ``words``): the body first (header fields
+    after the checksum, then the payload), the commit word (length and
+    checksum) last, as one aligned 8-byte store. A larger one goes to the
+    term file through ``fd``, in one ``pwritev`` of the whole frame: the
+    commit word, header bytes 8..40, the payload and zeros up to the next
+    multiple of 8 (see LOG.md, "Ordering"); a failed write raises
+    ``OSError``, and the caller scrubs what may have been written.
     """
-    try:
-        _pack_body(
-            buffer,
-            offset + TYPE_OFFSET,
-            DATA_FRAME,
-            0,
-            FORMAT_VERSION,
-            record_count,
-            producer_id,
-            first_sequence,
-            timestamp_us,
-        )
-    except struct.error as exc:
-        raise LogError(f"frame header field out of range: {exc}") from None
-    buffer[offset + HEADER_LENGTH : offset + length] = payload
-    # One aligned 8-byte word store: the length in the low half, the checksum
-    # in the high half, which on a little-endian host is the layout of bytes
-    # 0..8 (see LOG.md, "Ordering").
-    words[offset >> 3] = (
-        length
-        | _crc32(
-            view[offset + TYPE_OFFSET : offset + length], (position ^ (position >> 32)) & MAX_U32
-        )
-        << 32
-    )
-
-
-def _write_frame_py(
-    fd: int,
-    offset: int,
-    position: int,
-    length: int,
-    payload: bytes | bytearray | memoryview,
-    producer_id: int,
-    first_sequence: int,
-    record_count: int,
-    timestamp_us: int,
-) -> None:
-    """The pure-Python write of a frame through the descriptor; publishes nothing.
-
-    Through the term file's descriptor, not its mapping (see LOG.md,
-    "Writing through the descriptor"): one ``pwritev`` of the whole frame,
-    the commit word (length and checksum) first, then header bytes 8..40,
-    the payload, and zeros up to the next multiple of 8. A failed write
-    raises ``OSError`` (the caller scrubs what may have been written).
-    """
-    if type(payload) is memoryview and payload.nbytes != length - HEADER_LENGTH:
+    small = length - HEADER_LENGTH < WRITE_FROM
+    if not small and type(payload) is memoryview and payload.nbytes != length - HEADER_LENGTH:
         raise LogError("the payload must be bytes (a memoryview must be of bytes)")
-    header = bytearray(HEADER_LENGTH)
+    header = buffer if small else bytearray(HEADER_LENGTH)
     try:
         _pack_body(
             header,
-            TYPE_OFFSET,
+            (offset if small else 0) + TYPE_OFFSET,
             DATA_FRAME,
             0,
             FORMAT_VERSION,
@@ -280,53 +242,19 @@ def _write_frame_py(
     except struct.error as exc:
         raise LogError(f"frame header field out of range: {exc}") from None
     seed = (position ^ (position >> 32)) & MAX_U32
-    checksum = _crc32(payload, _crc32(memoryview(header)[TYPE_OFFSET:], seed))
+    if small:
+        buffer[offset + HEADER_LENGTH : offset + length] = payload
+        # The length in the low half, the checksum in the high half: on a
+        # little-endian host, the layout of bytes 0..8.
+        words[offset >> 3] = (
+            length | _crc32(view[offset + TYPE_OFFSET : offset + length], seed) << 32
+        )
+        return
+    frame = memoryview(header)
+    checksum = _crc32(payload, _crc32(frame[TYPE_OFFSET:HEADER_LENGTH], seed))
     _pack_commit(header, 0, length | checksum << 32)
     pad = -length & (FRAME_ALIGNMENT - 1)
-    _pwrite_all(fd, [header, payload, _ALIGNMENT_ZEROS[:pad]], offset)
-
-
-def _put_frame_py(
-    fd: int,
-    buffer: mmap.mmap,
-    view: memoryview,
-    words: memoryview,
-    offset: int,
-    position: int,
-    length: int,
-    payload: bytes | bytearray | memoryview,
-    producer_id: int,
-    first_sequence: int,
-    record_count: int,
-    timestamp_us: int,
-) -> None:
-    """One frame in Python: through the descriptor from WRITE_FROM bytes, else into the map."""
-    if length - HEADER_LENGTH >= WRITE_FROM:
-        _write_frame_py(
-            fd,
-            offset,
-            position,
-            length,
-            payload,
-            producer_id,
-            first_sequence,
-            record_count,
-            timestamp_us,
-        )
-    else:
-        _store_frame_py(
-            buffer,
-            view,
-            words,
-            offset,
-            position,
-            length,
-            payload,
-            producer_id,
-            first_sequence,
-            record_count,
-            timestamp_us,
-        )
+    _pwrite_all(fd, [frame[:HEADER_LENGTH], payload, _ALIGNMENT_ZEROS[:pad]], offset)
 
 
 class StreamLog:
@@ -682,7 +610,7 @@ class StreamLog:
                 payload, producer_id, first_sequence, record_count, timestamp_us
             )
         try:
-            _put_frame_py(
+            _write_frame_py(
                 self._fd,
                 self._buffer,
                 self._view,
@@ -757,7 +685,7 @@ class StreamLog:
                     if record is not None:
                         record(tail)
                     continue
-                _put_frame_py(
+                _write_frame_py(
                     fd,
                     buffer,
                     view,
@@ -894,7 +822,7 @@ class StreamLog:
             self._advance_tail(end)
             return AppendResult(position, end)
         try:
-            _put_frame_py(
+            _write_frame_py(
                 self._fd,
                 self._buffer,
                 self._view,
