@@ -1,4 +1,4 @@
-"""The per-stream log: memory-mapped terms on disk, read by position.
+"""The per-stream log: term files on disk, read by position through memory maps.
 
 One directory per stream holds fixed-size term files and a metadata page. The
 gateway appends with :class:`StreamLog` (the only writer), makes appends
