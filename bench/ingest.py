@@ -486,7 +486,8 @@ async def _go(conn: Connection) -> None:
         raise RuntimeError("aborted by the benchmark")
 
 
-async def _profiled(spec: RunSpec, run: Coroutine[Any, Any, RunResult]) -> RunResult:
+async def _instrumented(spec: RunSpec, run: Coroutine[Any, Any, RunResult]) -> RunResult:
+    """Run ``run`` as the spec asks: with allocations counted, under cProfile, or plain."""
     if spec.count_allocations:
         return await _counted(run)
     if not spec.profile:
@@ -532,7 +533,7 @@ async def _run_headgate(spec: RunSpec, conn: Connection, pool: list[bytes]) -> R
             await producer.flush()
         await _go(conn)
         async with asyncio.timeout(spec.duration + RUN_GRACE_S):
-            result = await _profiled(
+            result = await _instrumented(
                 spec,
                 _drive(
                     spec,
@@ -566,7 +567,7 @@ async def _run_baseline(spec: RunSpec, conn: Connection, pool: list[bytes]) -> R
         first = client.frames_sent
         await _go(conn)
         async with asyncio.timeout(spec.duration + RUN_GRACE_S):
-            result = await _profiled(
+            result = await _instrumented(
                 spec,
                 _drive(spec, pool, client.send, client.send_many, client.flush, client.flush),
             )

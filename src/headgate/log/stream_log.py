@@ -17,10 +17,11 @@ What is locked, exactly:
   durable position; the term preparer takes it to hand over a term. The
   fsyncs themselves run with no lock held (and without the GIL), so appends
   never wait for the disk.
-* Appends take no lock. They write a frame's bytes, then its commit word
-  (length and checksum), both with ``pwrite`` on the term file's descriptor
-  (readers map the same page cache; see LOG.md, "Writing through the
-  descriptor"), then the tail and the published position. ``sync``
+* Appends take no lock. They write a frame and its commit word (length and
+  checksum), with one ``pwritev`` on the term file's descriptor from
+  :data:`WRITE_FROM` bytes of payload, or stores into the mapped term, commit
+  word last, below it (readers map the same page cache; see LOG.md, "Writing
+  through the descriptor"), then the tail and the published position. ``sync``
   reads the tail once (an int attribute read is atomic under the GIL); every
   frame below that tail is already whole in the page cache, so the fsync
   that follows covers it.
@@ -261,10 +262,11 @@ class StreamLog:
     """The single writer of one stream's log: append, group commit, release, read back.
 
     Open one with :meth:`open`. Appends write to the term files' page cache
-    (``pwrite``; reads go through memory maps of the same files) and never
-    wait for the disk; :meth:`sync` makes them durable in groups;
-    :meth:`release` frees the space a consumer is done with. Positions are
-    byte offsets into the stream's whole history (see LOG.md).
+    (``pwritev`` for large frames, stores into the map for small ones; reads
+    go through memory maps of the same files) and never wait for the disk;
+    :meth:`sync` makes them durable in groups; :meth:`release` frees the
+    space a consumer is done with. Positions are byte offsets into the
+    stream's whole history (see LOG.md).
     """
 
     def __init__(
