@@ -67,6 +67,12 @@ class ErrorCode(IntEnum):
     #: stream, acknowledges nothing more, keeps the batches it has, and stores
     #: them (once) when space returns; new guarantees then say it is back.
     STORAGE_FULL = 19
+    #: The Hello's producer id belongs to another peer (another token, or the
+    #: holder of its secret): nothing is stored under it for this peer.
+    PRODUCER_FENCED = 20
+    #: A batch's first sequence skips ahead of the producer's next sequence on
+    #: the stream (sequences are contiguous); the batch is not stored.
+    OUT_OF_SEQUENCE = 21
 
 
 class ProtocolError(Exception):

@@ -48,6 +48,7 @@ __all__ = [
     "MAX_NAME_BYTES",
     "MAX_SCHEMA_TEXT_BYTES",
     "MAX_TEXT_BYTES",
+    "MAX_SECRET_BYTES",
     "MAX_TOKEN_BYTES",
     "PROTOCOL_VERSION",
     "SCHEMA_CHANNEL",
@@ -108,6 +109,8 @@ MAX_NAME_BYTES = 255
 MAX_TEXT_BYTES = 1024
 #: Longest authentication token, in bytes.
 MAX_TOKEN_BYTES = 1024
+#: The largest producer secret (Hello, Welcome), in bytes.
+MAX_SECRET_BYTES = 64
 #: Longest schema text (DDL), in bytes of UTF-8.
 MAX_SCHEMA_TEXT_BYTES = 65536
 
@@ -201,6 +204,9 @@ class Hello:
     token: bytes = b""
     #: Options the producer asks for.
     flags: HelloFlags = HelloFlags.NONE
+    #: The secret that proves this peer owns ``producer_id`` (from an earlier
+    #: Welcome's ``producer_secret``); empty on first use, or with a token.
+    secret: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -216,6 +222,12 @@ class Welcome:
     #: After this many milliseconds without receiving a byte, either side may
     #: close the connection; a peer with nothing to say sends Ping well before.
     idle_timeout_ms: int
+    #: A writer that holds guarantees the gateway pleaded for must absolve
+    #: within this many milliseconds, or the connection is closed (0: never).
+    plead_deadline_ms: int = 0
+    #: The secret that binds the Hello's producer id to this peer, to present
+    #: in Hello when it resumes; empty where a token binds it instead.
+    producer_secret: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -579,12 +591,15 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_text(out, message.client_name, MAX_NAME_BYTES, "client name")
             _put_bytes(out, bytes(message.token), MAX_TOKEN_BYTES, "token")
             out.append(flags)
+            _put_bytes(out, bytes(message.secret), MAX_SECRET_BYTES, "secret")
         case Welcome():
             out.append(MessageType.WELCOME)
             _put_u64(out, message.version, "version")
             _put_text(out, message.server_name, MAX_NAME_BYTES, "server name")
             _put_u64(out, message.max_message_size, "max_message_size")
             _put_u64(out, message.idle_timeout_ms, "idle_timeout_ms")
+            _put_u64(out, message.plead_deadline_ms, "plead_deadline_ms")
+            _put_bytes(out, bytes(message.producer_secret), MAX_SECRET_BYTES, "producer_secret")
         case Goodbye():
             out.append(MessageType.GOODBYE)
             _put_code(out, message.code)
@@ -794,6 +809,7 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 client_name=client_name,
                 token=token,
                 flags=HelloFlags(flags),
+                secret=reader.raw(MAX_SECRET_BYTES, "secret"),
             )
         case MessageType.WELCOME:
             message = Welcome(
@@ -801,6 +817,8 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 server_name=reader.text(MAX_NAME_BYTES, "server name"),
                 max_message_size=reader.u64("max_message_size"),
                 idle_timeout_ms=reader.u64("idle_timeout_ms"),
+                plead_deadline_ms=reader.u64("plead_deadline_ms"),
+                producer_secret=reader.raw(MAX_SECRET_BYTES, "producer_secret"),
             )
         case MessageType.GOODBYE:
             code = reader.code("code")
