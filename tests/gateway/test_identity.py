@@ -11,6 +11,7 @@ with PRODUCER_FENCED, scoped to the stream, and the victim loses nothing.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from headgate.client import Producer, SessionRefused, StreamRefused
 from headgate.gateway import Gateway
 from headgate.gateway.auth import hash_token
 from headgate.gateway.identity import ProducerOwners, hello_owner
-from headgate.log import LogError
+from headgate.log import LogError, StorageError
 from headgate.protocol import messages as m
 from headgate.protocol.codec import encode_frame
 from headgate.protocol.errors import ErrorCode
@@ -264,12 +265,24 @@ async def test_a_producer_keeps_its_id_across_a_gateway_restart(tmp_path: Path) 
 # -- contiguous sequences -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("policy", ["credit", "window", "xonxoff"])
 @pytest.mark.parametrize(
     ("first_sequence", "values"),
     [(6, [b"gap"]), (2**62, [b"far"]), (6, []), (2**62, []), (2**63 - 1, [b"last"])],
 )
 async def test_a_batch_that_skips_ahead_is_refused_out_of_sequence(
-    open_gateway: Gateway, tmp_path: Path, first_sequence: int, values: list[bytes]
+    tmp_path: Path, first_sequence: int, values: list[bytes], policy: str
+) -> None:
+    gw = Gateway(config(tmp_path, policy=policy))
+    await gw.start()
+    try:
+        await skip_ahead(gw, tmp_path / "data", first_sequence, values)
+    finally:
+        await gw.stop()
+
+
+async def skip_ahead(
+    open_gateway: Gateway, data: Path, first_sequence: int, values: list[bytes]
 ) -> None:
     peer = RawPeer(producer_id=7)
     await peer.connect(open_gateway.address)
@@ -287,8 +300,40 @@ async def test_a_batch_that_skips_ahead_is_refused_out_of_sequence(
     assert "stream s" in peer.errors()[0].text
     assert peer.acked(h) == 5, "never acknowledged"
     await open_gateway.commit()
+    assert [values for _, _, values in stored(data, "s")] == [[b"%d" % i] for i in range(5)]
+    await peer.close()
+
+
+async def test_while_storage_is_held_the_next_sequence_counts_held_batches(
+    open_gateway: Gateway, tmp_path: Path
+) -> None:
+    peer = RawPeer(producer_id=7)
+    await peer.connect(open_gateway.address)
+    h = await peer.bind("s")
+    await peer.until(lambda: peer.session.outbound(m.data_channel(h)).guarantees > 0)
+    stream = open_gateway.streams["s"]
+    # The disk fills (as the group commit or a term reservation would find).
+    stream.sync_failed(StorageError("no room", stream.log.directory, errno.ENOSPC))
+    for i in range(3):
+        assert peer.session.send_batch(h, i, encode_records([b"%d" % i]))
+    await peer.send()
+    await peer.until(lambda: stream.statistics().held_batches == 3)
+    assert stream.next_sequence(7) == 3, "held batches count"
+    # A resend of a held batch is fine; a batch past the held ones is not.
+    assert peer.session.send_batch(h, 1, encode_records([b"1"]))
+    assert peer.session.send_batch(h, 4, encode_records([b"gap"]))
+    await peer.send()
+    await peer.until(lambda: ErrorCode.OUT_OF_SEQUENCE in [e.code for e in peer.errors()])
+    codes = [e.code for e in peer.errors()]
+    assert codes == [ErrorCode.STORAGE_FULL, ErrorCode.OUT_OF_SEQUENCE]
+    assert stream.statistics().held_batches == 4
+    stream._sync_failed = False  # the disk has room again
+    assert stream.retry_storage()
+    await open_gateway.commit()
     assert [values for _, _, values in stored(tmp_path / "data", "s")] == [
-        [b"%d" % i] for i in range(5)
+        [b"0"],
+        [b"1"],
+        [b"2"],
     ]
     await peer.close()
 
