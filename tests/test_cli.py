@@ -153,6 +153,8 @@ def test_a_batch_at_the_last_u64_sequence_does_not_stop_serve(
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+    # Refused in the read that carried its bind: not even the stream was made.
+    assert not (data / "streams" / "s").exists()
 
 
 def test_send_resumes_a_producer_id_only_with_its_secret(
