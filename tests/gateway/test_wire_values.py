@@ -321,3 +321,37 @@ async def test_a_bug_while_handling_a_frame_ends_only_that_connection(
     monkeypatch.undo()
     await assert_gateway_serves(gateway, tmp_path / "data", producer_id=6)
     assert errors.seen == []
+
+
+async def test_a_log_written_before_the_sequence_limit_still_serves(tmp_path: Path) -> None:
+    # An older gateway stored a batch past the limit; its producer's Ack must
+    # still be a u64, so the next sequence is held at the limit.
+    from headgate.log import StreamLog
+
+    cfg = config(tmp_path)
+    log_ = StreamLog.open(
+        Path(cfg.data_dir) / "streams" / "s",
+        term_length=cfg.term_length,
+        capacity=cfg.stream_capacity,
+    )
+    log_.append(
+        encode_records([b"old"]),
+        producer_id=5,
+        first_sequence=2**64 - 1,
+        record_count=1,
+        timestamp_us=0,
+    )
+    log_.sync()
+    log_.close()
+    gw = Gateway(cfg)
+    await gw.start()
+    try:
+        peer = RawPeer(producer_id=5)
+        await peer.connect(gw.address)
+        h = await peer.bind("s")
+        assert peer.acked(h) == m.SEQUENCE_LIMIT
+        assert [e.code for e in peer.errors()] == []
+        await assert_gateway_serves(gw, tmp_path / "data", producer_id=6)
+        await peer.close()
+    finally:
+        await gw.stop()

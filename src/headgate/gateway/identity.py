@@ -23,7 +23,11 @@ The table is durable, so a restart does not free the ids: the file
     <producer id, decimal> <owner>\\n       owner: token:<name> | secret:<sha256 hex>
 
 A claim is appended and fsynced before its bind is accepted (one small write
-and one fsync per new id, never a rewrite of the table). A last line without
+and one fsync per new id, never a rewrite of the table). The fsync runs on
+the event loop, so a new id costs every connection about one fsync of
+latency once; what a peer can make of that is bounded by the bind-channel
+guarantees (binds per connection), the budgets that charge binds, and
+``max_producer_ids``. Ids already known cost nothing. A last line without
 its newline is a claim a crash tore: its bind was never accepted, so it is
 dropped. Any other damage stops the gateway at start with a clear error, as
 a broken stream log does: guessing would hand ids to whoever asks first.

@@ -216,6 +216,18 @@ class Stream:
             end = header.first_sequence + header.record_count
             if end > snapshot.get(header.producer_id, 0):
                 snapshot[header.producer_id] = end
+        for producer, end in snapshot.items():
+            if end > m.SEQUENCE_LIMIT:
+                # Stored before batches past the limit were refused: an Ack
+                # could not carry it. That id can add nothing more here.
+                log.warning(
+                    "stream %s: producer %d reached sequence %d, past the limit; "
+                    "it can store nothing more on this stream",
+                    self.name,
+                    producer,
+                    end,
+                )
+                snapshot[producer] = m.SEQUENCE_LIMIT
         self.dedup = dict(snapshot)
         self._durable_dedup = dict(snapshot)
 
