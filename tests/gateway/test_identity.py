@@ -192,7 +192,7 @@ async def test_a_peer_that_only_reads_neither_claims_nor_is_refused_an_id(
     ) as victim:
         await victim.send("s", b"mine")
         await victim.flush()
-    assert token_gateway.owners.owner(VICTIM_ID) == "token:victim"
+    assert token_gateway.owners.owner(VICTIM_ID) == 'token:"victim"'
     assert [values for _, _, values in stored(tmp_path / "data", "s")] == [[b"mine"]]
     await reader.close()
 
@@ -369,12 +369,20 @@ def test_claims_are_durable_and_the_first_owner_keeps_the_id(tmp_path: Path) -> 
     alice, _ = hello_owner("alice", b"")
     assert owners.claim(1, alice) is None
     assert owners.claim(1, alice) is None
-    refusal = owners.claim(1, "token:mallory")
+    refusal = owners.claim(1, 'token:"mallory"')
     assert refusal is not None and refusal.code == ErrorCode.PRODUCER_FENCED
     again = ProducerOwners.open(path, limit=10)
     assert again.owner(1) == alice
-    assert again.claim(1, "token:mallory") is not None
-    assert path.read_text() == "1 token:alice\n", "one line per claim, nothing else"
+    assert again.claim(1, 'token:"mallory"') is not None
+    assert path.read_text() == '1 token:"alice"\n', "one line per claim, nothing else"
+
+
+def test_a_token_name_cannot_break_a_line_of_the_table(tmp_path: Path) -> None:
+    path = tmp_path / "producers.log"
+    owner, _ = hello_owner('two\nlines "quoted"', b"")
+    assert ProducerOwners.open(path, limit=10).claim(9, owner) is None
+    assert path.read_bytes().count(b"\n") == 1
+    assert ProducerOwners.open(path, limit=10).owner(9) == owner
 
 
 def test_a_secret_is_kept_only_as_its_hash(tmp_path: Path) -> None:
@@ -390,21 +398,23 @@ def test_a_secret_is_kept_only_as_its_hash(tmp_path: Path) -> None:
 
 def test_a_torn_last_claim_is_dropped(tmp_path: Path) -> None:
     path = tmp_path / "producers.log"
-    path.write_bytes(b"1 token:a\n2 token:b\n3 tok")  # a crash in the third append
+    path.write_bytes(b'1 token:"a"\n2 token:"b"\n3 tok')  # a crash in the third append
     owners = ProducerOwners.open(path, limit=10)
-    assert (owners.owner(1), owners.owner(2), owners.owner(3)) == ("token:a", "token:b", None)
-    assert owners.claim(3, "token:c") is None
-    assert ProducerOwners.open(path, limit=10).owner(3) == "token:c"
-    assert path.read_bytes() == b"1 token:a\n2 token:b\n3 token:c\n"
+    assert (owners.owner(1), owners.owner(2), owners.owner(3)) == ('token:"a"', 'token:"b"', None)
+    owner, _ = hello_owner("c", b"")
+    assert owners.claim(3, owner) is None
+    assert ProducerOwners.open(path, limit=10).owner(3) == owner
+    assert path.read_bytes() == b'1 token:"a"\n2 token:"b"\n3 token:"c"\n'
 
 
 @pytest.mark.parametrize(
     ("content", "problem"),
     [
-        (b"1 token:a\ngarbage\n", "line 2"),
+        (b'1 token:"a"\ngarbage\n', "line 2"),
         (b"\x00\x00\x00\n", "line 1"),
-        (b"1 token:a\n1 token:b\n", "two owners"),
-        (b"-1 token:a\n", "line 1"),
+        (b'1 token:"a"\n1 token:"b"\n', "two owners"),
+        (b'-1 token:"a"\n', "line 1"),
+        (b"1 token:a\n", "line 1"),
         (b"1 secret:nothex\n", "line 1"),
         (b"\xff\xfe\n", "line 1"),
     ],

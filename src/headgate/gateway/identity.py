@@ -20,7 +20,7 @@ owner holds is refused, scoped to that stream, with ``PRODUCER_FENCED``.
 The table is durable, so a restart does not free the ids: the file
 ``state/producers.log`` in the data directory has one line per claim::
 
-    <producer id, decimal> <owner>\\n       owner: token:<name> | secret:<sha256 hex>
+    <producer id, decimal> <owner>\\n   owner: token:<name as a JSON string> | secret:<sha256 hex>
 
 A claim is appended and fsynced before its bind is accepted (one small write
 and one fsync per new id, never a rewrite of the table). The fsync runs on
@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -57,7 +58,7 @@ __all__ = ["SECRET_BYTES", "ProducerOwners", "hello_owner"]
 #: Bytes of a secret the gateway issues in Welcome (128 random bits).
 SECRET_BYTES = 16
 
-_LINE = re.compile(r"(0|[1-9][0-9]{0,19}) (token:.+|secret:[0-9a-f]{64})")
+_LINE = re.compile(r"(0|[1-9][0-9]{0,19}) (token:\".*\"|secret:[0-9a-f]{64})")
 
 
 def hello_owner(token_name: str | None, secret: bytes) -> tuple[str, bytes]:
@@ -73,7 +74,8 @@ def hello_owner(token_name: str | None, secret: bytes) -> tuple[str, bytes]:
     a token's name or a secret's SHA-256.
     """
     if token_name is not None:
-        return f"token:{token_name}", b""
+        # Quoted, so that no name (a newline in a TOML string) can break a line.
+        return f"token:{json.dumps(token_name)}", b""
     if not secret:
         secret = secrets.token_bytes(SECRET_BYTES)
     return f"secret:{hashlib.sha256(secret).hexdigest()}", secret
