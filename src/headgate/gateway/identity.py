@@ -6,7 +6,8 @@ next records for duplicates (acknowledged, never stored) or store its own
 records in their place. So an id belongs to its first writer, as Kafka's
 broker assigns producer ids and fences other epochs:
 
-* with a tokens file, to the token's *name* (the rights it stands for);
+* with a tokens file, to the token's *name* (the rights it stands for; a
+  token replaced under the same name keeps its ids, a renamed one does not);
 * without one, to the holder of a *secret*. The gateway gives every peer
   that says Hello without a secret a new random one in Welcome; a producer
   presents it in the Hello of each later connection (and a spool can keep it
@@ -20,14 +21,18 @@ owner holds is refused, scoped to that stream, with ``PRODUCER_FENCED``.
 The table is durable, so a restart does not free the ids: the file
 ``state/producers.log`` in the data directory has one line per claim::
 
-    <producer id, decimal> <owner>\\n   owner: token:<name as a JSON string> | secret:<sha256 hex>
+    <producer id, decimal> <owner>\\n
+
+    owner:  token:<the token's name, as a JSON string>
+         |  secret:<the secret's SHA-256, 64 hex digits>
 
 A claim is appended and fsynced before its bind is accepted (one small write
 and one fsync per new id, never a rewrite of the table). The fsync runs on
 the event loop, so a new id costs every connection about one fsync of
-latency once; what a peer can make of that is bounded by the bind-channel
-guarantees (binds per connection), the budgets that charge binds, and
-``max_producer_ids``. Ids already known cost nothing. A last line without
+latency once. A connection claims at most once (its first bind), so what a
+peer can make of that is bounded by the connections it may open and the
+budgets that charge Hellos and binds, and in all by ``max_producer_ids``.
+Ids already known cost nothing. A last line without
 its newline is a claim a crash tore: its bind was never accepted, so it is
 dropped. Any other damage stops the gateway at start with a clear error, as
 a broken stream log does: guessing would hand ids to whoever asks first.
