@@ -106,3 +106,93 @@ def test_serve_refuses_bad_policy_flags_with_a_clear_message() -> None:
         assert result.exit_code == 2, (args, result.output)
         assert needle in result.output
         assert "Traceback" not in result.output
+
+
+def test_a_batch_at_the_last_u64_sequence_does_not_stop_serve(
+    served: tuple[str, Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    # Issue 13: this frame once made `headgate serve` exit with a traceback.
+    import socket
+
+    from headgate.protocol import messages as m
+    from headgate.protocol.codec import FrameDecoder, encode_frame
+    from headgate.protocol.frames import IssueGuarantees, SendChannel, SendGlobal
+    from headgate.protocol.records import encode_records
+
+    address, data, proc = served
+    host, port = address.rsplit(":", 1)
+    decoder = FrameDecoder(max_payload=1 << 20)
+    hello = m.Hello(producer_id=3, client_name="edge")
+    frames = [
+        SendChannel(channel=0, payload=m.encode_message(m.BindStream(stream="s"))),
+        SendChannel(channel=2, payload=m.encode_batch_header(2**64 - 1) + encode_records([b"x"])),
+    ]
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(encode_frame(SendGlobal(payload=m.encode_message(hello))))
+        seen: list[object] = []
+        while not any(isinstance(f, IssueGuarantees) for f in seen):  # room to bind
+            chunk = sock.recv(1 << 16)
+            assert chunk, "closed before Welcome"
+            seen += decoder.feed(chunk)
+        sock.sendall(b"".join(encode_frame(f) for f in frames))
+        received = b""
+        while chunk := sock.recv(1 << 16):  # until the gateway closes
+            received += chunk
+    assert b"past the last sequence" in received
+    source = tmp_path / "in.txt"
+    source.write_text("after\n")
+    result = subprocess.run(
+        [*HEADGATE, "send", "t", str(source), "--gateway", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert proc.poll() is None, "serve is still running"
+    os.kill(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    # Refused in the read that carried its bind: not even the stream was made.
+    assert not (data / "streams" / "s").exists()
+
+
+def test_send_resumes_a_producer_id_only_with_its_secret(
+    served: tuple[str, Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    address, data, _ = served
+    source = tmp_path / "in.txt"
+    source.write_text("a\nb\n")
+
+    def send(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*HEADGATE, "send", "s", str(source), "--gateway", address, "--timeout", "5", *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    first = send("--producer-id", "77")
+    assert first.returncode == 0, first.stderr
+    hint = next(line for line in first.stderr.splitlines() if "to resume" in line)
+    secret = hint.split("--producer-secret ")[1].strip()
+    assert len(bytes.fromhex(secret)) == 16
+    stolen = send("--producer-id", "77")
+    assert stolen.returncode == 1
+    assert "PRODUCER_FENCED" in stolen.stderr and "Traceback" not in stolen.stderr
+    assert secret not in stolen.stderr.split("to resume")[0]
+    resumed = send("--producer-id", "77", "--producer-secret", secret)
+    assert resumed.returncode == 0, resumed.stderr
+    bad = send("--producer-secret", secret)
+    assert bad.returncode == 2 and "goes with the --producer-id" in bad.stderr
+    reader = LogReader.open(data / "streams" / "s")
+    stored: list[tuple[int, int, list[bytes]]] = []
+    for frame in reader.read(reader.start_position()):
+        values = decode_records(frame.payload).to_lists()[0]
+        stored.append((frame.producer_id, frame.first_sequence, values))
+    reader.close()
+    # The resumed producer numbers on where the first run ended; the fenced
+    # one stored nothing.
+    assert [v for _, _, vs in stored for v in vs] == [b"a", b"b", b"a", b"b"]
+    assert {p for p, _, _ in stored} == {77}
+    assert [first for _, first, _ in stored] == [0, 2]

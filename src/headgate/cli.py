@@ -23,7 +23,7 @@ from headgate.config import (
     parse_address,
     parse_size,
 )
-from headgate.protocol.messages import is_valid_name
+from headgate.protocol.messages import MAX_SECRET_BYTES, is_valid_name
 
 if TYPE_CHECKING:
     from headgate.client.security import ClientSecurity
@@ -302,6 +302,11 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
 )
 @click.option("--producer-id", type=int, help="Reuse an id to resume after a crash.")
 @click.option(
+    "--producer-secret",
+    help="With --producer-id, the hex secret that proves the id is ours (without tokens); "
+    "printed when a send without tokens ends.",
+)
+@click.option(
     "--timeout",
     type=float,
     default=30.0,
@@ -316,6 +321,7 @@ def send(
     fmt: str,
     policy: str,
     producer_id: int | None,
+    producer_secret: str | None,
     timeout: float,
     **options: Any,
 ) -> None:
@@ -335,10 +341,20 @@ def send(
             f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "
             "up to 255, starting with a letter or digit"
         )
+    secret = None
+    if producer_secret is not None:
+        if producer_id is None:
+            raise click.UsageError("--producer-secret goes with the --producer-id it proves")
+        try:
+            secret = bytes.fromhex(producer_secret)
+        except ValueError:
+            raise click.UsageError("--producer-secret must be hex digits") from None
+        if not 1 <= len(secret) <= MAX_SECRET_BYTES:
+            raise click.UsageError(f"--producer-secret must be 1 to {MAX_SECRET_BYTES} bytes")
     security = _security(options)
     try:
         sent, acked, nbytes, bad = asyncio.run(
-            _send(stream, source, gateway, fmt, policy, producer_id, timeout, security)
+            _send(stream, source, gateway, fmt, policy, (producer_id, secret), timeout, security)
         )
     except ProducerError as exc:
         click.echo(f"headgate send: {exc}", err=True)
@@ -419,7 +435,7 @@ async def _send(
     gateway: str,
     fmt: str,
     policy: str,
-    producer_id: int | None,
+    identity: tuple[int | None, bytes | None],
     timeout: float,
     security: ClientSecurity,
 ) -> tuple[int, int, int, int]:
@@ -437,7 +453,8 @@ async def _send(
         else "window"
         if policy == "window"
         else "wait",
-        producer_id=producer_id,
+        producer_id=identity[0],
+        producer_secret=identity[1],
         client_name="headgate-send",
         reconnect_timeout=timeout,
         security=security,
@@ -461,6 +478,13 @@ async def _send(
         stats = producer.statistics().streams.get(stream)
         acked = stats.records_acked if stats is not None else 0
         nbytes = stats.bytes_acked if stats is not None else 0
+        if producer.producer_secret is not None:
+            # Without tokens the id is this secret's: what resuming it takes.
+            click.echo(
+                f"to resume this producer: --producer-id {producer.producer_id} "
+                f"--producer-secret {producer.producer_secret.hex()}",
+                err=True,
+            )
     return sent, acked, nbytes, bad
 
 

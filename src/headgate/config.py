@@ -29,6 +29,7 @@ Example ``headgate.toml``::
     max_streams = 256
     streams_per_token = 64
     max_control_rate = 5000
+    max_producer_ids = 100000
 
     [streams.ticks]
     capacity = "8MiB"
@@ -202,6 +203,12 @@ class GatewayConfig:
     #: up ``max_streams`` for the others. Without a tokens file only
     #: ``max_streams`` applies.
     streams_per_token: int = 64
+    #: Producer ids the gateway remembers the owner of (a token's name, or
+    #: the hash of a secret from Welcome; see ``headgate.gateway.identity``).
+    #: Each new id costs one line and one fsync in ``state/producers.log``;
+    #: a bind under a new id beyond this is refused (scoped). Ids are kept
+    #: for good, so that nobody can take over another producer's id.
+    max_producer_ids: int = 100_000
     #: Control frames (and dropped data messages) per second one connection
     #: may send, in bursts of as many; beyond, it is not read from until its
     #: budget refills. Data within guarantees is not counted.
@@ -289,6 +296,8 @@ class GatewayConfig:
             raise ConfigError("max_streams must be at least 1")
         if self.streams_per_token < 0:
             raise ConfigError("streams_per_token must not be negative")
+        if self.max_producer_ids < 1:
+            raise ConfigError("max_producer_ids must be at least 1")
         if self.max_control_rate < 10:
             raise ConfigError("max_control_rate must be at least 10 frames per second")
         return self
@@ -318,6 +327,7 @@ _GATEWAY_KEYS = {
     "max_streams",
     "streams_per_token",
     "max_control_rate",
+    "max_producer_ids",
 }
 _STREAM_KEYS = {"capacity", "policy", "window", "xoff", "xon"}
 
@@ -379,6 +389,7 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             "max_streams",
             "streams_per_token",
             "max_control_rate",
+            "max_producer_ids",
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")

@@ -428,7 +428,8 @@ async def main() -> None:
                 await p.send("r", b"old-%07d" % i)
                 i += 1
             await p.flush()
-            print(i, flush=True)
+            # What resuming this producer takes: its id and its secret.
+            print(i, p.producer_secret.hex(), flush=True)
 
 asyncio.run(main())
 """
@@ -451,14 +452,16 @@ def test_a_new_producer_with_the_same_id_continues_the_sequence(tmp_path: Path) 
             )
             assert child.stdout is not None
             flushed = 0
+            secret = b""
             while flushed < 5000:
                 line = await child.stdout.readline()
                 assert line, "the child producer died"
-                flushed = int(line)
+                count, secret_hex = line.split()
+                flushed, secret = int(count), bytes.fromhex(secret_hex.decode())
             child.kill()
             await child.wait()
 
-            async with Producer(gw.address, producer_id=producer_id) as p:
+            async with Producer(gw.address, producer_id=producer_id, producer_secret=secret) as p:
                 for value in records("new", 1000):
                     await p.send("r", value)
                 await p.flush()

@@ -91,6 +91,64 @@ def gateway_side() -> list[bytes]:
     ]
 
 
+#: Every u64 field at its edges (issue 13: one such value once stopped the gateway).
+U64_EDGES = (0, 1, 1 << 63, (1 << 64) - 1)
+
+
+def edge_values() -> tuple[list[bytes], list[bytes]]:
+    """Each u64 field at each edge: (what a producer sends, what a gateway sends)."""
+    bind = encode_frame(
+        SendChannel(channel=0, payload=m.encode_message(m.BindStream(stream="clicks")))
+    )
+    to_gateway: list[bytes] = []
+    to_producer: list[bytes] = []
+    for v in U64_EDGES:
+        batch = m.encode_batch_header(v) + encode_records([b"r"])
+        empty = m.encode_batch_header(v) + encode_records([])
+        to_gateway += [
+            bind + encode_frame(SendChannel(channel=2, payload=batch)),
+            bind + encode_frame(SendChannel(channel=2, payload=empty)),
+            # The crash of issue 13: a batch at the last u64 right after a good one.
+            bind
+            + encode_frame(SendChannel(channel=2, payload=m.encode_batch_header(0) + batch[8:]))
+            + encode_frame(SendChannel(channel=2, payload=batch)),
+            glob(m.Ping(nonce=v)) + glob(m.Pong(nonce=v)),
+            bind + glob(m.FreeHandle(handle_type=m.HandleType.STREAM, handle=v, mine=True)),
+            glob(m.FreeHandle(handle_type=m.HandleType.SCHEMA, handle=v, mine=False)),
+            glob(m.Release(stream="clicks", position=v)),
+            glob(m.Subscribe(stream="clicks", start=v, sample_every=max(v, 1))),
+            glob(
+                m.Fetch(
+                    request_id=v, stream="clicks", start_position=v, end_position=v, max_bytes=v
+                )
+            ),
+            glob(m.ListStreams(request_id=v)),
+            glob(m.Ack(handle=v, next_sequence=v, durable_position=v)),
+            bind + encode_frame(Absolve(channel=2, amount=v)),
+            bind + encode_frame(Plead(channel=2, target=v)),
+            bind + encode_frame(LimitSending(channel=2, bound=v)),
+            encode_frame(IssueGuarantees(channel=v, amount=v)),
+            encode_frame(LimitReceiving(channel=v, bound=v)),
+            encode_frame(AnnounceDropping(channel=v)) + encode_frame(Apologise(channel=v)),
+            encode_frame(SendChannel(channel=v, payload=bytes(12))),
+        ]
+        to_producer += [
+            encode_frame(IssueGuarantees(channel=0, amount=v))
+            + glob(m.Ack(handle=v, next_sequence=v, durable_position=v)),
+            encode_frame(IssueGuarantees(channel=2, amount=v))
+            + encode_frame(Plead(channel=2, target=v)),
+            glob(m.Missed(handle=v, count=v))
+            + glob(m.FetchDone(request_id=v, next_position=v, batches=v)),
+            glob(
+                m.Error(
+                    code=ErrorCode.PRODUCER_FENCED,
+                    scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=v),
+                )
+            ),
+        ]
+    return to_gateway, to_producer
+
+
 def write(directory: Path, data: bytes) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / hashlib.sha1(data).hexdigest()).write_bytes(data)
@@ -104,6 +162,25 @@ def main() -> None:
         for frames in gateway_side():
             write(CORPUS / "decoder", bytes([split]) + frames)
             write(CORPUS / "session", bytes([split, 1]) + frames)
+    to_gateway, to_producer = edge_values()
+    for frames in to_gateway:
+        write(CORPUS / "decoder", bytes([0]) + frames)
+        write(CORPUS / "session", bytes([16, 0]) + frames)
+    for frames in to_producer:
+        write(CORPUS / "decoder", bytes([0]) + frames)
+        write(CORPUS / "session", bytes([16, 1]) + frames)
+    for v in U64_EDGES:
+        opening = glob(m.Hello(producer_id=v, client_name="x", secret=b"\xff" * 64))
+        write(CORPUS / "session", bytes([0, 2]) + opening + producer_side()[0])
+        welcome = m.Welcome(
+            version=1,
+            server_name="g",
+            max_message_size=v,
+            idle_timeout_ms=v,
+            plead_deadline_ms=v,
+            producer_secret=b"\x01" * 64,
+        )
+        write(CORPUS / "session", bytes([0, 3]) + glob(welcome) + gateway_side()[0])
     hello = glob(m.Hello(producer_id=1, client_name="x", token=b"t"))
     write(CORPUS / "session", bytes([0, 2]) + hello + producer_side()[0])
     write(CORPUS / "decoder", b"\x00\x8f" + b"\xff" * 8)

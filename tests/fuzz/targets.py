@@ -8,7 +8,10 @@ exception that is not a ``ProtocolError``) when an invariant breaks:
 * what they hold in memory is bounded by one frame (the decoder's partial
   frame) and by what the input asks them to answer;
 * the decoder finds the same frames whether the input comes in one piece or
-  in pieces (so a split can never change what a peer said).
+  in pieces (so a split can never change what a peer said);
+* every batch the gateway's session hands on has all its sequences below
+  ``SEQUENCE_LIMIT``, so that no sum of wire values reaches the log or an Ack
+  out of range (issue 13: such a batch once stopped the gateway).
 
 Hangs are caught by the fuzzer's per-input timeout. The input's first byte
 chooses the split points, so the fuzzer explores splits as well as contents.
@@ -95,6 +98,8 @@ def _hello(role: Role) -> bytes:
 def _act_as_gateway(session: Session, events: list[Event]) -> None:
     """What the gateway does with a session's events, minus the log."""
     for event in events:
+        if isinstance(event, BatchReceived):
+            assert event.first_sequence + event.record_count <= m.SEQUENCE_LIMIT, event
         if isinstance(event, HelloReceived):
             session.grant(m.STREAM_CHANNEL, 512)
         elif isinstance(event, StreamBound):

@@ -223,7 +223,13 @@ def test_a_new_producer_resumes_after_the_held_batches_of_the_old_one(
             await sending
         await first.abort()
 
-        second = Producer(serve.address, producer_id=PRODUCER_ID, linger_ms=1)
+        # The same producer, resumed: its id and the secret that proves it.
+        second = Producer(
+            serve.address,
+            producer_id=PRODUCER_ID,
+            producer_secret=first.producer_secret,
+            linger_ms=1,
+        )
         await second.connect()
         for i in range(100):
             second_sent.append(b"second-%06d" % i)

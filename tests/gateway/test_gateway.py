@@ -30,6 +30,7 @@ from headgate.protocol.session import (
     MessageReceived,
     Role,
     Session,
+    WelcomeReceived,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -51,9 +52,12 @@ def config(tmp_path: Path, **kw: object) -> GatewayConfig:
 class RawPeer:
     """A producer session over a socket, pumped by hand."""
 
-    def __init__(self, producer_id: int = 1) -> None:
+    def __init__(self, producer_id: int = 1, secret: bytes = b"", token: bytes = b"") -> None:
         self.session = Session(Role.PRODUCER, data_cost=batch_cost)
         self.producer_id = producer_id
+        self.token = token
+        #: The secret that proves the producer id: given, or from Welcome.
+        self.secret = secret
         self.events: list[Event] = []
         self.reader: asyncio.StreamReader
         self.writer: asyncio.StreamWriter
@@ -61,9 +65,19 @@ class RawPeer:
 
     async def connect(self, address: tuple[str, int]) -> None:
         self.reader, self.writer = await asyncio.open_connection(*address)
-        self.session.send_global(m.Hello(producer_id=self.producer_id, client_name="raw"))
+        self.session.send_global(
+            m.Hello(
+                producer_id=self.producer_id,
+                client_name="raw",
+                token=self.token,
+                secret=self.secret,
+            )
+        )
         await self.send()
         await self.until(lambda: self.session.opened)
+        for event in self.events:
+            if isinstance(event, WelcomeReceived) and event.welcome.producer_secret:
+                self.secret = event.welcome.producer_secret
 
     async def send(self, raw: bytes = b"") -> None:
         self.writer.write(self.session.data_to_send() + raw)
@@ -213,7 +227,7 @@ async def test_resent_batches_are_not_stored_twice_even_across_a_restart(tmp_pat
     gw = Gateway(cfg)  # a restart on the same data
     await gw.start()
     try:
-        again = RawPeer(producer_id=42)
+        again = RawPeer(producer_id=42, secret=peer.secret)
         await again.connect(gw.address)
         h = await again.bind("s")
         assert again.acked(h) == 5, "the initial ack says where the sequence resumes"

@@ -26,6 +26,7 @@ from headgate.protocol.messages import (
     MAX_TEXT_BYTES,
     MAX_TOKEN_BYTES,
     SCHEMA_CHANNEL,
+    SEQUENCE_LIMIT,
     STREAM_CHANNEL,
     TAIL_HEADER_SIZE,
     Ack,
@@ -194,7 +195,10 @@ def test_a_message_survives_the_frame_layer(message: GlobalMessage) -> None:
     assert decode_global(decoded.payload) == message
 
 
-@given(first_sequence=u64s, block=st.binary(min_size=4, max_size=64))
+@given(
+    first_sequence=st.integers(min_value=0, max_value=SEQUENCE_LIMIT - 2**32),
+    block=st.binary(min_size=4, max_size=64),
+)
 def test_batches_split_without_copying(first_sequence: int, block: bytes) -> None:
     payload = bytearray(encode_batch_header(first_sequence) + block)
     got_sequence, count, records = decode_batch(payload)
@@ -243,6 +247,35 @@ def test_tail_records_whose_frame_ends_where_it_starts_are_malformed() -> None:
         decode_tail_records(bad)
     with pytest.raises(ValueError):
         encode_tail_header(TailHeader(0, 64, 64, 1, 0))
+
+
+@pytest.mark.parametrize(
+    ("first_sequence", "count"),
+    [
+        (SEQUENCE_LIMIT - 1, 2),
+        (SEQUENCE_LIMIT, 1),
+        (U64_MAX, 0),
+        (U64_MAX, 1),
+        (U64_MAX, 2**32 - 1),
+        (SEQUENCE_LIMIT - 2**32 + 2, 2**32 - 1),
+    ],
+)
+def test_a_batch_whose_sequences_reach_past_the_limit_is_malformed(
+    first_sequence: int, count: int
+) -> None:
+    # first_sequence + count would not be a sequence Spark can read, nor an
+    # Ack's next_sequence: refused where the two wire values are added.
+    payload = encode_batch_header(first_sequence) + count.to_bytes(4, "little") + bytes(4)
+    with pytest.raises(MessageError, match="past the last sequence"):
+        decode_batch(payload)
+
+
+@pytest.mark.parametrize(
+    ("first_sequence", "count"), [(0, 0), (SEQUENCE_LIMIT - 1, 1), (SEQUENCE_LIMIT, 0)]
+)
+def test_a_batch_ending_at_the_limit_decodes(first_sequence: int, count: int) -> None:
+    payload = encode_batch_header(first_sequence) + count.to_bytes(4, "little") + bytes(4)
+    assert decode_batch(payload)[:2] == (first_sequence, count)
 
 
 @pytest.mark.parametrize("size", range(BATCH_HEADER_SIZE + 4))

@@ -408,6 +408,13 @@ class Producer:
             ``(host, port)`` (see :mod:`headgate.client.address`).
         producer_id: identity the gateway deduplicates by, below 2**63; reuse
             it to resume after a crash. Random if None.
+        producer_secret: what proves to a gateway without a tokens file that
+            ``producer_id`` is ours (see README, "Producer identity"). The
+            gateway issues it in the first Welcome; the producer keeps it
+            (:attr:`producer_secret`) and presents it on every reconnect. To
+            resume an earlier producer (after a restart, from a spool), pass
+            its ``producer_id`` and this secret together; a gateway with
+            tokens ties the id to the token instead and needs none.
         policy: ``"wait"`` sends a batch only within guarantees; ``"optimistic"``
             sends at once and resends what the gateway drops; ``"window"`` is
             ``"wait"`` for streams with the gateway's window policy: each
@@ -442,6 +449,7 @@ class Producer:
         address: str | tuple[str, int] | GatewayAddress,
         *,
         producer_id: int | None = None,
+        producer_secret: bytes | None = None,
         policy: Policy = "wait",
         linger_ms: float = 5.0,
         max_batch_bytes: int = 256 * 1024,
@@ -464,6 +472,11 @@ class Producer:
         if not 0 <= producer_id < 1 << 63:
             # Spark reads producer ids as a signed 64-bit long.
             raise ValueError(f"producer_id must be in [0, 2**63), got {producer_id}")
+        if producer_secret is not None:
+            if not isinstance(producer_secret, bytes | bytearray):
+                raise TypeError("producer_secret must be bytes (from an earlier producer)")
+            if not 1 <= len(producer_secret) <= m.MAX_SECRET_BYTES:
+                raise ValueError(f"producer_secret must be 1 to {m.MAX_SECRET_BYTES} bytes")
         if linger_ms < 0:
             raise ValueError(f"linger_ms must not be negative, got {linger_ms}")
         if max_batch_bytes < 64:
@@ -475,6 +488,8 @@ class Producer:
         self._address = GatewayAddress.parse(address)
         #: The producer id the gateway deduplicates by.
         self.producer_id = producer_id
+        # Presented in every Hello once known (see producer_secret).
+        self._secret = b"" if producer_secret is None else bytes(producer_secret)
         self._policy: Policy = policy
         self._optimistic = policy == "optimistic"
         # Window policy: guarantees per batch slot, known from Welcome.
@@ -509,6 +524,17 @@ class Producer:
     def address(self) -> GatewayAddress:
         """The gateway's address."""
         return self._address
+
+    @property
+    def producer_secret(self) -> bytes | None:
+        """The secret that ties :attr:`producer_id` to this producer, or None.
+
+        Issued by a gateway without a tokens file in the first Welcome (or
+        given to the constructor). Keep it with the id to resume this
+        producer later; it is never logged, nor in :meth:`statistics`.
+        None before the first session, and with a token (which owns the id).
+        """
+        return self._secret or None
 
     @property
     def connected(self) -> bool:
@@ -1040,6 +1066,7 @@ class Producer:
                 client_name=self._client_name,
                 token=self._token,
                 flags=m.HelloFlags.OPTIMISTIC if self._optimistic else m.HelloFlags.NONE,
+                secret=self._secret,
             )
         )
         transport: asyncio.Transport | None = None
@@ -1133,6 +1160,9 @@ class Producer:
         assert loop is not None
         conn.welcome = welcome
         self._conn = conn
+        if welcome.producer_secret:
+            # Ours from now on: every later Hello proves the id with it.
+            self._secret = welcome.producer_secret
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)

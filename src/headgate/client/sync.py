@@ -69,6 +69,7 @@ class SyncProducer:
         address: str | tuple[str, int] | GatewayAddress,
         *,
         producer_id: int | None = None,
+        producer_secret: bytes | None = None,
         policy: Policy = "wait",
         linger_ms: float = 5.0,
         max_batch_bytes: int = 256 * 1024,
@@ -86,6 +87,7 @@ class SyncProducer:
         self._producer = Producer(
             address,
             producer_id=producer_id,
+            producer_secret=producer_secret,
             policy=policy,
             linger_ms=linger_ms,
             max_batch_bytes=max_batch_bytes,
@@ -124,6 +126,11 @@ class SyncProducer:
     def producer_id(self) -> int:
         """The producer id the gateway deduplicates by."""
         return self._producer.producer_id
+
+    @property
+    def producer_secret(self) -> bytes | None:
+        """The secret that ties the producer id to this producer (see Producer)."""
+        return self._producer.producer_secret
 
     # -- the calling thread's side ---------------------------------------------
 

@@ -51,6 +51,7 @@ from headgate.config import FlowSettings
 from headgate.costs import batch_cost
 from headgate.gateway.streams import Stream, Writer
 from headgate.log import LogFullError
+from headgate.protocol.errors import ProtocolError
 
 __all__ = [
     "CreditFlow",
@@ -194,7 +195,12 @@ class Flow:
     # -- helpers for the policies that process their own channels --
 
     def _store(self, held: _Held, now: float, records: memoryview | None = None) -> bool:
-        """Append to the log; False if it does not fit now."""
+        """Append to the log; False if it does not fit now.
+
+        A batch the stream refuses (out of sequence) ends its writer's
+        connection and is let go: stored later than it arrived, it has no
+        caller left to refuse it.
+        """
         try:
             self.stream.append(
                 held.writer,
@@ -207,6 +213,11 @@ class Flow:
             )
         except LogFullError:
             return False
+        except ProtocolError as error:
+            if held.writer.refuse is None:
+                raise
+            held.writer.refuse(error)
+            return True
         self._mark_dirty()
         self._stored(held.writer)
         return True

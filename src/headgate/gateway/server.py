@@ -56,6 +56,7 @@ from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import FrameBudget
+from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import ReaderConnection, TailHub
@@ -114,6 +115,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
         self.producer_id = 0
+        #: Who the peer is as an owner of producer ids (from its Hello).
+        self.producer_owner = ""
+        #: Whether this connection holds its producer id (claimed at its first bind).
+        self.producer_claimed = False
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
@@ -367,6 +372,15 @@ class GatewayConnection(asyncio.BufferedProtocol):
             log.error("stream storage failed for %s: %s", self.peer, error)
             self.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
             return 0
+        except Exception:
+            # A bug, not the peer's doing (as in Gateway.write_messages): this
+            # connection ends with INTERNAL, the gateway and its other
+            # connections go on. Nothing a peer sends may stop the process.
+            log.exception("handling a frame from %s failed", self.peer)
+            with contextlib.suppress(Exception):
+                gw.write_messages()
+            self.refuse(ProtocolError("internal error", code=ErrorCode.INTERNAL))
+            return 0
 
     def write_batch(self, event: BatchReceived, now: float, timestamp_us: int) -> None:
         """The log writer's part: append one batch, borrow until it is durable."""
@@ -531,6 +545,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 refusal := self._bind_refusal(name)
             ) is not None:
                 self.refuse_stream(handle, name, refusal)
+            case StreamBound(handle=handle, stream=name) if (
+                fenced := self._claim_producer_id()
+            ) is not None:
+                self.refuse_stream(handle, name, fenced)
             case StreamBound(handle=handle, stream=name):
                 if name not in gw.streams:
                     assert self.rights is not None
@@ -545,6 +563,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     last_active=time.monotonic(),
                     throttle=self.throttle,
                     account=self.account,
+                    refuse=self.refuse,
                 )
                 self.writers[handle] = writer
                 stream.add_writer(writer)
@@ -562,11 +581,15 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     )
                 self.rights = gw.authenticate(hello.token)
                 self.producer_id = hello.producer_id
+                self.producer_owner, secret = hello_owner(
+                    None if gw.tokens is None else self.rights.name, hello.secret
+                )
                 self.session.send_global(
                     m.Welcome(
                         server_name=gw.name,
                         max_message_size=gw.config.max_message_size,
                         idle_timeout_ms=gw.config.idle_timeout_ms,
+                        producer_secret=secret,
                     )
                 )
                 self.session.grant(m.STREAM_CHANNEL, gw.config.bind_budget)
@@ -610,6 +633,19 @@ class GatewayConnection(asyncio.BufferedProtocol):
             case _:
                 pass
 
+    def _claim_producer_id(self) -> ProtocolError | None:
+        """Tie the Hello's producer id to this peer at its first writing bind.
+
+        Why the bind must be refused (the id is another's, see
+        ``headgate.gateway.identity``), or None. Only writers claim: readers
+        and release clients say Hello with some id too and never bind.
+        """
+        if self.producer_claimed:
+            return None
+        refusal = self.gateway.owners.claim(self.producer_id, self.producer_owner)
+        self.producer_claimed = refusal is None
+        return refusal
+
     def _rebalance_handle(self, handle: int) -> None:
         self.gateway.streams[self.writers[handle].stream].rebalance(time.monotonic())
 
@@ -642,6 +678,12 @@ class Gateway:
         self.ssl_context = server_context(self.config)
         #: New streams created by the peers of each token, by token name.
         self.created_by: dict[str, int] = {}
+        #: Owners of producer ids; :meth:`start` reads the table on disk.
+        self.owners = ProducerOwners(
+            Path(self.config.data_dir) / "state" / "producers.log",
+            {},
+            limit=self.config.max_producer_ids,
+        )
         #: Accepted tokens, or None when every peer may do anything.
         self.tokens: TokenTable | None = (
             None if self.config.auth_file is None else load_tokens(self.config.auth_file)
@@ -655,6 +697,9 @@ class Gateway:
         load_accelerator()
         data = Path(self.config.data_dir)
         (data / "streams").mkdir(parents=True, exist_ok=True)
+        self.owners = ProducerOwners.open(
+            data / "state" / "producers.log", limit=self.config.max_producer_ids
+        )
         # Streams on disk are opened now, so their dedup state is ready and a
         # broken log is reported at start, not at the first producer.
         for entry in sorted((data / "streams").iterdir()):
@@ -1010,6 +1055,10 @@ class Gateway:
                 # their batches and the next commit tries again.
                 log.error("group commit failed: %s", exc)
                 self._dirty.update(dirty)
+            except Exception:
+                # A bug: without this task nothing would ever be acknowledged
+                # again, so it is logged and the next interval goes on.
+                log.exception("group commit failed")
 
     async def _rebalance_loop(self) -> None:
         while True:

@@ -83,6 +83,9 @@ class Writer:
     throttle: Callable[[str, bool], None] | None = None
     #: The connection's account, charged for the fan-out a batch causes.
     account: Account | None = None
+    #: Ends the connection with an error, for a batch found out of order only
+    #: when a policy stores it later (on arrival the caller refuses it).
+    refuse: Callable[[ProtocolError], None] | None = None
 
     @property
     def channel(self) -> int:
@@ -213,6 +216,18 @@ class Stream:
             end = header.first_sequence + header.record_count
             if end > snapshot.get(header.producer_id, 0):
                 snapshot[header.producer_id] = end
+        for producer, end in snapshot.items():
+            if end > m.SEQUENCE_LIMIT:
+                # Stored before batches past the limit were refused: an Ack
+                # could not carry it. That id can add nothing more here.
+                log.warning(
+                    "stream %s: producer %d reached sequence %d, past the limit; "
+                    "it can store nothing more on this stream",
+                    self.name,
+                    producer,
+                    end,
+                )
+                snapshot[producer] = m.SEQUENCE_LIMIT
         self.dedup = dict(snapshot)
         self._durable_dedup = dict(snapshot)
 
@@ -285,6 +300,46 @@ class Stream:
         """Guarantees the writers hold (as the gateway knows them)."""
         return sum(max(0, w.session.inbound(w.channel).client_guarantees) for w in self.writers)
 
+    # -- sequences --------------------------------------------------------------
+
+    def next_sequence(self, producer_id: int) -> int:
+        """Where the producer's next new batch on this stream must start.
+
+        After every batch stored for it and, while the stream is held, every
+        batch held for it: a producer numbers on from what it sent.
+        """
+        stored = self.dedup.get(producer_id, 0)
+        return self._held_next.get(producer_id, stored)
+
+    def _is_duplicate(self, next_sequence: int, first_sequence: int, record_count: int) -> bool:
+        """The sequence rule, for a batch at ``first_sequence`` against ``next_sequence``.
+
+        True for a batch wholly before ``next_sequence`` (a resend: stored
+        once, acknowledged again); False for one that starts exactly there.
+        Sequences per producer and stream are contiguous, so that no batch
+        can make the gateway take records it never stored for duplicates
+        (Kafka refuses an out-of-order sequence for the same reason).
+
+        Raises:
+            ProtocolError: OUT_OF_SEQUENCE for a batch that skips ahead (an
+                empty one included); MALFORMED_MESSAGE for one that overlaps
+                stored records without matching them.
+        """
+        end_sequence = first_sequence + record_count
+        if first_sequence > next_sequence:
+            raise ProtocolError(
+                f"stream {self.name}: batch at sequence {first_sequence} skips ahead of "
+                f"the producer's next sequence {next_sequence}",
+                code=ErrorCode.OUT_OF_SEQUENCE,
+            )
+        if first_sequence < next_sequence < end_sequence:
+            raise ProtocolError(
+                f"stream {self.name}: batch {first_sequence}..{end_sequence} overlaps "
+                f"stored records up to {next_sequence}",
+                code=ErrorCode.MALFORMED_MESSAGE,
+            )
+        return first_sequence < next_sequence
+
     # -- batches --------------------------------------------------------------
 
     def append(
@@ -307,8 +362,10 @@ class Stream:
         processes the channel itself passes False.
 
         Raises:
-            ProtocolError: the batch overlaps stored records without matching
-                them (a resend must repeat the original batches exactly).
+            ProtocolError: the batch skips ahead of the producer's next
+                sequence, or overlaps stored records without matching them (a
+                resend must repeat the original batches exactly); nothing is
+                stored or held then.
         """
         writer.last_active = now
         if self.storage_error is None:
@@ -331,15 +388,10 @@ class Stream:
         timestamp_us: int,
         in_channel: bool,
     ) -> bool:
+        # Against what is stored (held batches being stored count as new).
         next_sequence = self.dedup.get(writer.producer_id, 0)
         end_sequence = first_sequence + record_count
-        if first_sequence < next_sequence:
-            if end_sequence > next_sequence:
-                raise ProtocolError(
-                    f"stream {self.name}: batch {first_sequence}..{end_sequence} overlaps "
-                    f"stored records up to {next_sequence}",
-                    code=ErrorCode.MALFORMED_MESSAGE,
-                )
+        if self._is_duplicate(next_sequence, first_sequence, record_count):
             # Already stored: acknowledge it once the log is durable up to now.
             self.duplicate_batches += 1
             end = self.log.tail_position
@@ -570,15 +622,9 @@ class Stream:
         in_channel: bool,
     ) -> None:
         producer = writer.producer_id
-        next_sequence = self._held_next.get(producer, self.dedup.get(producer, 0))
-        end_sequence = first_sequence + record_count
-        if first_sequence < next_sequence < end_sequence:
-            raise ProtocolError(
-                f"stream {self.name}: batch {first_sequence}..{end_sequence} overlaps "
-                f"stored records up to {next_sequence}",
-                code=ErrorCode.MALFORMED_MESSAGE,
-            )
-        self._held_next[producer] = max(next_sequence, end_sequence)
+        next_sequence = self.next_sequence(producer)
+        if not self._is_duplicate(next_sequence, first_sequence, record_count):
+            self._held_next[producer] = first_sequence + record_count
         # A copy: ``records`` is a view into the connection's receive buffer.
         self._held.append(
             HeldBatch(

@@ -47,11 +47,12 @@ __all__ = [
     "FIRST_DATA_CHANNEL",
     "MAX_NAME_BYTES",
     "MAX_SCHEMA_TEXT_BYTES",
-    "MAX_TEXT_BYTES",
     "MAX_SECRET_BYTES",
+    "MAX_TEXT_BYTES",
     "MAX_TOKEN_BYTES",
     "PROTOCOL_VERSION",
     "SCHEMA_CHANNEL",
+    "SEQUENCE_LIMIT",
     "STREAM_CHANNEL",
     "TAIL_HEADER_SIZE",
     "Ack",
@@ -113,6 +114,11 @@ MAX_TOKEN_BYTES = 1024
 MAX_SECRET_BYTES = 64
 #: Longest schema text (DDL), in bytes of UTF-8.
 MAX_SCHEMA_TEXT_BYTES = 65536
+
+#: Every record's sequence number is below this: Spark reads sequences as a
+#: signed 64-bit long, and ``first_sequence + count`` (the next sequence, which
+#: an Ack carries) must stay a u64. A Batch reaching past it is malformed.
+SEQUENCE_LIMIT = 1 << 63
 
 #: Bytes before the records block in a Batch: first_sequence (u64 LE).
 BATCH_HEADER_SIZE = 8
@@ -481,11 +487,19 @@ def decode_batch(payload: Buffer) -> tuple[int, int, memoryview]:
 
     ``records`` is a view of the whole records block, record count included,
     over ``payload``'s own memory, ready for the records module to parse.
-    Raises ``MessageError`` when there is no room for a record count.
+    Raises ``MessageError`` when there is no room for a record count, or when
+    the batch's records do not all have sequences below :data:`SEQUENCE_LIMIT`
+    (checked here, where the two wire values are added, so that no sum beyond
+    it reaches the log, an Ack or Spark).
     """
     if len(payload) < BATCH_HEADER_SIZE + _RECORD_COUNT_SIZE:
         raise MessageError(f"a batch needs at least 12 bytes, got {len(payload)}")
     first_sequence, count = _BATCH_HEAD.unpack_from(payload)
+    if first_sequence + count > SEQUENCE_LIMIT:
+        raise MessageError(
+            f"a batch of {count} records at sequence {first_sequence} reaches past "
+            f"the last sequence number, 2**63 - 1"
+        )
     return first_sequence, count, memoryview(payload)[BATCH_HEADER_SIZE:]
 
 
