@@ -181,15 +181,12 @@ class Flow:
                 over -= take
         if over <= 0:
             return
-        shares = s._shares(now)
+        shares = s.shares(now)
         for w in s.writers:
             state = w.session.inbound(w.channel)
             excess = state.capacity - shares.get(id(w), 0)
             if excess > 0 and state.client_guarantees > 0:
-                target = max(0, state.client_guarantees - excess)
-                if w.pleaded != target:
-                    w.session.plead(w.channel, target)
-                    w.pleaded = target
+                s.plead(w, max(0, state.client_guarantees - excess), now)
 
     # -- helpers for the policies that process their own channels --
 
