@@ -24,7 +24,7 @@ Example ``headgate.toml``::
     auth_file = "tokens.toml"       # require a token in Hello (headgate token)
     idle_timeout_ms = 60000
     frame_timeout_ms = 10000
-    plead_deadline_ms = 5000
+    plead_deadline_ms = 2000
     handshake_timeout_ms = 10000
     max_write_buffer = "1MiB"
     bind_budget = "16KiB"
@@ -197,8 +197,11 @@ class GatewayConfig:
     frame_timeout_ms: int = 10_000
     #: A writer must absolve what a Plead asks within this long, or its
     #: connection is closed with TIMEOUT and its guarantees return to the
-    #: stream (0: never). Announced in Welcome.
-    plead_deadline_ms: int = 5_000
+    #: stream (0: never). Announced in Welcome. A writer that answers Pleads
+    #: (the producer library does, on receipt) needs a round trip; the
+    #: deadline is how long one that does not can starve the others. Time
+    #: while the gateway does not read the connection does not count.
+    plead_deadline_ms: int = 2_000
     #: Bytes queued for a peer that does not read, beyond which it is cut off.
     max_write_buffer: int = 1024**2
     #: Bind-channel guarantees per connection: the bytes of stream-name

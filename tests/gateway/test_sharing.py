@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from headgate.config import StreamSettings
 from headgate.gateway import Gateway
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
@@ -173,6 +174,44 @@ async def test_a_writer_that_ignores_a_plead_is_closed_at_the_deadline_and_the_g
             assert good.session.send_batch(h, i, encode_records([b"mine"]))
         await good.send()
         await good.until(lambda: good.acked(h) == 10)
+        await good.close()
+    finally:
+        await gw.stop()
+
+
+async def test_the_plead_deadline_waits_while_the_gateway_does_not_read_the_writer(
+    tmp_path: Path,
+) -> None:
+    # The hog also writes an XON/XOFF stream; past its watermark the gateway
+    # stops reading the hog's whole connection, so an Absolve could not be
+    # read: the deadline does not run until the gateway reads again.
+    xonxoff = StreamSettings(policy="xonxoff", xoff=32 * 1024, xon=0)
+    gw = await started(tmp_path, plead_deadline_ms=300, streams={"x": xonxoff})
+    try:
+        hog = DeafToPleas(producer_id=2)
+        await hog.connect(gw.address)
+        hv = await hog.bind("victim")
+        await hog.until(lambda: guarantees(hog, hv) >= 0.9 * shareable(gw, "victim"))
+        hx = await hog.bind("x")
+        await hog.until(lambda: guarantees(hog, hx) > 0)
+        for i in range(8):
+            assert hog.session.send_batch(hx, i, encode_records([b"x" * 8000]))
+        await hog.send()
+        (conn,) = [c for c in gw.connections.values() if c.writers]
+        await hog.until(lambda: conn.reading_paused)
+        good = RawPeer(producer_id=1)
+        await good.connect(gw.address)
+        await good.bind("victim")  # the hog is pleaded now
+        await asyncio.sleep(1.0)  # three deadlines
+        await hog.pump()
+        assert not hog.closed and not hog.errors()
+        # The consumer catches up: the gateway reads the hog again, and now
+        # its deadline runs (and, deaf, it misses it).
+        gw.release("x", gw.streams["x"].log.durable_position)
+        await gw.commit()
+        gw.release("x", gw.streams["x"].log.tail_position)
+        await hog.until(lambda: hog.closed, timeout=5)
+        assert [e.code for e in hog.errors()] == [ErrorCode.TIMEOUT]
         await good.close()
     finally:
         await gw.stop()

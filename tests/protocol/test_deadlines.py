@@ -95,3 +95,13 @@ def test_idle_never_fires_within_the_timeout_of_a_complete_frame(
         d.decoded(now, frames=frames, partial=not done, need=10)
         later = now + 0.5
         assert (d.expired(later) is not None) == (later - last_frame >= 2.0)
+
+
+def test_reading_for_counts_from_the_last_resume_and_is_zero_while_paused() -> None:
+    d = deadlines()
+    assert d.reading_for(3.0) == 3.0
+    d.paused(3.0, True)
+    assert d.reading_for(10.0) == 0.0
+    d.paused(10.0, False)
+    d.paused(11.0, False)  # no change: still reading since 10
+    assert d.reading_for(12.5) == 2.5

@@ -90,6 +90,9 @@ log = logging.getLogger("headgate.gateway")
 CLOSE_GRACE_S = 2.0
 #: How often idle writers are re-checked and credit re-shared.
 REBALANCE_INTERVAL_S = 0.1
+#: How long the gateway must have been reading a connection before a Plead
+#: deadline can end it: an Absolve still unread in the socket is not late.
+PLEAD_READ_GRACE_S = 0.5
 #: Bytes of a connection's first receive ring.
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
@@ -305,7 +308,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
 
     def check_deadlines(self, now: float) -> None:
         """Close the connection with TIMEOUT if it is idle or a frame is overdue."""
-        if self._closing or self._tls_pending:
+        if self._closing or self._tls_pending or self.session.closed:
             return  # (the handshake timer covers TLS)
         reason = self.deadlines.expired(now, idle=self.session.opened)
         if reason is not None:
@@ -1103,7 +1106,10 @@ class Gateway:
         A pure function of ``now`` and the state (the loop calls it every
         ``REBALANCE_INTERVAL_S``). A writer that has not absolved what a Plead
         asked within ``plead_deadline_ms`` loses its connection with TIMEOUT,
-        and its guarantees go back to the stream at once.
+        and its guarantees go back to the stream at once; but not while the
+        gateway itself is not reading the connection (its Absolve may wait
+        unread in the socket), nor within ``PLEAD_READ_GRACE_S`` of reading
+        again.
         """
         for conn in list(self.connections.values()):
             conn.check_deadlines(now)
@@ -1121,6 +1127,8 @@ class Gateway:
         for stream, writer, amount in overdue:
             late = by_session.get(id(writer.session))
             if late is None or late._closing:
+                continue
+            if late.deadlines.reading_for(now) < PLEAD_READ_GRACE_S:
                 continue
             late.refuse(
                 ProtocolError(

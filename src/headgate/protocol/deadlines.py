@@ -50,6 +50,7 @@ class ReceiveDeadlines:
         "_last_frame_at",
         "_partial",
         "_paused",
+        "_reading_since",
         "frame_timeout",
         "idle_timeout",
     )
@@ -63,6 +64,7 @@ class ReceiveDeadlines:
         self._frames = 0
         self._partial = False
         self._paused = False
+        self._reading_since = now
         # When the clock of the incomplete frame started, or None.
         self._frame_since: float | None = None
         self._frame_need = 0
@@ -97,11 +99,23 @@ class ReceiveDeadlines:
 
     def paused(self, now: float, paused: bool) -> None:
         """The receiver stopped (True) or started again (False) reading the connection."""
+        if paused == self._paused:
+            return
         self._paused = paused
         if paused:
             self._frame_since = None
-        elif self._partial:
+            return
+        self._reading_since = now
+        if self._partial:
             self._frame_since = now
+
+    def reading_for(self, now: float) -> float:
+        """How long the receiver has been reading without a pause (0 while paused).
+
+        Other deadlines that wait for the peer's answer (the gateway's Plead
+        deadline) use it: an answer the receiver has not read is not late.
+        """
+        return 0.0 if self._paused else now - self._reading_since
 
     def frame_deadline(self) -> float | None:
         """When the incomplete frame must be complete, or None if none is timed."""
