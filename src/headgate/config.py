@@ -187,7 +187,8 @@ class GatewayConfig:
     #: How long a peer has to send Hello.
     handshake_timeout_ms: float = 10_000.0
     #: A connection that completes no frame for this long is closed with
-    #: TIMEOUT (0: never); bytes that complete no frame are not activity.
+    #: TIMEOUT (0: never); bytes that complete no frame are not activity, nor
+    #: is a frame dripped over more than 0.5 s at under 64 KiB/s.
     #: Announced in Welcome; producers Ping at a third of it.
     idle_timeout_ms: int = 60_000
     #: A frame whose first bytes arrived must be complete within this long,

@@ -300,20 +300,33 @@ async def test_half_a_32k_frame_trickled_a_byte_at_a_time_is_closed_with_timeout
         await gw.stop()
 
 
+PINGS = b"".join(
+    encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=n)))) for n in range(40)
+)
+ABSOLVES = encode_frame(Absolve(channel=0, amount=0)) * 40  # two bytes each
+
+
+@pytest.mark.parametrize(
+    ("drip", "every", "idle_ms"),
+    [
+        # About ten bytes a Ping, one byte per 0.15 s: a Ping per 1.5 s, each
+        # byte well inside the idle timeout; no frame completes in time.
+        (PINGS, 0.15, 1000),
+        # Two-byte frames, one byte per 0.6 s: a frame per 1.2 s, inside the
+        # idle timeout, but none arrives whole: none is activity.
+        (ABSOLVES, 0.6, 1500),
+    ],
+    ids=["pings", "two-byte-frames"],
+)
 async def test_valid_frames_dripped_a_byte_at_a_time_are_closed_with_timeout(
-    tmp_path: Path,
+    tmp_path: Path, drip: bytes, every: float, idle_ms: int
 ) -> None:
-    gw = await started(tmp_path, idle_timeout_ms=1000)
+    gw = await started(tmp_path, idle_timeout_ms=idle_ms)
     try:
         reader, writer = await opened(gw)
-        pings = b"".join(
-            encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=n)))) for n in range(40)
-        )
-        # About ten bytes a Ping, one byte per 0.15 s: a Ping per 1.5 s, each
-        # byte well inside the idle timeout; yet no frame completes in time.
-        when, errors = await trickle(writer, reader, pings, 0.15, 8.0)
+        when, errors = await trickle(writer, reader, drip, every, 8.0)
         assert [e.code for e in errors] == [ErrorCode.TIMEOUT]
-        assert 0.9 < when < 2.5
+        assert idle_ms / 1000 - 0.1 < when < idle_ms / 1000 + 1.5
         writer.close()
     finally:
         await gw.stop()

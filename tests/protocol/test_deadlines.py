@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from headgate.protocol.deadlines import FRAME_ALLOWANCE_RATE, ReceiveDeadlines
+from headgate.protocol.deadlines import FRAME_ALLOWANCE_RATE, WHOLE_FRAME_GRACE, ReceiveDeadlines
 
 
 def deadlines(idle: float = 2.0, frame: float = 5.0) -> ReceiveDeadlines:
@@ -80,21 +80,51 @@ def test_negative_timeouts_are_refused() -> None:
     gaps=st.lists(st.floats(0.0, 3.0), min_size=1, max_size=40),
     complete=st.lists(st.booleans(), min_size=40, max_size=40),
 )
-def test_idle_never_fires_within_the_timeout_of_a_complete_frame(
+def test_idle_fires_exactly_when_the_last_prompt_frame_is_a_timeout_old(
     gaps: list[float], complete: list[bool]
 ) -> None:
     """Whatever bytes arrive, the connection is idle exactly when the last
-    complete frame is at least the idle timeout old."""
+    complete frame that arrived promptly (within the grace of its first
+    byte) is at least the idle timeout old."""
     d = deadlines(idle=2.0, frame=0)
     now, frames, last_frame = 0.0, 0, 0.0
+    started: float | None = None  # first byte of the frame in progress
     for gap, done in zip(gaps, complete, strict=False):
         now += gap
         if done:
             frames += 1
-            last_frame = now
+            if started is None or now - started <= WHOLE_FRAME_GRACE:
+                last_frame = now
+            started = None
+        elif started is None:
+            started = now
         d.decoded(now, frames=frames, partial=not done, need=10)
         later = now + 0.5
         assert (d.expired(later) is not None) == (later - last_frame >= 2.0)
+
+
+def test_two_byte_frames_dripped_a_byte_at_a_time_are_no_activity() -> None:
+    d = deadlines(idle=2.0, frame=0)
+    now, frames = 0.0, 0
+    while now < 1.9:
+        now += 0.6
+        d.decoded(now, frames=frames, partial=True, need=2)  # the first byte
+        now += 0.6
+        frames += 1
+        d.decoded(now, frames=frames, partial=False)  # the second
+    assert d.expired(2.0) is not None
+    # The same frames sent whole keep the connection.
+    d = deadlines(idle=2.0, frame=0)
+    for frames in range(1, 5):
+        d.decoded(1.2 * frames, frames=frames, partial=False)
+    assert d.expired(1.2 * 4 + 1.9) is None
+
+
+def test_a_large_frame_that_arrives_fast_enough_is_activity() -> None:
+    d = deadlines(idle=2.0, frame=0)
+    d.decoded(0.0, frames=0, partial=True, need=1 << 20)
+    d.decoded(1.5, frames=1, partial=False)  # 1 MiB in 1.5 s: 680 KiB/s
+    assert d.expired(3.4) is None
 
 
 def test_reading_for_counts_from_the_last_resume_and_is_zero_while_paused() -> None:

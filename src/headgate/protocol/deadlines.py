@@ -6,8 +6,12 @@ byte at a time, each byte just inside the idle timeout. Bytes are therefore
 not what keeps a connection alive; frames are:
 
 * **idle**: the connection is idle from the end of its last *complete*
-  frame. A trickle of bytes that completes no frame within ``idle_timeout``
-  is no activity, whatever its rate.
+  frame that arrived promptly: whole, or within :data:`WHOLE_FRAME_GRACE`
+  of its first byte, or at :data:`FRAME_ALLOWANCE_RATE` or faster. A trickle
+  of bytes that completes no frame within ``idle_timeout`` is no activity,
+  whatever its rate; nor are two-byte frames dripped a byte at a time (a
+  sender writes a frame at once, so only a large one, or one that straddles
+  a packet, takes any time to arrive).
 * **frame**: a frame whose first bytes arrived must be complete within
   ``frame_timeout``, plus one second per :data:`FRAME_ALLOWANCE_RATE` bytes
   of the frame's known length (so a large frame on a slow link gets the time
@@ -26,10 +30,14 @@ each pass of its 0.1 s housekeeping loop).
 
 from __future__ import annotations
 
-__all__ = ["FRAME_ALLOWANCE_RATE", "ReceiveDeadlines"]
+__all__ = ["FRAME_ALLOWANCE_RATE", "WHOLE_FRAME_GRACE", "ReceiveDeadlines"]
 
-#: Bytes per second that a frame's length buys it beyond ``frame_timeout``.
+#: Bytes per second that a frame's length buys it beyond ``frame_timeout``;
+#: a frame that arrives at least this fast counts as activity.
 FRAME_ALLOWANCE_RATE = 64 * 1024
+#: Seconds a frame may take from its first byte to its last and still count
+#: as activity, whatever its size (a frame split across packets).
+WHOLE_FRAME_GRACE = 0.5
 
 
 class ReceiveDeadlines:
@@ -86,8 +94,10 @@ class ReceiveDeadlines:
             need: the incomplete frame's length in all, where known (else 0).
         """
         if frames != self._frames:
+            if frames - self._frames > 1 or self._prompt(now):
+                # (Of two or more, at least one arrived whole just now.)
+                self._last_frame_at = now
             self._frames = frames
-            self._last_frame_at = now
             # Whatever is partial now is a new frame.
             self._frame_since = now if partial and not self._paused else None
         elif not partial:
@@ -96,6 +106,13 @@ class ReceiveDeadlines:
             self._frame_since = now
         self._partial = partial
         self._frame_need = need if partial else 0
+
+    def _prompt(self, now: float) -> bool:
+        """Whether the one frame that just completed arrived promptly enough to count."""
+        if self._frame_since is None:
+            return True  # it arrived whole (or while we could not time it)
+        took = now - self._frame_since
+        return took <= WHOLE_FRAME_GRACE or self._frame_need >= took * FRAME_ALLOWANCE_RATE
 
     def paused(self, now: float, paused: bool) -> None:
         """The receiver stopped (True) or started again (False) reading the connection."""
