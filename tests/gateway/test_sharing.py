@@ -263,9 +263,6 @@ async def opened(gw: Gateway) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
     return reader, writer
 
 
-HALF_FRAME = encode_frame(SendChannel(channel=2, payload=b"x" * (16 * 1024 - 8)))
-
-
 @pytest.mark.parametrize(
     ("settings", "deadline"),
     [
@@ -280,8 +277,8 @@ async def test_half_a_32k_frame_trickled_a_byte_at_a_time_is_closed_with_timeout
 ) -> None:
     gw = await started(tmp_path, max_message_size=32 * 1024, term_length=128 * 1024, **settings)
     try:
-        peers = [await opened(gw) for _ in range(4)]
-        # Each sends half of a 32 KiB frame at once...
+        peers = [await opened(gw) for _ in range(80)]
+        # Eighty connections each send half of a 32 KiB frame at once...
         frame = encode_frame(SendChannel(channel=2, payload=b"x" * (32 * 1024 - 8)))
         for _, writer in peers:
             writer.write(frame[: len(frame) // 2])

@@ -1098,7 +1098,11 @@ class Gateway:
                 if stream.writers:
                     stream.rebalance(now)
                     stream.flush_writers()
-            self.check_deadlines(now)
+            try:
+                self.check_deadlines(now)
+            except Exception:
+                # A bug, not a peer's doing: this loop also moves all credit.
+                log.exception("checking deadlines failed")
 
     def check_deadlines(self, now: float) -> None:
         """Close the connections past a deadline: idle, a frame, or a Plead.
@@ -1126,7 +1130,7 @@ class Gateway:
         by_session = {id(c.session): c for c in self.connections.values()}
         for stream, writer, amount in overdue:
             late = by_session.get(id(writer.session))
-            if late is None or late._closing:
+            if late is None or late._closing or late.session.closed:
                 continue
             if late.deadlines.reading_for(now) < PLEAD_READ_GRACE_S:
                 continue
