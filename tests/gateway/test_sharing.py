@@ -24,6 +24,7 @@ import pytest
 
 from headgate.config import StreamSettings
 from headgate.gateway import Gateway
+from headgate.gateway.policies import WindowFlow
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.codec import FrameDecoder, encode_frame
@@ -140,6 +141,43 @@ async def test_an_absolve_flood_over_600_handles_rebalances_once_per_pass(
         # (plus the 0.1 s housekeeping), not once per Absolve.
         assert 0 < rebalances < 600
         await flood.close()
+    finally:
+        await gw.stop()
+
+
+async def test_a_window_stream_bound_many_times_by_one_connection_gives_it_one_window(
+    tmp_path: Path,
+) -> None:
+    window = StreamSettings(policy="window", window=4)
+    gw = await started(tmp_path, streams={"w": window})
+    try:
+        many = RawPeer(producer_id=2)
+        await many.connect(gw.address)
+        handles = [many.session.bind_stream("w") for _ in range(10)]
+        await many.send()
+        await many.until(lambda: many.acked(9) >= 0)
+        flow = gw.flow(gw.streams["w"])
+        assert isinstance(flow, WindowFlow)
+        slot_bytes = flow.slot  # guarantees per window slot
+        await many.until(lambda: sum(guarantees(many, h) for h in handles if h is not None) > 0)
+        good = RawPeer(producer_id=1)
+        await good.connect(gw.address)
+        h = await good.bind("w")
+        await good.until(lambda: guarantees(good, h) == 4 * slot_bytes)
+        await many.pump(0.2)
+        assert sum(guarantees(many, x) for x in handles if x is not None) == 4 * slot_bytes
+        # A freed handle's slots go to a sibling that has none.
+        first = next(x for x in handles if x is not None and guarantees(many, x) > 0)
+        many.session.free_stream(first)
+        await many.send()
+        await many.until(
+            lambda: (
+                sum(guarantees(many, x) for x in handles if x not in (None, first))
+                == 4 * slot_bytes
+            )
+        )
+        await many.close()
+        await good.close()
     finally:
         await gw.stop()
 
