@@ -30,8 +30,14 @@ with the pieces in their own modules: TLS (``tls``), tokens and rights
 (``auth``: a Hello is authenticated, a bind is checked against the token's
 write patterns and stream quota, a Release against its admin right), turns
 and slices of received bytes (``turns``), and the budget of credit-free
-frames (``budget``). Timeouts (handshake, idle) and the cap on bytes queued
-for a peer that does not read are per connection, from ``GatewayConfig``.
+frames (``budget``). Timeouts and the cap on bytes queued for a peer that
+does not read are per connection, from ``GatewayConfig``: the handshake has
+a timer of its own; the idle and frame deadlines
+(:class:`~headgate.protocol.deadlines.ReceiveDeadlines`) and the Plead
+deadline are checked by the gateway's 0.1 s housekeeping loop
+(:meth:`Gateway.check_deadlines`), which also re-shares credit. Binds,
+frees and Absolves only mark their stream; it is re-shared once per pass of
+the event loop (:meth:`Gateway.rebalance_soon`).
 
 Durability is a group commit: a task wakes every ``group_commit_interval_ms``,
 fsyncs every log with new appends in a worker thread, then sends the
@@ -134,8 +140,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.rights: Rights | None = None
         #: Stream handles of the peer's that were refused (nothing is stored for them).
         self.refused: dict[int, str] = {}
-        #: Event-loop time of the last bytes received (for statistics: bytes
-        #: are not activity; complete frames are, see ``deadlines``).
+        #: Monotonic time (the event loop's clock) of the last bytes received:
+        #: the frames they complete are dated by it (``deadlines``); bytes
+        #: alone are no activity.
         self.last_received = 0.0
         config = gateway.config
         #: The idle and frame deadlines (sans-IO), checked by the gateway's loop.
