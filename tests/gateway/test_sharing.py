@@ -15,6 +15,7 @@ raw protocol peers that misbehave exactly as the attack does:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
-from headgate.protocol.frames import Absolve, SendChannel, SendGlobal
+from headgate.protocol.frames import Absolve, Apologise, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived, StreamBound, WelcomeReceived
 from tests.gateway.test_gateway import RawPeer, config
@@ -379,6 +380,40 @@ async def test_a_producer_that_pings_in_whole_frames_stays_connected(tmp_path: P
             await peer.pump()
         assert not peer.closed and not peer.errors()
         await peer.close()
+    finally:
+        await gw.stop()
+
+
+async def test_a_peer_that_keeps_sending_after_its_refusal_still_reads_the_error(
+    tmp_path: Path,
+) -> None:
+    gw = await started(tmp_path)
+    try:
+        reader, writer = await opened(gw)
+        # Refused at once (nothing was dropped on channel 0), and the peer
+        # goes on writing without reading: the gateway lingers, so its Error
+        # is not thrown away by a reset.
+        writer.write(encode_frame(Apologise(channel=0)))
+        for _ in range(20):
+            await asyncio.sleep(0.02)
+            try:
+                writer.write(encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1)))))
+            except ConnectionError:
+                break
+        received = bytearray()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(5):
+                while chunk := await reader.read(1 << 16):
+                    received += chunk
+        frames = FrameDecoder(max_payload=1 << 20).feed(bytes(received))
+        codes = [
+            message.code
+            for frame in frames
+            if isinstance(frame, SendGlobal)
+            and isinstance(message := m.decode_global(frame.payload), m.Error)
+        ]
+        assert codes == [ErrorCode.UNEXPECTED_APOLOGY]
+        writer.close()
     finally:
         await gw.stop()
 

@@ -105,6 +105,10 @@ RING_INITIAL = 128 * 1024
 RING_MIN_READ = 16 * 1024
 
 
+#: Where a closing connection reads what its peer still sends, to drop it.
+_DISCARD = memoryview(bytearray(RING_MIN_READ))
+
+
 def ring_limit(max_message_size: int) -> int:
     """The largest receive ring: room for the largest frame twice, at least 4 MiB."""
     return max(4 << 20, 2 * (max_message_size + 64) + RING_MIN_READ)
@@ -127,6 +131,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
+        # Whether _leave gave back what the connection held.
+        self._left = False
         self.ring = ReceiveRing(
             initial=RING_INITIAL,
             limit=ring_limit(gateway.config.max_message_size),
@@ -233,9 +239,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self._turns.received()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._closing:
+            return _DISCARD  # lingering (close_with): what comes now is dropped
         return self.ring.writable()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._closing:
+            return
         self.ring.received(nbytes)
         if self._tls_pending:
             # Decrypted bytes that came with the end of the TLS handshake,
@@ -270,13 +280,24 @@ class GatewayConnection(asyncio.BufferedProtocol):
         return 0 if self.transport is None else self.transport.get_write_buffer_size()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # What arrived before the end is stored, as it arrived, before the
+        # connection's writers leave their streams.
+        self.gateway.write_messages()
+        self._leave()
+
+    def _leave(self) -> None:
+        """Give back what the connection holds in the gateway; once.
+
+        At the end of the connection, or as soon as the gateway closes it
+        (close_with), while its socket lingers for the peer to read the end.
+        """
+        if self._left:
+            return
+        self._left = True
         if self._handshake is not None:
             self._handshake.cancel()
         self._turns.cancel()
         self.readers.close()
-        # What arrived before the end is stored, as it arrived, before the
-        # connection's writers leave their streams.
-        self.gateway.write_messages()
         self.gateway.detach(self)
 
     @property
@@ -492,7 +513,23 @@ class GatewayConnection(asyncio.BufferedProtocol):
             return
         if data:
             transport.write(data)
-        transport.close()
+        # Its batches still queued are let go (write_messages skips a closing
+        # connection), so what it holds can go back at once.
+        self._leave()
+        lingering = transport.can_write_eof()
+        if lingering:
+            # A lingering close: our last bytes, then FIN, while we go on
+            # reading (and dropping) what the peer still sends until it closes
+            # too. Closing the socket at once would answer the peer's next
+            # bytes (a slowloris keeps sending) with a reset, and a reset
+            # makes its kernel throw away the Error it has not read yet.
+            try:
+                transport.write_eof()
+                transport.resume_reading()
+            except OSError:  # the peer is gone already
+                lingering = False
+        if not lingering:
+            transport.close()
         asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
     def _handshake_expired(self) -> None:
@@ -1025,6 +1062,8 @@ class Gateway:
         """Re-share the credit of the streams :meth:`rebalance_soon` marked."""
         self._rebalance_scheduled = False
         streams, self._to_rebalance = self._to_rebalance, {}
+        if self._stopping:
+            return  # (the streams may be closed already; nobody needs credit now)
         now = time.monotonic()
         for stream in streams:
             stream.rebalance(now)
