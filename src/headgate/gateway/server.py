@@ -284,12 +284,15 @@ class GatewayConnection(asyncio.BufferedProtocol):
         # connection's writers leave their streams.
         self.gateway.write_messages()
         self._leave()
+        self.gateway.detach(self)
 
     def _leave(self) -> None:
-        """Give back what the connection holds in the gateway; once.
+        """Give back the connection's credit and subscriptions; once.
 
         At the end of the connection, or as soon as the gateway closes it
         (close_with), while its socket lingers for the peer to read the end.
+        Its connection slot is given back only when the socket is gone, so
+        lingering sockets stay bounded by ``max_connections``.
         """
         if self._left:
             return
@@ -298,7 +301,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             self._handshake.cancel()
         self._turns.cancel()
         self.readers.close()
-        self.gateway.detach(self)
+        self.gateway.drop_writers(self)
 
     @property
     def buffered_bytes(self) -> int:
@@ -516,7 +519,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         # Its batches still queued are let go (write_messages skips a closing
         # connection), so what it holds can go back at once.
         self._leave()
-        lingering = transport.can_write_eof()
+        # Only a connection that holds a slot lingers (one refused for lack
+        # of a slot is closed at once: its socket would be counted nowhere).
+        lingering = transport.can_write_eof() and self.conn_id in self.gateway.connections
         if lingering:
             # A lingering close: our last bytes, then FIN, while we go on
             # reading (and dropping) what the peer still sends until it closes
