@@ -16,8 +16,8 @@ granted to writers below their share. A writer above its share while another
 waits is pleaded down (the seed's Plead/Absolve), and a writer that has gone
 quiet keeps only a floor, so its share moves to those still writing.
 
-What a fair share is, is :func:`fair_shares` (the one home of the rule, for
-every policy): equal among *parties* (the token, or the connection where the
+What a fair share is, is :func:`fair_shares` (the one home of the rule):
+equal among *parties* (the token, or the connection where the
 gateway has no tokens file), then among a party's connections, then among a
 connection's handles. Binding the same stream a thousand times, or opening
 sixty connections with one token, buys no more of the stream than one writer.
@@ -129,7 +129,9 @@ def fair_shares(
 ) -> dict[int, int]:
     """The fair share of ``total`` guarantees of each writer of one stream, by ``id``.
 
-    The one rule for sharing a stream, used by every policy. It is equal
+    The one rule for sharing a stream's log space: the credit policy's
+    grants, pleads and reclaims all go by it (and the window policy groups
+    alike: one window per connection, not per handle). It is equal
     per *party* first, then per connection within a party, then per handle
     within a connection: so what a peer gets does not grow with the handles
     it binds (a thousand binds of one stream on one connection share one
