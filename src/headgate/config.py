@@ -23,6 +23,8 @@ Example ``headgate.toml``::
     tls_client_ca = "clients-ca.pem" # require client certificates signed by it
     auth_file = "tokens.toml"       # require a token in Hello (headgate token)
     idle_timeout_ms = 60000
+    frame_timeout_ms = 10000
+    plead_deadline_ms = 2000
     handshake_timeout_ms = 10000
     max_write_buffer = "1MiB"
     bind_budget = "16KiB"
@@ -185,9 +187,23 @@ class GatewayConfig:
     auth_file: Path | None = None
     #: How long a peer has to send Hello.
     handshake_timeout_ms: float = 10_000.0
-    #: A connection that sends nothing for this long is closed (0: never).
+    #: A connection that completes no frame for this long is closed with
+    #: TIMEOUT (0: never); bytes that complete no frame are not activity, nor
+    #: is a frame dripped over more than 0.5 s at under 64 KiB/s.
     #: Announced in Welcome; producers Ping at a third of it.
     idle_timeout_ms: int = 60_000
+    #: A frame whose first bytes arrived must be complete within this long,
+    #: plus one second per 64 KiB of its length, or the connection is closed
+    #: with TIMEOUT (0: no limit). Time while the gateway itself does not read
+    #: the connection does not count.
+    frame_timeout_ms: int = 10_000
+    #: A writer must absolve what a Plead asks within this long, or its
+    #: connection is closed with TIMEOUT and its guarantees return to the
+    #: stream (0: never). Announced in Welcome. A writer that answers Pleads
+    #: (the producer library does, on receipt) needs a round trip; the
+    #: deadline is how long one that does not can starve the others. Time
+    #: while the gateway does not read the connection does not count.
+    plead_deadline_ms: int = 2_000
     #: Bytes queued for a peer that does not read, beyond which it is cut off.
     max_write_buffer: int = 1024**2
     #: Bind-channel guarantees per connection: the bytes of stream-name
@@ -286,6 +302,10 @@ class GatewayConfig:
             raise ConfigError("handshake_timeout_ms must be positive")
         if self.idle_timeout_ms < 0:
             raise ConfigError("idle_timeout_ms must not be negative (0 disables it)")
+        if self.frame_timeout_ms < 0:
+            raise ConfigError("frame_timeout_ms must not be negative (0 disables it)")
+        if self.plead_deadline_ms < 0:
+            raise ConfigError("plead_deadline_ms must not be negative (0 disables it)")
         if self.max_write_buffer < 64 * 1024:
             raise ConfigError(
                 f"max_write_buffer must be at least 64KiB, got {self.max_write_buffer}"
@@ -322,6 +342,8 @@ _GATEWAY_KEYS = {
     "auth_file",
     "handshake_timeout_ms",
     "idle_timeout_ms",
+    "frame_timeout_ms",
+    "plead_deadline_ms",
     "max_write_buffer",
     "bind_budget",
     "max_streams",
@@ -386,6 +408,8 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             "max_connections",
             "max_connection_debt",
             "idle_timeout_ms",
+            "frame_timeout_ms",
+            "plead_deadline_ms",
             "max_streams",
             "streams_per_token",
             "max_control_rate",

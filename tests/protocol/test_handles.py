@@ -9,6 +9,7 @@ from headgate.protocol.errors import ErrorCode, HandleError
 from headgate.protocol.handles import (
     BindingState,
     Freed,
+    FreeRule,
     HandleSpace,
     HandleTable,
     HandleTableStatistics,
@@ -398,3 +399,45 @@ def test_statistics_count_states_and_references() -> None:
     assert other.statistics() == HandleTableStatistics(
         bindings=3, freed_by_us=1, marked_for_deletion=1, references=1, bound_bytes=0
     )
+
+
+# --- only the creator proposes (headgate's sessions) --------------------------------
+
+
+def creator_rule_pair() -> tuple[HandleTable[str], HandleTable[str]]:
+    return (
+        HandleTable(STREAM, created_by_us=True, free_rule=FreeRule.CREATOR),
+        HandleTable(STREAM, created_by_us=False, free_rule=FreeRule.CREATOR),
+    )
+
+
+def test_under_the_creator_rule_the_peer_cannot_propose_to_free_our_handle() -> None:
+    creator, other = creator_rule_pair()
+    handle = bind_both(creator, other, "fetch")
+    with pytest.raises(HandleError) as caught:
+        creator.on_free(handle)  # the other peer's proposal
+    assert caught.value.code is ErrorCode.UNEXPECTED_FRAME
+    # Refused, nothing changed: the creator still uses its handle.
+    assert creator.state(handle) is BindingState.LIVE
+    assert creator.use(handle) == "fetch"
+
+
+def test_under_the_creator_rule_the_peer_confirms_the_creators_proposal() -> None:
+    creator, other = creator_rule_pair()
+    handle = bind_both(creator, other, "fetch")
+    proposal = creator.free(handle)
+    answered = other.on_free(proposal.handle)
+    assert isinstance(answered, Freed) and answered.reply is not None
+    assert creator.on_free(handle) == Freed(handle=handle, reply=None, deleted=True)
+    # A second confirmation is a double free, as under the seed's rule.
+    with pytest.raises(HandleError) as caught:
+        creator.on_free(handle)
+    assert caught.value.code is ErrorCode.HANDLE_FREED
+
+
+def test_under_the_creator_rule_we_do_not_propose_to_free_the_peers_handle() -> None:
+    creator, other = creator_rule_pair()
+    handle = bind_both(creator, other, "stream")
+    with pytest.raises(ValueError, match="only the peer frees it"):
+        other.free(handle)
+    assert other.state(handle) is BindingState.LIVE

@@ -26,7 +26,11 @@ when the gateway stops a producer:
     once, so that a producer that never sends optimistically cannot deadlock.
     A producer with ``policy="window"`` spends one whole slot per batch (it
     absolves the rest), so the window counts batches exactly; a plain
-    ``wait`` producer is bounded by the same bytes, ``window`` slots.
+    ``wait`` producer is bounded by the same bytes, ``window`` slots. As with
+    credit, the window belongs to the connection, not to the handle: handles
+    of one connection on one stream share its ``window`` slots (the first
+    takes them; another gets those a freed one gave back), so binding a
+    stream many times does not multiply what the gateway may hold.
 
 ``xonxoff``
     No credit at all: each writer gets guarantees it will never exhaust, and
@@ -182,15 +186,12 @@ class Flow:
                 over -= take
         if over <= 0:
             return
-        shares = s._shares(now)
+        shares = s.shares(now)
         for w in s.writers:
             state = w.session.inbound(w.channel)
             excess = state.capacity - shares.get(id(w), 0)
             if excess > 0 and state.client_guarantees > 0:
-                target = max(0, state.client_guarantees - excess)
-                if w.pleaded != target:
-                    w.session.plead(w.channel, target)
-                    w.pleaded = target
+                s.plead(w, max(0, state.client_guarantees - excess), now)
 
     # -- helpers for the policies that process their own channels --
 
@@ -282,6 +283,8 @@ class WindowFlow(Flow):
         self.slot = batch_cost(max_message_size)
         # Slot remainders the writer absolved, given back with its batches' acks.
         self._absolved: dict[Writer, int] = {}
+        # Window slots each live writer was given (its connection's share).
+        self._slots: dict[Writer, int] = {}
         # Appended batches waiting to be durable: (end position, writer).
         self._unacked: deque[tuple[int, Writer]] = deque()
 
@@ -309,11 +312,29 @@ class WindowFlow(Flow):
 
     def _opening(self, writer: Writer) -> None:
         # The whole window at once: a producer that waits for guarantees has them.
-        writer.session.inbound(writer.channel).grow(self.settings.window * self.slot)
+        self._slots[writer] = 0
+        self._give_slots([writer])
+
+    def _give_slots(self, writers: list[Writer]) -> None:
+        """Give each of ``writers`` what its connection has left of its window."""
+        used: dict[int, int] = {}
+        for w, n in self._slots.items():
+            used[id(w.session)] = used.get(id(w.session), 0) + n
+        for w in writers:
+            give = self.settings.window - used.get(id(w.session), 0)
+            if give > 0:
+                self._slots[w] += give
+                used[id(w.session)] = self.settings.window
+                w.session.inbound(w.channel).grow(give * self.slot)
 
     def rebalance(self, now: float) -> None:
         s = self.stream
+        gone = [w for w in self._slots if not w.alive]
+        for w in gone:
+            del self._slots[w]
         self._open_channels()
+        if gone:
+            self._give_slots(s.writers)  # slots of freed handles, to their siblings
         self._drain(now)
         durable = s.log.durable_position
         while self._unacked and self._unacked[0][0] <= durable:

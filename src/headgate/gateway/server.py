@@ -30,8 +30,14 @@ with the pieces in their own modules: TLS (``tls``), tokens and rights
 (``auth``: a Hello is authenticated, a bind is checked against the token's
 write patterns and stream quota, a Release against its admin right), turns
 and slices of received bytes (``turns``), and the budget of credit-free
-frames (``budget``). Timeouts (handshake, idle) and the cap on bytes queued
-for a peer that does not read are per connection, from ``GatewayConfig``.
+frames (``budget``). Timeouts and the cap on bytes queued for a peer that
+does not read are per connection, from ``GatewayConfig``: the handshake has
+a timer of its own; the idle and frame deadlines
+(:class:`~headgate.protocol.deadlines.ReceiveDeadlines`) and the Plead
+deadline are checked by the gateway's 0.1 s housekeeping loop
+(:meth:`Gateway.check_deadlines`), which also re-shares credit. Binds,
+frees and Absolves only mark their stream; it is re-shared once per pass of
+the event loop (:meth:`Gateway.rebalance_soon`).
 
 Durability is a group commit: a task wakes every ``group_commit_interval_ms``,
 fsyncs every log with new appends in a worker thread, then sends the
@@ -67,6 +73,7 @@ from headgate.gateway.tls import server_context
 from headgate.gateway.turns import TurnTaker
 from headgate.log import LogError
 from headgate.protocol import messages as m
+from headgate.protocol.deadlines import ReceiveDeadlines
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.records import load_accelerator
 from headgate.protocol.session import (
@@ -90,10 +97,17 @@ log = logging.getLogger("headgate.gateway")
 CLOSE_GRACE_S = 2.0
 #: How often idle writers are re-checked and credit re-shared.
 REBALANCE_INTERVAL_S = 0.1
+#: How long the gateway must have been reading a connection before a Plead
+#: deadline can end it: an Absolve still unread in the socket is not late.
+PLEAD_READ_GRACE_S = 0.5
 #: Bytes of a connection's first receive ring.
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
 RING_MIN_READ = 16 * 1024
+
+
+#: Where a closing connection reads what its peer still sends, to drop it.
+_DISCARD = memoryview(bytearray(RING_MIN_READ))
 
 
 def ring_limit(max_message_size: int) -> int:
@@ -122,6 +136,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
         self._closing = False
+        # Whether _leave gave back what the connection held.
+        self._left = False
         self.ring = ReceiveRing(
             initial=RING_INITIAL,
             limit=ring_limit(gateway.config.max_message_size),
@@ -135,9 +151,17 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.rights: Rights | None = None
         #: Stream handles of the peer's that were refused (nothing is stored for them).
         self.refused: dict[int, str] = {}
-        #: Event-loop time of the last bytes received (for the idle timeout).
+        #: Monotonic time (the event loop's clock) of the last bytes received:
+        #: the frames they complete are dated by it (``deadlines``); bytes
+        #: alone are no activity.
         self.last_received = 0.0
-        self._idle: asyncio.TimerHandle | None = None
+        config = gateway.config
+        #: The idle and frame deadlines (sans-IO), checked by the gateway's loop.
+        self.deadlines = ReceiveDeadlines(
+            idle_timeout=config.idle_timeout_ms / 1000,
+            frame_timeout=config.frame_timeout_ms / 1000,
+            now=time.monotonic(),
+        )
         self._tls_pending = tls
         self._tls_task: asyncio.Task[None] | None = None
         self._turns = TurnTaker(
@@ -220,16 +244,20 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self._turns.received()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._closing:
+            return _DISCARD  # lingering (close_with): what comes now is dropped
         return self.ring.writable()
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self._closing:
+            return
         self.ring.received(nbytes)
         if self._tls_pending:
             # Decrypted bytes that came with the end of the TLS handshake,
             # before start_tls returned the transport to answer on: they wait
             # in the ring until then.
             return
-        self.last_received = asyncio.get_running_loop().time()
+        self.last_received = time.monotonic()
         if not self._closing:
             self._turns.received()
         if not self._closing and not self.ring.can_read():
@@ -257,16 +285,28 @@ class GatewayConnection(asyncio.BufferedProtocol):
         return 0 if self.transport is None else self.transport.get_write_buffer_size()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._handshake is not None:
-            self._handshake.cancel()
-        if self._idle is not None:
-            self._idle.cancel()
-        self._turns.cancel()
-        self.readers.close()
         # What arrived before the end is stored, as it arrived, before the
         # connection's writers leave their streams.
         self.gateway.write_messages()
+        self._leave()
         self.gateway.detach(self)
+
+    def _leave(self) -> None:
+        """Give back the connection's credit and subscriptions; once.
+
+        At the end of the connection, or as soon as the gateway closes it
+        (close_with), while its socket lingers for the peer to read the end.
+        Its connection slot is given back only when the socket is gone, so
+        lingering sockets stay bounded by ``max_connections``.
+        """
+        if self._left:
+            return
+        self._left = True
+        if self._handshake is not None:
+            self._handshake.cancel()
+        self._turns.cancel()
+        self.readers.close()
+        self.gateway.drop_writers(self)
 
     @property
     def buffered_bytes(self) -> int:
@@ -277,14 +317,41 @@ class GatewayConnection(asyncio.BufferedProtocol):
         return self.ring.statistics().in_use + self.session.pending_output + queued
 
     def _pause_transport(self) -> None:
+        # A frame cannot progress while we do not read: its clock stops.
+        self.deadlines.paused(time.monotonic(), True)
         if self.transport is not None and not self._tls_pending:
             self.transport.pause_reading()
 
     def _resume_transport(self) -> None:
+        self.deadlines.paused(time.monotonic(), False)
         if self.transport is not None and not self._closing and not self._tls_pending:
             self.transport.resume_reading()
 
+    def _note_decoded(self) -> None:
+        """Tell the deadlines what a decoding turn left: complete frames, a partial one."""
+        ring = self.ring
+        # Bytes still undecoded are an incomplete frame, unless a later turn
+        # is due for them (then reading is paused and no clock runs).
+        partial = ring.undecoded > 0 and not self._turns.waiting
+        # Frames count from when their bytes arrived, not from when a turn
+        # got to them: a backlog decoded while reading is paused is no news.
+        self.deadlines.decoded(
+            self.last_received,
+            frames=self.session.frames_received,
+            partial=partial,
+            need=ring.need,
+        )
+
+    def check_deadlines(self, now: float) -> None:
+        """Close the connection with TIMEOUT if it is idle or a frame is overdue."""
+        if self._closing or self._tls_pending or self.session.closed:
+            return  # (the handshake timer covers TLS)
+        reason = self.deadlines.expired(now, idle=self.session.opened)
+        if reason is not None:
+            self.refuse(ProtocolError(reason, code=ErrorCode.TIMEOUT))
+
     def _after_turn(self) -> None:
+        self._note_decoded()
         self.flush()
         if "ring" in self.reads.reasons and self.ring.can_read():
             self.reads.set("ring", False)
@@ -301,6 +368,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """
         source = memoryview(data).cast("B")
         pos = 0
+        self.last_received = time.monotonic()
         while pos < len(source) and not self._closing:
             # On the loop the writer, scheduled by the last read, runs before
             # the next read; here too.
@@ -315,6 +383,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 pass
             if not self._closing and not self.ring.can_read():
                 self.reads.set("ring", True)
+        self._note_decoded()
+        # As on the loop, the credit decisions of what was fed are made now.
+        self.gateway.rebalance_marked()
         self.flush()
 
     def _decode_slice(self, limit: int) -> int:
@@ -452,8 +523,6 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if self.transport is None or self._closing:
             return
         self._closing = True
-        if self._idle is not None:
-            self._idle.cancel()
         transport = self.transport
         if self._tls_pending:
             transport.abort()  # nothing can be said before TLS is up
@@ -461,7 +530,25 @@ class GatewayConnection(asyncio.BufferedProtocol):
             return
         if data:
             transport.write(data)
-        transport.close()
+        # Its batches still queued are let go (write_messages skips a closing
+        # connection), so what it holds can go back at once.
+        self._leave()
+        # Only a connection that holds a slot lingers (one refused for lack
+        # of a slot is closed at once: its socket would be counted nowhere).
+        lingering = transport.can_write_eof() and self.conn_id in self.gateway.connections
+        if lingering:
+            # A lingering close: our last bytes, then FIN, while we go on
+            # reading (and dropping) what the peer still sends until it closes
+            # too. Closing the socket at once would answer the peer's next
+            # bytes (a slowloris keeps sending) with a reset, and a reset
+            # makes its kernel throw away the Error it has not read yet.
+            try:
+                transport.write_eof()
+                transport.resume_reading()
+            except OSError:  # the peer is gone already
+                lingering = False
+        if not lingering:
+            transport.close()
         asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
 
     def _handshake_expired(self) -> None:
@@ -470,21 +557,6 @@ class GatewayConnection(asyncio.BufferedProtocol):
             self.close_with(b"")
         elif not self.session.opened and not self._closing:
             self.refuse(ProtocolError("no Hello in time", code=ErrorCode.TIMEOUT))
-
-    def _arm_idle(self, delay: float) -> None:
-        self._idle = asyncio.get_running_loop().call_later(delay, self._idle_check)
-
-    def _idle_check(self) -> None:
-        if self._closing:
-            return
-        timeout = self.gateway.config.idle_timeout_ms / 1000
-        silent = asyncio.get_running_loop().time() - self.last_received
-        if silent >= timeout:
-            self.refuse(
-                ProtocolError(f"nothing received for {silent:.1f} s", code=ErrorCode.TIMEOUT)
-            )
-        else:
-            self._arm_idle(timeout - silent)
 
     def _bind_refusal(self, name: str) -> ProtocolError | None:
         """Why the peer may not bind stream ``name``, or None if it may."""
@@ -564,12 +636,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     throttle=self.throttle,
                     account=self.account,
                     refuse=self.refuse,
+                    party=self.share_party,
                 )
                 self.writers[handle] = writer
                 stream.add_writer(writer)
                 # Tell the producer where its sequence numbers resume.
                 stream.announce_resume(writer)
-                stream.rebalance(time.monotonic())
+                gw.rebalance_soon(stream)
             case HelloReceived(hello=hello):
                 if self._handshake is not None:
                     self._handshake.cancel()
@@ -590,16 +663,18 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         max_message_size=gw.config.max_message_size,
                         idle_timeout_ms=gw.config.idle_timeout_ms,
                         producer_secret=secret,
+                        plead_deadline_ms=gw.config.plead_deadline_ms,
                     )
                 )
                 self.session.grant(m.STREAM_CHANNEL, gw.config.bind_budget)
-                if gw.config.idle_timeout_ms > 0:
-                    self._arm_idle(gw.config.idle_timeout_ms / 1000)
             case Absolved(handle=handle) if handle is not None and handle in self.writers:
                 writer = self.writers[handle]
-                gw.flow(gw.streams[writer.stream]).on_absolved(writer, event.amount)
-                # The absolved space is free now: share it with who pleaded for it.
-                self._rebalance_handle(handle)
+                stream = gw.streams[writer.stream]
+                gw.flow(stream).on_absolved(writer, event.amount)
+                # The absolved space is free now: share it with who pleaded
+                # for it, once for all the Absolves of this pass (an Absolve
+                # costs O(1), however many handles the stream has).
+                gw.rebalance_soon(stream)
             case HandleDeleted(handle=handle, ours=False):
                 # The binding's bytes are bind-channel space again.
                 self.session.issue(m.STREAM_CHANNEL)
@@ -608,7 +683,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     writer = self.writers.pop(handle)
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
-                    stream.rebalance(time.monotonic())
+                    gw.rebalance_soon(stream)
             case MessageReceived(message=m.Fetch() | m.Subscribe() | m.ListStreams() as request):
                 rights = self.rights
                 assert rights is not None
@@ -646,8 +721,17 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.producer_claimed = refusal is None
         return refusal
 
-    def _rebalance_handle(self, handle: int) -> None:
-        self.gateway.streams[self.writers[handle].stream].rebalance(time.monotonic())
+    @property
+    def share_party(self) -> str | None:
+        """Whom this connection's writers' credit is shared for (streams.fair_shares).
+
+        The token, where the gateway has a tokens file, so that more
+        connections with one token take no more of a stream; else None, the
+        connection itself.
+        """
+        if self.gateway.tokens is None or self.rights is None:
+            return None
+        return self.rights.name
 
 
 class Gateway:
@@ -662,6 +746,9 @@ class Gateway:
         self._ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []
         self._dirty: set[Stream] = set()
+        # Streams whose credit is re-shared at the end of this loop pass.
+        self._to_rebalance: dict[Stream, None] = {}
+        self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
         self._stopping = False
@@ -985,10 +1072,51 @@ class Gateway:
     def detach(self, conn: GatewayConnection) -> None:
         """A connection ended: its writers' unused credit goes back to the pool."""
         self.connections.pop(conn.conn_id, None)
+        self.drop_writers(conn)
+
+    def drop_writers(self, conn: GatewayConnection) -> None:
+        """Take the connection's writers off their streams; share out what they held.
+
+        Once per stream, however many handles the connection bound on it.
+        """
+        streams: dict[str, Stream] = {}
         for writer in conn.writers.values():
             stream = self.streams[writer.stream]
             stream.remove_writer(writer)
-            stream.rebalance(time.monotonic())
+            streams[stream.name] = stream
+        conn.writers.clear()
+        now = time.monotonic()
+        for stream in streams.values():
+            stream.rebalance(now)
+            stream.flush_writers()
+
+    def rebalance_soon(self, stream: Stream) -> None:
+        """Re-share ``stream``'s credit once, after what this pass of the loop does.
+
+        Binds, frees and Absolves only mark the stream: however many of them
+        a peer sends, its streams are rebalanced once per pass, not once per
+        frame (a rebalance visits every writer of the stream).
+        """
+        self._to_rebalance[stream] = None
+        if self._rebalance_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # fed by hand outside a loop: at once
+            self.rebalance_marked()
+            return
+        self._rebalance_scheduled = True
+        loop.call_soon(self.rebalance_marked)
+
+    def rebalance_marked(self) -> None:
+        """Re-share the credit of the streams :meth:`rebalance_soon` marked."""
+        self._rebalance_scheduled = False
+        streams, self._to_rebalance = self._to_rebalance, {}
+        if self._stopping:
+            return  # (the streams may be closed already; nobody needs credit now)
+        now = time.monotonic()
+        for stream in streams:
+            stream.rebalance(now)
             stream.flush_writers()
 
     def statistics(self) -> list[StreamStatistics]:
@@ -1070,3 +1198,47 @@ class Gateway:
                 if stream.writers:
                     stream.rebalance(now)
                     stream.flush_writers()
+            try:
+                self.check_deadlines(now)
+            except Exception:
+                # A bug, not a peer's doing: this loop also moves all credit.
+                log.exception("checking deadlines failed")
+
+    def check_deadlines(self, now: float) -> None:
+        """Close the connections past a deadline: idle, a frame, or a Plead.
+
+        A pure function of ``now`` and the state (the loop calls it every
+        ``REBALANCE_INTERVAL_S``). A writer that has not absolved what a Plead
+        asked within ``plead_deadline_ms`` loses its connection with TIMEOUT,
+        and its guarantees go back to the stream at once; but not while the
+        gateway itself is not reading the connection (its Absolve may wait
+        unread in the socket), nor within ``PLEAD_READ_GRACE_S`` of reading
+        again.
+        """
+        for conn in list(self.connections.values()):
+            conn.check_deadlines(now)
+        deadline_ms = self.config.plead_deadline_ms
+        if deadline_ms <= 0:
+            return
+        overdue = [
+            (stream, writer, amount)
+            for stream in self.streams.values()
+            for writer, amount in stream.overdue_pleas(now, deadline_ms / 1000)
+        ]
+        if not overdue:
+            return
+        by_session = {id(c.session): c for c in self.connections.values()}
+        for stream, writer, amount in overdue:
+            late = by_session.get(id(writer.session))
+            if late is None or late._closing or late.session.closed:
+                continue
+            if late.deadlines.reading_for(now) < PLEAD_READ_GRACE_S:
+                continue
+            late.refuse(
+                ProtocolError(
+                    f"did not absolve {amount} bytes of stream {stream.name!r} within "
+                    f"{deadline_ms} ms of the gateway's Plead",
+                    code=ErrorCode.TIMEOUT,
+                )
+            )
+            self.drop_writers(late)

@@ -16,6 +16,17 @@ granted to writers below their share. A writer above its share while another
 waits is pleaded down (the seed's Plead/Absolve), and a writer that has gone
 quiet keeps only a floor, so its share moves to those still writing.
 
+What a fair share is, is :func:`fair_shares` (the one home of the rule):
+equal among *parties* (the token, or the connection where the
+gateway has no tokens file), then among a party's connections, then among a
+connection's handles. Binding the same stream a thousand times, or opening
+sixty connections with one token, buys no more of the stream than one writer.
+
+A Plead has a deadline (``plead_deadline_ms``, announced in Welcome): a
+writer still holding more guarantees than the Plead asked it to keep when
+the deadline passes is reported by :meth:`Stream.overdue_pleas`, and the
+gateway closes its connection (whose guarantees then return to the stream).
+
 When the file system refuses the stream's log (a full disk: a new term
 cannot be reserved, or a group commit fails), the stream is *held*: batches
 its channels buffered are kept, in arrival order, in memory (bounded by the
@@ -36,7 +47,7 @@ import json
 import logging
 import os
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -79,6 +90,11 @@ class Writer:
     alive: bool = True
     #: The target of the last Plead sent, to avoid repeating it.
     pleaded: int | None = None
+    #: When the unanswered Plead was first sent (caller's clock), or None.
+    pleaded_at: float | None = None
+    #: The largest target pleaded since ``pleaded_at``: holding no more than
+    #: that answers the Plead (later targets only follow batches sent since).
+    pleaded_most: int = 0
     #: Pauses (True) or resumes (False) reading the connection, for a reason.
     throttle: Callable[[str, bool], None] | None = None
     #: The connection's account, charged for the fan-out a batch causes.
@@ -86,10 +102,76 @@ class Writer:
     #: Ends the connection with an error, for a batch found out of order only
     #: when a policy stores it later (on arrival the caller refuses it).
     refuse: Callable[[ProtocolError], None] | None = None
+    #: Whom the writer's share is counted for (see :func:`fair_shares`): the
+    #: token's name where the gateway has a tokens file; None: its connection.
+    party: Hashable | None = None
 
     @property
     def channel(self) -> int:
         return m.data_channel(self.handle)
+
+
+def _split(total: int, floor: int, active: Sequence[bool]) -> list[int]:
+    """Share ``total`` among members: idle ones get a floor, active ones the rest equally.
+
+    An idle member keeps ``min(floor, total // n)`` so that it can still send
+    a batch without waiting; when all members are idle (or all active) they
+    share equally. The sum never exceeds ``total``.
+    """
+    n = len(active)
+    busy = sum(active)
+    if busy == 0 or busy == n:
+        return [total // n] * n
+    kept = min(floor, total // n)
+    share = (total - kept * (n - busy)) // busy
+    return [share if a else kept for a in active]
+
+
+def fair_shares(
+    total: int, floor: int, writers: Sequence[Writer], now: float | None
+) -> dict[int, int]:
+    """The fair share of ``total`` guarantees of each writer of one stream, by ``id``.
+
+    The one rule for sharing a stream's log space: the credit policy's
+    grants, pleads and reclaims all go by it (and the window policy groups
+    alike: one window per connection, not per handle). It is equal
+    per *party* first, then per connection within a party, then per handle
+    within a connection: so what a peer gets does not grow with the handles
+    it binds (a thousand binds of one stream on one connection share one
+    connection's part), nor, where the gateway has tokens, with the
+    connections it opens (sixty connections of one token share that token's
+    part). Per token rather than per connection because a token is what a
+    budget is granted to; without a tokens file every peer is anonymous and
+    the connection is the finest owner there is (an address is shared by
+    everything behind one NAT, or one loopback).
+
+    At each level a member is idle when none of its writers sent a batch for
+    :data:`IDLE_AFTER_S` (with ``now`` None, nobody is idle); an idle member
+    keeps only a floor of ``floor`` (at most an equal part) while others are
+    active. The shares sum to at most ``total``.
+    """
+    if not writers:
+        return {}
+    parties: dict[Hashable, dict[int, list[Writer]]] = {}
+    for w in writers:
+        party = w.party if w.party is not None else ("connection", id(w.session))
+        parties.setdefault(party, {}).setdefault(id(w.session), []).append(w)
+
+    def active(group: Sequence[Writer]) -> bool:
+        return now is None or any(now - w.last_active <= IDLE_AFTER_S for w in group)
+
+    out: dict[int, int] = {}
+    party_groups = list(parties.values())
+    party_parts = _split(
+        total, floor, [active([w for c in p.values() for w in c]) for p in party_groups]
+    )
+    for connections, party_part in zip(party_groups, party_parts, strict=True):
+        groups = list(connections.values())
+        parts = _split(party_part, floor, [active(c) for c in groups])
+        for handles, part in zip(groups, parts, strict=True):
+            shares = _split(part, floor, [active([w]) for w in handles])
+            out.update((id(w), share) for w, share in zip(handles, shares, strict=True))
+    return out
 
 
 class HeldBatch:
@@ -498,7 +580,7 @@ class Stream:
         released = self.log.release_position
         if not self._inflight or self._inflight[0][0] > released:
             return
-        shares = self._shares(now=None)
+        shares = self.shares(now=None)
         while self._inflight and self._inflight[0][0] <= released:
             _, writer = self._inflight.popleft()
             if not writer.alive:
@@ -510,23 +592,10 @@ class Stream:
                 reissue=self.storage_error is None and state.capacity <= shares.get(id(writer), 0),
             )
 
-    def _shares(self, now: float | None) -> dict[int, int]:
-        """The fair share of each writer: equal among active, a floor for idle."""
+    def shares(self, now: float | None) -> dict[int, int]:
+        """Each writer's fair share of the stream, by ``id`` (see :func:`fair_shares`)."""
         total = max(0, self.log.capacity - self.reserve)
-        live = self.writers
-        if not live:
-            return {}
-        idle = []
-        if now is not None and len(live) > 1:
-            idle = [w for w in live if now - w.last_active > IDLE_AFTER_S]
-            if len(idle) == len(live):
-                idle = []
-        active = [w for w in live if w not in idle]
-        floor = min(self._floor, total // len(live))
-        share = (total - floor * len(idle)) // max(1, len(active))
-        out = {id(w): share for w in active}
-        out.update({id(w): floor for w in idle})
-        return out
+        return fair_shares(total, self._floor, self.writers, now)
 
     def set_capacity(self, capacity: int) -> None:
         """Resize the log; the next :meth:`rebalance` grants or pleads to match."""
@@ -544,7 +613,7 @@ class Stream:
         """Grant free space to writers below their share; plead those above it."""
         if self.storage_error is not None:
             return  # no guarantees while the storage fails
-        shares = self._shares(now)
+        shares = self.shares(now)
         if not shares:
             return
         unassigned = self.unassigned()
@@ -563,13 +632,49 @@ class Stream:
             state = w.session.inbound(w.channel)
             excess = state.capacity - shares[id(w)]
             if starving and excess > 0 and state.client_guarantees > 0:
-                target = max(0, state.client_guarantees - excess)
-                if w.pleaded != target:
-                    w.session.plead(w.channel, target)
-                    w.pleaded = target
+                self.plead(w, max(0, state.client_guarantees - excess), now)
             elif excess <= 0:
                 w.pleaded = None
+                w.pleaded_at = None
             w.session.issue(w.channel)
+
+    # -- pleas and their deadline ------------------------------------------------
+
+    @staticmethod
+    def plead(writer: Writer, target: int, now: float) -> None:
+        """Ask ``writer`` to keep only ``target`` guarantees, and start its deadline.
+
+        The one place a Plead is sent. A repeated target is not sent again;
+        the deadline runs from the first Plead that is still unanswered.
+        """
+        if writer.pleaded == target:
+            return
+        writer.session.plead(writer.channel, target)
+        writer.pleaded = target
+        if writer.pleaded_at is None:
+            writer.pleaded_at = now
+            writer.pleaded_most = target
+        else:
+            writer.pleaded_most = max(writer.pleaded_most, target)
+
+    def overdue_pleas(self, now: float, deadline: float) -> list[tuple[Writer, int]]:
+        """Writers that still hold more than they were pleaded down to after ``deadline`` s.
+
+        Returns each with the bytes it did not absolve. A writer that holds no
+        more than its Plead's target has answered it (its deadline stops);
+        one that Pleads since asked for less, only because it sent batches
+        meanwhile, is measured against the largest target of the episode.
+        """
+        overdue: list[tuple[Writer, int]] = []
+        for w in self.writers:
+            if w.pleaded_at is None:
+                continue
+            held = w.session.inbound(w.channel).client_guarantees
+            if held <= w.pleaded_most:
+                w.pleaded_at = None
+            elif now - w.pleaded_at >= deadline:
+                overdue.append((w, held - w.pleaded_most))
+        return overdue
 
     def flush_writers(self) -> None:
         """Write out what this stream's credit decisions queued, once per connection."""

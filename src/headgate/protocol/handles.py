@@ -37,6 +37,14 @@ The state of one binding, as seen by one peer::
 
     LIVE ──free()──▶ FREED_BY_US ──on_free()──▶ MARKED ──count==0──▶ deleted
       └────────────────on_free() (answers)───────▲
+
+Who may propose is a table's :class:`FreeRule`. The seed lets either peer
+propose (``EITHER``). A headgate session uses ``CREATOR``: only the peer
+that bound a handle proposes to free it, and the other peer's FreeHandle is
+only ever the answer. So a reader cannot free a handle the gateway bound for
+its fetches (and the gateway then go on using a handle the peer took away):
+a peer's proposal to free a handle we created is refused with
+``UNEXPECTED_FRAME``, while its confirmation of our own proposal stands.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ V = TypeVar("V")
 
 __all__ = [
     "BindingState",
+    "FreeRule",
     "Freed",
     "HandleSpace",
     "HandleTable",
@@ -141,21 +150,50 @@ class BindingState(Enum):
     MARKED = "marked"
 
 
+class FreeRule(Enum):
+    """Which peer may propose to free a handle (the other one answers)."""
+
+    #: Either peer, as the seed allows ("they should both be able to remove
+    #: bindings").
+    EITHER = "either"
+    #: Only the peer that created the handle (headgate's sessions).
+    CREATOR = "creator"
+
+
+class _Proposers(Enum):
+    # Who may propose, for one table: its rule seen from its side.
+    BOTH = "both"
+    US = "us"
+    PEER = "peer"
+
+
 class _FreeEvent(Enum):
     WE_PROPOSE = "we_propose"
     PEER_PROPOSES = "peer_proposes"
 
 
-# The whole free protocol. A pair that is missing is an error: ours if we
-# propose (ValueError), the peer's if it proposes (HandleError HANDLE_FREED).
-_FREE_TRANSITIONS: dict[tuple[BindingState, _FreeEvent], BindingState] = {
-    (BindingState.LIVE, _FreeEvent.WE_PROPOSE): BindingState.FREED_BY_US,
+_LIVE, _FREED_BY_US, _MARKED = BindingState.LIVE, BindingState.FREED_BY_US, BindingState.MARKED
+
+# The whole free protocol: (who may propose, state, event) -> the next state,
+# or the code that refuses the peer's FreeHandle. A key that is missing is
+# an error too: ours if we propose (ValueError), the peer's if it proposes
+# (HandleError HANDLE_FREED: it freed the handle already).
+_FREE_TRANSITIONS: dict[tuple[_Proposers, BindingState, _FreeEvent], BindingState | ErrorCode] = {
+    # Either peer proposes.
+    (_Proposers.BOTH, _LIVE, _FreeEvent.WE_PROPOSE): _FREED_BY_US,
     # "the other peer, upon receiving that proposal, marks the corresponding
     # handle-to-value binding in its local mapping for deletion"
-    (BindingState.LIVE, _FreeEvent.PEER_PROPOSES): BindingState.MARKED,
+    (_Proposers.BOTH, _LIVE, _FreeEvent.PEER_PROPOSES): _MARKED,
     # "Receiving a proposal to free a resource handle after having sent such a
     # proposal oneself confirms that the binding can be removed"
-    (BindingState.FREED_BY_US, _FreeEvent.PEER_PROPOSES): BindingState.MARKED,
+    (_Proposers.BOTH, _FREED_BY_US, _FreeEvent.PEER_PROPOSES): _MARKED,
+    # We created the handles and alone propose; the peer's FreeHandle can
+    # only confirm our proposal. Proposing itself is not its to do.
+    (_Proposers.US, _LIVE, _FreeEvent.WE_PROPOSE): _FREED_BY_US,
+    (_Proposers.US, _LIVE, _FreeEvent.PEER_PROPOSES): ErrorCode.UNEXPECTED_FRAME,
+    (_Proposers.US, _FREED_BY_US, _FreeEvent.PEER_PROPOSES): _MARKED,
+    # The peer created them and alone proposes; we answer.
+    (_Proposers.PEER, _LIVE, _FreeEvent.PEER_PROPOSES): _MARKED,
 }
 
 
@@ -188,6 +226,8 @@ class HandleTable(Generic[V]):
             the channel that carries the peer's bind messages (its messages
             are the values to bind). Optional: without it, call :meth:`bind`
             directly, and optimistic references cannot be resolved.
+        free_rule: which peer may propose to free a handle (the seed's
+            ``EITHER`` by default).
     """
 
     def __init__(
@@ -196,11 +236,16 @@ class HandleTable(Generic[V]):
         *,
         created_by_us: bool,
         bind_channel: ServerChannel[V] | None = None,
+        free_rule: FreeRule = FreeRule.EITHER,
     ) -> None:
         if created_by_us and bind_channel is not None:
             raise ValueError("only the table of the peer's handles reads a bind channel")
         self._handle_type = handle_type
         self._created_by_us = created_by_us
+        if free_rule is FreeRule.EITHER:
+            self._proposers = _Proposers.BOTH
+        else:
+            self._proposers = _Proposers.US if created_by_us else _Proposers.PEER
         self._bind_channel = bind_channel
         self._bindings: dict[int, _Binding[V]] = {}
         self._next_handle = 0
@@ -391,15 +436,18 @@ class HandleTable(Generic[V]):
         Raises:
             ValueError: the handle is unknown or already freed, or it is ours
                 and its bind is still optimistic (a FreeHandle could then
-                overtake a bind that gets dropped and sent again).
+                overtake a bind that gets dropped and sent again), or the
+                table's rule leaves proposing to the peer.
         """
         binding = self._bindings.get(handle)
         if binding is None:
             raise ValueError(f"handle {handle} is not bound")
         if not binding.confirmed:
             raise ValueError(f"handle {handle}: its bind is not confirmed yet")
-        next_state = _FREE_TRANSITIONS.get((binding.state, _FreeEvent.WE_PROPOSE))
-        if next_state is None:
+        next_state = _FREE_TRANSITIONS.get((self._proposers, binding.state, _FreeEvent.WE_PROPOSE))
+        if not isinstance(next_state, BindingState):
+            if self._proposers is _Proposers.PEER:
+                raise ValueError(f"handle {handle} is the peer's: only the peer frees it")
             raise ValueError(f"handle {handle} was already freed")
         binding.state = next_state
         return FreeHandle(handle_type=self._handle_type, handle=handle, mine=self._created_by_us)
@@ -409,16 +457,25 @@ class HandleTable(Generic[V]):
 
         Raises:
             HandleError: UNKNOWN_HANDLE if it was never bound; HANDLE_FREED
-                if the peer had freed it already.
+                if the peer had freed it already; UNEXPECTED_FRAME if we
+                created it, alone may propose its free, and did not.
         """
         if self._bind_was_dropped_for(handle):
             return UnboundReference(handle=handle)
         binding = self._binding_for_peer(handle)
-        next_state = _FREE_TRANSITIONS.get((binding.state, _FreeEvent.PEER_PROPOSES))
+        next_state = _FREE_TRANSITIONS.get(
+            (self._proposers, binding.state, _FreeEvent.PEER_PROPOSES)
+        )
         if next_state is None:
             raise HandleError(
                 f"handle {handle} of type {self._handle_type} freed twice",
                 code=ErrorCode.HANDLE_FREED,
+            )
+        if isinstance(next_state, ErrorCode):
+            raise HandleError(
+                f"handle {handle} of type {self._handle_type} was bound by this end: "
+                "only this end proposes to free it",
+                code=next_state,
             )
         reply = None
         if binding.state is BindingState.LIVE:
@@ -469,14 +526,21 @@ class HandleSpace(Generic[V]):
     Args:
         handle_type: the handle type.
         bind_channel: the server end of the channel carrying the peer's binds.
+        free_rule: which peer may propose to free a handle, in both tables.
     """
 
     def __init__(
-        self, handle_type: HandleType, *, bind_channel: ServerChannel[V] | None = None
+        self,
+        handle_type: HandleType,
+        *,
+        bind_channel: ServerChannel[V] | None = None,
+        free_rule: FreeRule = FreeRule.EITHER,
     ) -> None:
-        self.ours: HandleTable[V] = HandleTable(handle_type, created_by_us=True)
+        self.ours: HandleTable[V] = HandleTable(
+            handle_type, created_by_us=True, free_rule=free_rule
+        )
         self.theirs: HandleTable[V] = HandleTable(
-            handle_type, created_by_us=False, bind_channel=bind_channel
+            handle_type, created_by_us=False, bind_channel=bind_channel, free_rule=free_rule
         )
 
     @property

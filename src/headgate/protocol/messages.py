@@ -225,8 +225,9 @@ class Welcome:
     server_name: str
     #: The largest frame payload the gateway accepts, in bytes.
     max_message_size: int
-    #: After this many milliseconds without receiving a byte, either side may
-    #: close the connection; a peer with nothing to say sends Ping well before.
+    #: After this many milliseconds without receiving a complete frame, either
+    #: side may close the connection; a peer with nothing to say sends Ping
+    #: well before.
     idle_timeout_ms: int
     #: A writer that holds guarantees the gateway pleaded for must absolve
     #: within this many milliseconds, or the connection is closed (0: never).

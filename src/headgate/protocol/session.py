@@ -49,7 +49,7 @@ from headgate.protocol.frames import (
     SendChannel,
     SendGlobal,
 )
-from headgate.protocol.handles import HandleSpace, UnboundReference
+from headgate.protocol.handles import FreeRule, HandleSpace, UnboundReference
 from headgate.protocol.records import validate_records
 
 __all__ = [
@@ -299,11 +299,13 @@ class Session:
         # Receiving side (we are the LCMUX server).
         self._bind_in: ServerChannel[_Binding] = ServerChannel(m.STREAM_CHANNEL)
         self._schema_in: ServerChannel[_Binding] = ServerChannel(m.SCHEMA_CHANNEL)
+        # Only the end that bound a handle proposes its free (PROTOCOL.md,
+        # "Channels and handles"): a peer cannot take our handles away.
         self.streams: HandleSpace[_Binding] = HandleSpace(
-            m.HandleType.STREAM, bind_channel=self._bind_in
+            m.HandleType.STREAM, bind_channel=self._bind_in, free_rule=FreeRule.CREATOR
         )
         self.schemas: HandleSpace[_Binding] = HandleSpace(
-            m.HandleType.SCHEMA, bind_channel=self._schema_in
+            m.HandleType.SCHEMA, bind_channel=self._schema_in, free_rule=FreeRule.CREATOR
         )
         self._inbound: dict[int, ServerChannel[_Inbound]] = {}
         # Sending side (we are the LCMUX client).
@@ -322,6 +324,9 @@ class Session:
         #: Frames received that carry no channel message (SendGlobal and the
         #: control frames): what a peer can make us do without any credit.
         self.control_received = 0
+        #: Complete frames received, of every kind: what counts as activity
+        #: for the receive deadlines (:mod:`headgate.protocol.deadlines`).
+        self.frames_received = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -427,6 +432,7 @@ class Session:
         return events, consumed, need
 
     def _dispatch(self, frame: Frame, events: list[Event]) -> None:
+        self.frames_received += 1
         if type(frame) is not SendChannel:
             self.control_received += 1
         if not self._opened and not isinstance(frame, SendGlobal):
@@ -750,10 +756,6 @@ class Session:
         if released.deleted:
             self._inbound.pop(m.data_channel(handle), None)
         return size
-
-    def free_theirs(self, handle: int) -> None:
-        """Propose to free one of the peer's stream handles (three-step free)."""
-        self.send_global(self.streams.theirs.free(handle))
 
     # -- sending side (we are the LCMUX client) --------------------------------
 
