@@ -34,6 +34,7 @@ from headgate.client.tls import client_context
 from headgate.config import GatewayConfig
 from headgate.gateway.auth import hash_token
 from headgate.log import LogReader
+from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import decode_records
 from tests.hostile.attacks import ATTACKS, Target
 
@@ -502,8 +503,6 @@ class Measured:
                 codes[-code] = codes.get(-code, 0) + 1
             closed += report["closed"]
             connections += report["connections"]
-        from headgate.protocol.errors import ErrorCode
-
         parts = [
             f"{ErrorCode(abs(c)).name}{'(scoped)' if c < 0 else ''} x{n}"
             for c, n in sorted(codes.items(), key=lambda kv: -kv[1])
@@ -563,7 +562,7 @@ async def measure(
             break
         await ledger.check(arena, attacked)
     result.lost = ledger.lost
-    result.problems = ledger.problems
+    result.problems += ledger.problems
     result.seconds = time.monotonic() - started
     return result
 
