@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument(
         "--seconds",
         type=float,
-        default=1.5,
-        help="length of each good-producer run, alone or attacked (default 1.5)",
+        default=1.0,
+        help="length of each good-producer run, alone or attacked (default 1.0)",
     )
     parser.add_argument(
         "--keep",

@@ -695,8 +695,11 @@ def _u64_cases(stream: str, token: str) -> dict[str, tuple[str, list[bytes]]]:
 
 
 async def u64_fields(target: Target, run: Run) -> Report:
-    """Every u64 field of Fetch, Release, Subscribe, Absolve, IssueGuarantees, Plead and
-    FreeHandle at 0, 1, 2**63 and 2**64-1, one connection per case, then a Ping."""
+    """Every u64 field of the requests a peer sends, at 0, 1, 2**63 and 2**64-1.
+
+    Hello, Fetch, Release, Subscribe, Absolve, IssueGuarantees, Plead and
+    FreeHandle: one connection per case, the frame, then a Ping.
+    """
     report = Report()
     address = parse_address(target.address)
     tokens = {"writer": target.token, "reader": target.reader_token, "admin": target.admin_token}
@@ -914,8 +917,9 @@ async def many_handles(target: Target, run: Run) -> Report:
 
 
 async def plead_ignored(target: Target, run: Run) -> Report:
-    """Four writers of the victim's stream hold its guarantees, each writing a record
-    now and then (so it counts as active); every Plead is ignored.
+    """Four writers of the victim's stream hold its guarantees and ignore every Plead.
+
+    Each writes a record now and then, so that it counts as active.
 
     Documented answer: past Welcome's plead_deadline_ms, TIMEOUT and the close.
     """
@@ -1005,12 +1009,12 @@ async def _ping_flood(target: Target, run: Run, connections: int) -> Report:
 
 
 async def ping_flood_60(target: Target, run: Run) -> Report:
-    """Pings as fast as the gateway takes them, from 60 connections of one token."""
+    """Pings just under the per-connection budget (FLOOD_RATE/s each), from 60 connections."""
     return await _ping_flood(target, run, 60)
 
 
 async def ping_flood_4(target: Target, run: Run) -> Report:
-    """Pings as fast as the gateway takes them, from 4 connections."""
+    """Pings just under the per-connection budget (FLOOD_RATE/s each), from 4 connections."""
     return await _ping_flood(target, run, 4)
 
 
