@@ -50,7 +50,7 @@ TARGET_RATIO = 0.9
 def row(result: Measured) -> str:
     met = "yes" if result.ratio >= TARGET_RATIO else "NO"
     died = " GATEWAY DIED" if result.gateway_died else ""
-    order = "" if not result.problems else " (records wrong)"
+    order = " (records wrong)" if result.mismatched else ""
     return (
         f"| {result.name} | {result.base:,.0f} | {result.attacked:,.0f} | {result.ratio:.2f} "
         f"| {met} | {result.lost}{order} | {result.answer()}{died} |"

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import socket
 import ssl
@@ -1341,6 +1342,9 @@ async def _guarded(name: str, attack: Coroutine[Any, Any, Report]) -> Report:
 
 
 def main() -> None:
+    # A peer the gateway cut off makes asyncio log each later write; the
+    # report says what happened.
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     asyncio.run(_serve())
 
 

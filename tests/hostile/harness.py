@@ -423,6 +423,8 @@ class Ledger:
     #: Log position up to which the stream was checked (and released).
     checked: int = 0
     lost: int = 0
+    #: Checks that found records other than the good producer's next ones.
+    mismatched: int = 0
     problems: list[str] = field(default_factory=list)
 
     async def check(self, arena: Arena, run: GoodRun) -> None:
@@ -448,6 +450,7 @@ class Ledger:
             reader.close()
         expected = [record(self.stream, k) for k in range(first, first + len(values))]
         if values != expected:
+            self.mismatched += 1
             wrong = next(
                 (k for k, (a, b) in enumerate(zip(values, expected, strict=True)) if a != b), 0
             )
@@ -471,6 +474,7 @@ class Measured:
     base_rates: list[float] = field(default_factory=list)
     attacked_rates: list[float] = field(default_factory=list)
     lost: int = 0
+    mismatched: int = 0
     problems: list[str] = field(default_factory=list)
     reports: list[dict[str, Any]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
@@ -562,6 +566,7 @@ async def measure(
             break
         await ledger.check(arena, attacked)
     result.lost = ledger.lost
+    result.mismatched = ledger.mismatched
     result.problems += ledger.problems
     result.seconds = time.monotonic() - started
     return result
