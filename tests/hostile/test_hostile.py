@@ -1,184 +1,172 @@
 """The hostile-peer suite: a real gateway, a good producer, and one attack at a time.
 
-One ``headgate serve`` process (tokens and small limits, see ``CONFIG``)
-serves the whole module. For each attack in ``attacks.ATTACKS``, an attacker
-process attacks while a well-behaved producer, in this process, sends records
-on a stream of its own and measures its throughput. Then, for each attack:
+One ``headgate serve`` process (a tokens file and small limits:
+``harness.CONFIG``) serves the whole module, and a second one with TLS serves
+the TLS attack. For each attack in ``attacks.ATTACKS``, the good producer
+sends records on a stream of its own, alone and under attack, interleaved
+A B A B (``harness.measure``). Then, for each attack:
 
-* the gateway is still up (and at the end of the module stops cleanly);
-* its anonymous memory (RssAnon, from /proc) grew by less than ``MEMORY_BOUND``
-  over its level after warm-up, sampled all through the attack;
-* the good producer kept at least ``THROUGHPUT_RATIO`` of its throughput
-  without attack (measured in this module, on the same machine);
-* the good producer lost nothing: its stream's log holds every record
-  exactly once, in order;
-* the offender got the documented answer (PROTOCOL.md): its Error codes, or
-  AnnounceDropping for what it sent beyond its guarantees.
+* the gateway is still up and still stores (and at the end stops cleanly);
+* its anonymous memory (RssAnon) grew by less than ``MEMORY_BOUND`` over its
+  level before the attack, sampled all through the attack (plus
+  ``CONNECTION_MEMORY`` for each connection beyond 40 that an attack holds);
+* the good producer kept at least ``THROUGHPUT_RATIO`` of its throughput: the
+  median of its attacked runs over the median of its runs alone, taken in
+  turns, so that a machine busy for other reasons slows both alike, while a
+  producer that an attack starves falls far below;
+* the good producer lost nothing: its stream holds every record it sent,
+  exactly once, in order (its producer id tells its frames apart);
+* the offender got the documented answer (PROTOCOL.md, "Who gets in, and
+  limits"; issue 13): its Error codes, closes, or AnnounceDropping.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import statistics
-import subprocess
-import sys
-import time
+import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from headgate.client import Producer
-from headgate.gateway.auth import hash_token
+from headgate.config import GatewayConfig
 from headgate.log import LogReader, frame_cost
 from headgate.protocol.errors import ErrorCode
-from headgate.protocol.records import decode_records
 from tests.hostile.attacks import ATTACKS, DOCUMENTED
+from tests.hostile.harness import (
+    TLS_ATTACKS,
+    Arena,
+    Attacker,
+    Measured,
+    good_run,
+    measure,
+    victim_stream,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parents[2]
-GOOD_TOKEN = "good-" + "g" * 40
-BAD_TOKEN = "hostile-" + "h" * 40
-#: The bind flood has a token of its own, so that using up its stream quota
-#: (streams_per_token) leaves the other attacks theirs.
-FLOOD_TOKEN = "flood-" + "f" * 40
-#: How long each attack lasts (seconds).
-ATTACK_SECONDS = 2.0
-#: Records the good producer sends per run, at most, and for how long at most
-#: (it runs while the attack is at full force).
-GOOD_RECORDS = 200_000
-GOOD_SECONDS = 1.0
-#: The good producer keeps at least this share of its unattacked throughput.
-#: Tolerant, because two cores are shared by the gateway, the attacker, this
-#: process and whatever else runs; a gateway that stalls for an attack fails it.
-THROUGHPUT_RATIO = 0.2
+#: Rounds of A B, and the length of each good-producer run (seconds): short,
+#: to keep the suite within a few minutes on two cores; ``bench/hostile.py``
+#: runs longer.
+ROUNDS = 2
+GOOD_SECONDS = 0.5
+GOOD_RECORDS = 400_000
+#: The good producer keeps at least this share of its throughput alone.
+#: Loose for noise (issue 13's target, on a quiet machine, is 0.9; see
+#: bench/hostile.py), but far above what a starved producer keeps.
+THROUGHPUT_RATIO = 0.5
 #: How much the gateway's anonymous memory may grow during an attack. Its
 #: buffers are bounded per connection by max_message_size (a partial frame),
 #: one 256 KiB read and max_write_buffer; ~40 connections at once stay far
 #: below this (about 5 MiB was seen), while a gateway that buffered what the
 #: attackers send (tens of MiB per attack) would not.
 MEMORY_BOUND = 24 * 1024 * 1024
-
-CONFIG = """
-[gateway]
-listen = "127.0.0.1:0"
-data_dir = "{data}"
-stream_capacity = "32MiB"
-term_length = "1MiB"
-max_message_size = "32KiB"
-group_commit_interval_ms = 2
-auth_file = "{tokens}"
-idle_timeout_ms = 1000
-handshake_timeout_ms = 500
-max_connections = 128
-max_write_buffer = "64KiB"
-bind_budget = "1KiB"
-max_streams = 64
-streams_per_token = 16
-
-# Small, so that the optimist soon sends beyond all it can be guaranteed.
-[streams.h-optimist]
-capacity = "2MiB"
-"""
-
-
-@dataclass
-class Served:
-    address: str
-    data: Path
-    proc: subprocess.Popen[str]
-    base_memory: int = 0
-    base_rate: float = 0.0
-
-
-def rss_anon(pid: int) -> int:
-    """Anonymous resident memory of a process, in bytes (heap, not mapped files)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc status")
+#: Attacks that hold more than 40 connections open at once, and how many: each
+#: may cost the gateway up to CONNECTION_MEMORY more (a read and a write cap).
+HELD_CONNECTIONS = {"reader_slots": 136, "slowloris_half_frame": 80, "ping_flood_60": 60}
+CONNECTION_MEMORY = 320 * 1024
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("hostile")
-    tokens = root / "tokens.toml"
-    tokens.write_text(
-        f'[[token]]\nname = "good"\nsha256 = "{hash_token(GOOD_TOKEN.encode())}"\n'
-        'write = ["good-*"]\n\n'
-        f'[[token]]\nname = "hostile"\nsha256 = "{hash_token(BAD_TOKEN.encode())}"\n'
-        'write = ["h-*"]\n\n'
-        f'[[token]]\nname = "flood"\nsha256 = "{hash_token(FLOOD_TOKEN.encode())}"\n'
-        'write = ["h-flood-*"]\n'
-    )
-    config = root / "gateway.toml"
-    config.write_text(CONFIG.format(data=root / "data", tokens=tokens))
-    log = (root / "gateway.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "headgate.cli", "serve", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=log,
-        text=True,
-        cwd=ROOT,
-    )
+def arena(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:
+    served = Arena(tmp_path_factory.mktemp("hostile"))
+    served.start()
     try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("listening on "), line
-        yield Served(address=line.split()[-1], data=root / "data", proc=proc)
-        assert proc.poll() is None, "the gateway died"
-        proc.terminate()
-        assert proc.wait(20) == 0, "the gateway did not stop cleanly"
+        yield served
+        assert served.alive(), "the gateway died"
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(10)
-        log.close()
+        code = served.stop()
+    assert code == 0, "the gateway did not stop cleanly"
 
 
-def record(stream: str, i: int) -> bytes:
-    return f"{stream}:{i:07d}:".encode().ljust(100, b".")
-
-
-async def good_producer(served: Served, stream: str) -> tuple[float, int, int]:
-    """Send records for up to GOOD_SECONDS; return (records/s, records, peak memory)."""
-    peak = rss_anon(served.proc.pid)
-    loop = asyncio.get_running_loop()
-    async with Producer(
-        served.address, token=GOOD_TOKEN, reconnect_timeout=10, client_name="good"
-    ) as producer:
-        started = loop.time()
-        count = 0
-        while count < GOOD_RECORDS and loop.time() - started < GOOD_SECONDS:
-            for i in range(count, count + 500):
-                await producer.send(stream, record(stream, i))
-            count += 500
-            peak = max(peak, rss_anon(served.proc.pid))
-        await producer.flush()
-        elapsed = loop.time() - started
-        stats = producer.statistics()
-        assert stats.reconnects == 0, stats.last_error
-    return count / elapsed, count, peak
-
-
-def stored_values(data: Path, stream: str) -> list[bytes]:
-    reader = LogReader.open(data / "streams" / stream)
+@pytest.fixture(scope="module")
+def tls_arena(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:
+    served = Arena(tmp_path_factory.mktemp("hostile-tls"), tls=True)
+    served.start()
     try:
-        out: list[bytes] = []
-        for frame in reader.read(reader.start_position(), reader.published_position()):
-            values, _ = decode_records(frame.payload).to_lists()
-            out += values
-        return out
+        yield served
     finally:
-        reader.close()
+        code = served.stop()
+    assert code == 0, "the TLS gateway did not stop cleanly"
+
+
+def the_arena(request: pytest.FixtureRequest, name: str) -> Arena:
+    fixture = "tls_arena" if name in TLS_ATTACKS else "arena"
+    served: Arena = request.getfixturevalue(fixture)
+    return served
+
+
+async def attacked(served: Arena, name: str) -> Measured:
+    attacker = Attacker()
+    try:
+        return await measure(
+            served,
+            attacker,
+            name,
+            victim_stream(name),
+            rounds=ROUNDS,
+            seconds=GOOD_SECONDS,
+            max_records=GOOD_RECORDS,
+        )
+    finally:
+        await attacker.close()
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+async def test_the_gateway_survives_the_attack_and_the_good_producer_is_unharmed(
+    request: pytest.FixtureRequest, name: str
+) -> None:
+    served = the_arena(request, name)
+    result = await attacked(served, name)
+    print(
+        f"\n{name}: good producer {result.attacked:,.0f} rec/s attacked, "
+        f"{result.base:,.0f} alone (ratio {result.ratio:.2f}), lost {result.lost}, "
+        f"gateway RssAnon +{(result.peak_memory - result.base_memory) / 1024:,.0f} KiB, "
+        f"attacker: {result.answer()}, {result.seconds:.1f} s"
+    )
+    assert not result.gateway_died, "\n".join(result.problems)
+    for report in result.reports:
+        assert not report["exception"], report["exception"]
+    assert result.problems == [], result.problems
+    assert result.lost == 0
+    assert result.failures == [], result.failures
+    held = max(0, HELD_CONNECTIONS.get(name, 0) - 40)
+    assert result.peak_memory - result.base_memory < MEMORY_BOUND + held * CONNECTION_MEMORY
+    assert result.ratio >= THROUGHPUT_RATIO, (
+        f"the good producer was starved: {result.attacked_rates} rec/s attacked, "
+        f"{result.base_rates} alone"
+    )
+    for report in result.reports:
+        for got in report["errors"]:
+            assert set(got) <= DOCUMENTED
+            assert len(got) <= 1, "more than one Error before the close"
+        check_offender(served, name, report, result.reports)
+
+
+def codes(*names: ErrorCode) -> list[int]:
+    return [int(code) for code in names]
+
+
+def code_set(*names: ErrorCode) -> set[int]:
+    return {int(code) for code in names}
+
+
+#: What a peer that floods within the rules may get: nothing, or being cut off.
+THROTTLED = code_set(ErrorCode.TIMEOUT, ErrorCode.RESOURCE_EXHAUSTED)
+
+
+def connection_codes(report: dict[str, Any]) -> set[int]:
+    return {code for got in report["errors"] for code in got}
+
+
+def stream_dirs(served: Arena, prefix: str) -> list[Path]:
+    streams = served.data / "streams"
+    return [p for p in streams.iterdir() if p.name.startswith(prefix)] if streams.exists() else []
 
 
 def stored_cost(data: Path, stream: str) -> int:
+    """Log bytes the frames of ``stream`` take (0 if it was never created)."""
     directory = data / "streams" / stream
     if not directory.exists():
         return 0
@@ -190,87 +178,13 @@ def stored_cost(data: Path, stream: str) -> int:
         reader.close()
 
 
-@pytest.fixture(scope="module")
-def baseline(served: Served) -> Served:
-    """The good producer alone: warm-up, then the median of three runs."""
-
-    async def runs() -> list[float]:
-        await good_producer(served, "good-warmup")
-        return [(await good_producer(served, f"good-baseline-{i}"))[0] for i in range(3)]
-
-    rates = asyncio.run(runs())
-    served.base_rate = statistics.median(rates)
-    served.base_memory = rss_anon(served.proc.pid)
-    for i in range(3):
-        name = f"good-baseline-{i}"
-        values = stored_values(served.data, name)
-        assert values == [record(name, j) for j in range(len(values))]
-    return served
-
-
-async def run_attack(served: Served, name: str) -> tuple[dict[str, Any], float, int]:
-    attacker = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tests.hostile.attacks",
-        name,
-        served.address,
-        FLOOD_TOKEN if name == "bind_flood" else BAD_TOKEN,
-        str(ATTACK_SECONDS),
-        stdout=asyncio.subprocess.PIPE,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    try:
-        assert attacker.stdout is not None
-        started = await asyncio.wait_for(attacker.stdout.readline(), 30)
-        assert started.strip() == b"attacking", started
-        await asyncio.sleep(0.2)  # under way
-        rate, count, peak = await good_producer(served, f"good-{name}")
-        out, _ = await asyncio.wait_for(attacker.communicate(), 60)
-    finally:
-        if attacker.returncode is None:
-            attacker.kill()
-            await attacker.wait()
-    assert attacker.returncode == 0
-    report: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-    values = stored_values(served.data, f"good-{name}")
-    assert values == [record(f"good-{name}", i) for i in range(count)], "lost or repeated records"
-    return report, rate, peak
-
-
-def codes(*names: ErrorCode) -> list[int]:
-    return [int(code) for code in names]
-
-
-def code_set(*names: ErrorCode) -> set[int]:
-    return {int(code) for code in names}
-
-
-@pytest.mark.parametrize("name", list(ATTACKS))
-async def test_the_gateway_survives_the_attack_and_the_good_producer_is_unharmed(
-    baseline: Served, name: str
+def check_offender(
+    served: Arena, name: str, report: dict[str, Any], reports: list[dict[str, Any]]
 ) -> None:
-    served = baseline
-    started = time.monotonic()
-    report, rate, peak = await run_attack(served, name)
-    print(
-        f"\n{name}: good producer {rate:,.0f} rec/s (baseline {served.base_rate:,.0f}), "
-        f"gateway RssAnon +{(peak - served.base_memory) / 1024:,.0f} KiB, "
-        f"{report['connections']} attacking connections, {time.monotonic() - started:.1f} s"
-    )
-    assert served.proc.poll() is None, "the gateway died"
-    assert peak - served.base_memory < MEMORY_BOUND
-    assert rate >= THROUGHPUT_RATIO * served.base_rate
     errors: list[list[int]] = report["errors"]
-    for got in errors:
-        assert set(got) <= DOCUMENTED
-        assert len(got) <= 1, "more than one Error before the close"
-    check_offender(served, name, report)
-
-
-def check_offender(served: Served, name: str, report: dict[str, Any]) -> None:
-    errors: list[list[int]] = report["errors"]
+    scoped = set(report["scoped_errors"])
+    facts: dict[str, int] = report["facts"]
+    cases: dict[str, list[int]] = report["cases"]
     connections = report["connections"]
     if name in ("random_frames", "mutated_frames"):
         # Anything goes in, one documented Error comes out, then the close.
@@ -284,17 +198,16 @@ def check_offender(served: Served, name: str, report: dict[str, Any]) -> None:
         assert errors == [codes(ErrorCode.FRAME_TOO_LARGE)] * connections
     elif name == "bind_flood":
         # Binds beyond the guarantees are dropped (AnnounceDropping on channel
-        # 0); binds of streams beyond max_streams are refused one by one.
+        # 0); binds of streams beyond the token's quota are refused one by one.
         assert 0 in report["dropping"]
-        assert set(report["scoped_errors"]) == code_set(ErrorCode.RESOURCE_EXHAUSTED)
+        assert scoped == code_set(ErrorCode.RESOURCE_EXHAUSTED)
         # A flooder that reads too little of the gateway's answers stops
         # being read, and is then cut off as idle.
-        for got in errors:
-            assert set(got) <= code_set(ErrorCode.TIMEOUT, ErrorCode.RESOURCE_EXHAUSTED)
-        assert report["facts"]["binds_sent"] > 10 * report["facts"]["bind_guarantees"] // 20
-        # The hostile token's quota, not the gateway's limit, stopped it.
-        flooded = [p for p in (served.data / "streams").iterdir() if p.name.startswith("h-flood")]
-        assert 0 < len(flooded) <= 16
+        assert connection_codes(report) <= THROTTLED
+        # Far beyond the guarantees: twice what they cover (binds of ~16 bytes).
+        assert facts["binds_sent"] > 2 * facts["bind_guarantees"] // 16
+        # The flood token's quota, not the gateway's limit, stopped it.
+        assert 0 < len(stream_dirs(served, "h-flood")) <= 16
     elif name == "bad_frees":
         assert report["closed"] == connections
         assert errors == [
@@ -313,14 +226,103 @@ def check_offender(served: Served, name: str, report: dict[str, Any]) -> None:
         ]
     elif name == "optimistic_never_apologised":
         assert 2 in report["dropping"]
-        # Stored: at most what the guarantees covered; the rest was dropped.
-        assert stored_cost(served.data, "h-optimist") <= report["facts"]["guarantees"]
-        assert report["facts"]["batches_sent"] * 1000 > report["facts"]["guarantees"]
+        assert facts["batches_sent"] * 1000 > facts["guarantees"]
+        # Stored: at most what the guarantees covered (this round's and the
+        # rounds' before, all on the same stream); the rest was dropped.
+        guaranteed = sum(r["facts"]["guarantees"] for r in reports)
+        assert stored_cost(served.data, "h-optimist") <= guaranteed
     elif name == "never_reads":
         # Cut off; the Error may be lost with the unsent bytes of a peer that
         # does not read, so only its code is checked, when it arrives.
         assert report["closed"] == connections
-        for got in errors:
-            assert set(got) <= code_set(ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.TIMEOUT)
+        assert connection_codes(report) <= THROTTLED
+    elif name == "max_sequence":
+        # Each sequence skips ahead of the producer's next (0): refused, never acked.
+        for case, got in cases.items():
+            assert got, f"{case}: no Error"
+            assert set(got) <= code_set(ErrorCode.OUT_OF_SEQUENCE, ErrorCode.MALFORMED_MESSAGE)
+        assert facts.get("acked", 0) == 0
+    elif name == "u64_fields":
+        # Each case is answered: a Pong, or one documented Error and the close.
+        assert facts.get("no_pong_and_open", 0) == 0
+        for case, got in cases.items():
+            assert set(got) <= DOCUMENTED, case
+            if case in ("Hello.producer_id=2^63", "Hello.producer_id=2^64-1"):
+                assert got == codes(ErrorCode.BAD_HELLO)
+    elif name in ("spoof_empty_batch", "spoof_forged_record"):
+        # The victim's id belongs to the victim's token: the bind is fenced.
+        assert int(ErrorCode.PRODUCER_FENCED) in scoped
+        assert facts.get("acked_forgery", 0) == 0
+        assert facts.get("acked_handles", 0) == 0
+    elif name == "sequence_gap":
+        assert report["closed"] == connections == 1
+        assert errors == [codes(ErrorCode.OUT_OF_SEQUENCE)]
+        assert facts["acked_beyond_gap"] == 0
+    elif name in (
+        "list_streams_flood",
+        "absolve_zero_flood",
+        "many_handles",
+        "dilute_shares",
+        "fetch_tiny_frames",
+        "ping_flood_60",
+        "ping_flood_4",
+        "empty_frame_flood",
+        "subscribe_flood",
+    ):
+        # Charged and throttled; at most cut off, or a handle refused at a cap.
+        assert connection_codes(report) <= THROTTLED
+        assert scoped <= code_set(ErrorCode.RESOURCE_EXHAUSTED)
+    elif name == "plead_ignored":
+        # Past plead_deadline_ms (in Welcome) a writer that ignores a Plead is
+        # closed with TIMEOUT; idle after the attack, it is closed as well.
+        assert report["closed"] == connections
+        assert errors == [codes(ErrorCode.TIMEOUT)] * connections
+        if facts["pleads"] and "plead_deadline_ms" in GatewayConfig.__dataclass_fields__:
+            assert facts["closed_under_attack"] == connections
+    elif name == "reader_slots":
+        # Readers beyond their share of the slots are refused; the good
+        # producer still connected (checked by its failures and its rate).
+        assert connection_codes(report) <= code_set(ErrorCode.RESOURCE_EXHAUSTED)
+    elif name == "forbidden_bind_flood":
+        assert int(ErrorCode.FORBIDDEN) in scoped
+        assert scoped <= code_set(ErrorCode.FORBIDDEN, ErrorCode.RESOURCE_EXHAUSTED)
+        assert connection_codes(report) <= THROTTLED
+    elif name == "tls_handshake_flood":
+        assert facts.get("handshakes", 0) + facts.get("refused", 0) > 0
+    elif name in ("drip_frames", "slowloris_half_frame"):
+        # A frame that has started must finish within the frame deadline; a
+        # trickle that beats the idle timeout does not keep it open.
+        assert report["closed"] == connections
+        assert errors == [codes(ErrorCode.TIMEOUT)] * connections
+    elif name == "free_gateway_handle":
+        # The gateway's own handle: refused with an Error, never confirmed.
+        assert facts["confirmed_free"] == 0
+        assert report["closed"] == connections
+        assert all(len(got) == 1 for got in errors), errors
     else:
         raise AssertionError(f"no offender check for {name}")
+
+
+def test_every_attack_has_an_offender_check() -> None:
+    """A new attack without a check of its answer fails here, not silently."""
+    source = Path(__file__).read_text()
+    for name in ATTACKS:
+        assert f'"{name}"' in source, name
+
+
+def test_the_arena_measures_a_starved_producer_as_starved(tmp_path: Path) -> None:
+    """The ratio check can fail: a producer shut out of the gateway measures near 0."""
+
+    async def starved() -> float:
+        served = Arena(tmp_path)
+        served.start()
+        try:
+            assert served.proc is not None
+            served.proc.send_signal(signal.SIGSTOP)  # the gateway answers nothing
+            run = await asyncio.wait_for(good_run(served, "g-starved", 0, 0.3, 1000), 30)
+            served.proc.send_signal(signal.SIGCONT)
+            return run.rate
+        finally:
+            served.stop()
+
+    assert asyncio.run(starved()) == 0.0
