@@ -322,6 +322,9 @@ class Session:
         #: Frames received that carry no channel message (SendGlobal and the
         #: control frames): what a peer can make us do without any credit.
         self.control_received = 0
+        #: Frames received of every kind (the gateway charges those that are
+        #: not batches within guarantees, empty ones included).
+        self.frames_received = 0
 
     # -- plumbing -------------------------------------------------------------
 
@@ -427,6 +430,7 @@ class Session:
         return events, consumed, need
 
     def _dispatch(self, frame: Frame, events: list[Event]) -> None:
+        self.frames_received += 1
         if type(frame) is not SendChannel:
             self.control_received += 1
         if not self._opened and not isinstance(frame, SendGlobal):
