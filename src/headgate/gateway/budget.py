@@ -18,8 +18,9 @@ and everyone else keeps their time.
 
 Costs are in *units* of about one microsecond of the gateway's work, as
 measured on a 2-core development machine: decoding and acting on one small
-control frame is a few units, a Ping and its Pong about nine. They need
-only be right relative to each other and to ``work_budget_ms``.
+control frame is a few units, a Ping and its Pong about eleven, listing
+one stream about seven. They need only be right relative to each other and
+to ``work_budget_ms``.
 
 Data batches within guarantees cost nothing here: credit already bounds
 them, and a producer must never be slowed by its own data. A batch beyond
@@ -56,7 +57,7 @@ class Cost:
     #: frame, a global message, an empty or refused channel message).
     FRAME = 3.0
     #: A Ping: the Pong it is answered with (on top of FRAME).
-    PING = 6.0
+    PING = 8.0
     #: Any frame that needs no credit (a global message or a control frame).
     #: The session answers some on its own (a Ping with a Pong, a Plead with
     #: an Absolve), unseen by the gateway, so each is priced as the dearest
@@ -71,19 +72,24 @@ class Cost:
     PER_KIB = 0.5
     #: A ListStreams, plus LIST_ENTRY per stream it lists.
     LIST_STREAMS = 10.0
-    LIST_ENTRY = 4.0
+    LIST_ENTRY = 7.0
     #: A Fetch request, plus FETCH_FRAME per frame served (and PER_KIB).
     FETCH = 20.0
-    FETCH_FRAME = 3.0
+    FETCH_FRAME = 4.0
     #: A Subscribe, plus DELIVERY per batch delivered to it (and PER_KIB).
     SUBSCRIBE = 40.0
-    DELIVERY = 3.0
+    DELIVERY = 4.0
     #: A bind, accepted or refused (a refusal also costs a log line).
     BIND = 20.0
     #: A Hello: the token's hash, the Welcome.
     HELLO = 50.0
     #: A TLS handshake (public-key operations; charged once it is done).
     TLS_HANDSHAKE = 2000.0
+
+    #: About the most one received byte can cost (an empty frame, a refused
+    #: bind, a Subscribe): a connection whose budget runs low is handed no
+    #: more bytes at once than its balance pays for at this price.
+    DEAREST_BYTE = 4.0
 
     @staticmethod
     def of_bytes(count: int) -> float:

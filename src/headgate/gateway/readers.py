@@ -55,10 +55,12 @@ MAX_BACKLOG = 256 * 1024
 SERVE_TURN_BYTES = 1 << 20
 #: Frames one turn of serving sends (tiny frames cost per frame, not per byte).
 SERVE_TURN_FRAMES = 256
+#: Cost units (see budget.Cost) one turn of serving may spend.
+SERVE_TURN_COST = 2000.0
 #: Log bytes read from the log at a time.
 READ_CHUNK_BYTES = 256 * 1024
-#: Most fetches waiting their turn, per connection (subscriptions have
-#: their own limits in the configuration).
+#: Most fetches, and most listings, waiting their turn per connection
+#: (subscriptions have their own limits in the configuration).
 MAX_REQUESTS = 1024
 
 
@@ -208,6 +210,9 @@ class ReaderConnection:
         self._frames_left = SERVE_TURN_FRAMES
         self._cost = 0.0
         self._jobs: deque[_FetchJob] = deque()
+        # ListStreams waiting for their turn (request ids), and who may see what.
+        self._listings: deque[int] = deque()
+        self._visible: Callable[[str], bool] = lambda name: True
         self._fetch_handles: dict[str, int] = {}
         # Requests that need a handle, in request order: a stream name (its
         # fetch handle) or a subscription. The k-th bind answers the k-th.
@@ -231,11 +236,12 @@ class ReaderConnection:
         """
         match message:
             case m.ListStreams(request_id=request_id):
-                listed = tuple(
-                    self._info(s) for name, s in sorted(self._streams.items()) if visible(name)
-                )
-                self._charge(Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(self._streams))
-                self._session.send_global(m.StreamList(request_id=request_id, streams=listed))
+                # Answered in a serving turn, within the budget: a listing
+                # costs as much as the streams it walks, and a slice of
+                # received bytes can hold thousands of requests.
+                self._check_count(len(self._listings), "listings waiting")
+                self._visible = visible
+                self._listings.append(request_id)
             case m.Fetch():
                 self._charge(Cost.FETCH)
                 self._check_count(len(self._jobs), "fetches waiting")
@@ -372,14 +378,19 @@ class ReaderConnection:
     def pump(self) -> None:
         """Send what fetches and catching-up subscriptions can send now, then flush.
 
-        One call is one turn: at most :data:`SERVE_TURN_FRAMES` frames and
-        :data:`SERVE_TURN_BYTES`, charged to the reader's budget. More is
-        served in a later turn, once other connections have run and, if
-        the budget is in debt, once it is paid off.
+        One call is one turn: listings, then at most :data:`SERVE_TURN_FRAMES`
+        frames and :data:`SERVE_TURN_BYTES` (and :data:`SERVE_TURN_COST`),
+        charged to the reader's budget. More is served in a later turn,
+        once other connections have run and, if the budget is in debt, once
+        it is paid off.
         """
         if self._closed or self._session.closed:
             return
-        if not self._jobs and not any(not sub.live for sub in self.subscriptions):
+        if (
+            not self._jobs
+            and not self._listings
+            and not any(not sub.live for sub in self.subscriptions)
+        ):
             self.flush()
             return
         wait = self._charge(0.0)
@@ -390,6 +401,10 @@ class ReaderConnection:
         self._frames_left = SERVE_TURN_FRAMES
         self._cost = 0.0
         self._out_of_room = False
+        while self._listings and self._cost < SERVE_TURN_COST and self._room():
+            self._list_streams(self._listings.popleft())
+        if self._cost >= SERVE_TURN_COST:
+            budget = 0
         while self._jobs and budget > 0 and self._frames_left > 0:
             job = self._jobs[0]
             handle = self._fetch_handles.get(job.request.stream)
@@ -418,9 +433,21 @@ class ReaderConnection:
         # More is ready (the turn ran out, or the output filled up and the
         # socket took it all at once, so no resume_writing will come): let
         # other connections run, then serve it.
-        more = budget <= 0 or self._frames_left <= 0 or (self._out_of_room and self._room())
+        more = (
+            budget <= 0
+            or self._frames_left <= 0
+            or bool(self._listings)
+            or (self._out_of_room and self._room())
+        )
         if more:
             self._again(wait)
+
+    def _list_streams(self, request_id: int) -> None:
+        """Answer one ListStreams: the streams the peer may read, with their positions."""
+        visible = self._visible
+        listed = tuple(self._info(s) for name, s in sorted(self._streams.items()) if visible(name))
+        self._cost += Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(self._streams)
+        self._session.send_global(m.StreamList(request_id=request_id, streams=listed))
 
     def _again(self, delay: float) -> None:
         """Serve another turn after ``delay`` seconds (0: once others have run)."""
@@ -570,6 +597,7 @@ class ReaderConnection:
             self._counted_in = None
         self.subscriptions.clear()
         self._jobs.clear()
+        self._listings.clear()
 
 
 def _header(frame: LogFrame) -> m.TailHeader:

@@ -76,7 +76,7 @@ from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
-from headgate.gateway.turns import TurnTaker
+from headgate.gateway.turns import MIN_SLICE, TurnTaker
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -150,8 +150,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         #: While it holds a slot kept for writers: closes it unless it binds in time.
         self._writer_deadline: asyncio.TimerHandle | None = None
         self._tls_counted = False
-        #: Whether its last slice cost anything (a spender waits for a budget in debt).
-        self._spending = False
+        #: Whether its last slice cost anything (a spender waits for a budget in
+        #: debt). A new connection may be one more of a token in debt: it waits.
+        self._spending = True
         self.producer_id = 0
         self.writers: dict[int, Writer] = {}
         self._handshake: asyncio.TimerHandle | None = None
@@ -419,6 +420,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
             if wait > 0:
                 self._turns.hold(wait)
                 return 0
+            # No more than the budget can pay for, at the dearest bytes' price
+            # (the frames are acted on before they are charged).
+            limit = min(limit, max(MIN_SLICE, int(share.budget.balance / Cost.DEAREST_BYTE)))
         queue = gw.queue
         ring = self.ring
         session = self.session

@@ -34,7 +34,7 @@ from collections.abc import Callable
 __all__ = ["TurnTaker"]
 
 #: Bounds of the bytes handed to the session at once, and its first size.
-MIN_SLICE = 2048
+MIN_SLICE = 256
 MAX_SLICE = 32 * 1024
 FIRST_SLICE = 16 * 1024
 #: How much a slice grows after a cheap one.
