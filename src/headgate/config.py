@@ -29,7 +29,7 @@ Example ``headgate.toml``::
     max_streams = 256
     streams_per_token = 64
     # Fair shares (see README, "Limits"):
-    work_budget_ms = 50             # gateway work per second per token
+    work_budget_ms = 25             # gateway work per second per token
     max_subscriptions = 64          # per connection
     subscriptions_per_token = 256
     connections_per_token = 256     # default: a quarter of max_connections
@@ -217,7 +217,7 @@ class GatewayConfig:
     #: data batches within guarantees are not. Beyond it the peers are not
     #: read from, and their fetches wait, until the budget refills. It
     #: replaces ``max_control_rate`` (frames per second per connection).
-    work_budget_ms: float = 50.0
+    work_budget_ms: float = 25.0
     #: Live subscriptions one connection may hold.
     max_subscriptions: int = 64
     #: Live subscriptions the peers of one token (or address) may hold together.

@@ -48,6 +48,10 @@ __all__ = [
 
 #: Units a budget holds per millisecond of ``work_budget_ms``.
 UNITS_PER_MS = 1000.0
+#: What a short slice of received bytes may cost (the gateway hands a
+#: connection low on budget slices of ``turns.MIN_SLICE`` bytes, at the
+#: dearest bytes' price).
+SHORT_SLICE_UNITS = 1024.0
 
 
 class Cost:
@@ -69,13 +73,13 @@ class Cost:
     #: A batch dropped beyond its guarantees (plus PER_KIB of its bytes).
     DROPPED = 4.0
     #: Bytes moved for the peer, per KiB (dropped batches, fetch pages, deliveries).
-    PER_KIB = 0.5
+    PER_KIB = 0.25
     #: A ListStreams, plus LIST_ENTRY per stream it lists.
     LIST_STREAMS = 10.0
     LIST_ENTRY = 7.0
     #: A Fetch request, plus FETCH_FRAME per frame served (and PER_KIB).
     FETCH = 20.0
-    FETCH_FRAME = 4.0
+    FETCH_FRAME = 2.0
     #: A Subscribe, plus DELIVERY per batch delivered to it (and PER_KIB).
     SUBSCRIBE = 40.0
     DELIVERY = 4.0
@@ -163,9 +167,26 @@ class PeerShare:
     charged: float = 0.0
 
     def charge(self, units: float, now: float) -> float:
-        """Pay ``units`` from the budget; the seconds to wait (0: none)."""
+        """Pay ``units`` from the budget; the seconds to wait (0: none). See :meth:`wait`."""
         self.charged += units
-        return self.budget.charge(units, now)
+        return self._spread(self.budget.charge(units, now))
+
+    def wait(self, now: float) -> float:
+        """Seconds a connection of this share should wait before it costs more (0: none).
+
+        Not only until the debt is paid: when it is, each of the share's
+        connections that waited would take a slice at once, sixty wake-ups
+        for one budget's worth of work. So each waits also for the time the
+        budget takes to pay one short slice for every other connection of
+        the share, and the wake-ups per second stay the same however many
+        connections a token opens.
+        """
+        return self._spread(self.budget.wait(now))
+
+    def _spread(self, wait: float) -> float:
+        if wait <= 0:
+            return 0.0
+        return wait + (self.connections - 1) * SHORT_SLICE_UNITS / self.budget.rate
 
 
 class PeerShares:

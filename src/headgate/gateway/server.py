@@ -416,7 +416,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             # Its share is in debt (its other connections, or its last slice,
             # spent it): decode nothing until it is paid off. A connection
             # whose slices cost nothing (data within guarantees) goes on.
-            wait = share.budget.wait(time.monotonic())
+            wait = share.wait(time.monotonic())
             if wait > 0:
                 self._turns.hold(wait)
                 return 0
