@@ -208,12 +208,6 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.last_received = loop.time()
         config = self.gateway.config
         gw = self.gateway
-        if self._tls_pending and (refusal := gw.admit_handshake(self)) is not None:
-            # Before the handshake's public-key work: a flood costs an accept.
-            gw.refusals.warning(loop.time(), "refused %s: %s", self.peer, refusal)
-            self._closing = True
-            transport.abort()
-            return
         self._handshake = loop.call_later(
             config.handshake_timeout_ms / 1000, self._handshake_expired
         )
@@ -768,6 +762,39 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.gateway.streams[self.writers[handle].stream].rebalance(time.monotonic())
 
 
+class TlsDoor(asyncio.Protocol):
+    """Where a TLS connection waits while the gateway decides whether to let it in.
+
+    A TLS handshake is the dearest thing a peer can ask for before it has
+    said anything, so it is admitted first (``handshake_rate`` per address,
+    ``max_pending_handshakes`` in all), before anything is built for the
+    connection: a refused one costs an accept and an abort, and a flood of
+    them is logged at a bounded rate. An admitted one is handed to a new
+    :class:`GatewayConnection`, which runs the handshake.
+    """
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        gw = self.gateway
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else "unix"
+        refusal = gw.admit_handshake(host)
+        if refusal is not None:
+            where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else host
+            gw.refusals.warning(time.monotonic(), "refused %s: %s", where, refusal)
+            transport.abort()
+            return
+        conn = GatewayConnection(gw, next(gw._ids), tls=True)
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        """Nothing is read before the connection is handed over."""
+
+
 class Gateway:
     """The headgate gateway. ``await start()``, serve, ``await stop()``."""
 
@@ -833,7 +860,7 @@ class Gateway:
         host, port = self.config.listen
         tls = self.ssl_context is not None
         server = await loop.create_server(
-            lambda: GatewayConnection(self, next(self._ids), tls=tls),
+            (lambda: TlsDoor(self)) if tls else (lambda: GatewayConnection(self, next(self._ids))),
             host,
             port,
             reuse_address=True,
@@ -869,14 +896,12 @@ class Gateway:
             return "writer"
         return "any"
 
-    def admit_handshake(self, conn: GatewayConnection) -> str | None:
-        """Why a new TLS connection may not start its handshake, or None if it may."""
+    def admit_handshake(self, host: str) -> str | None:
+        """Why a new TLS connection from ``host`` may not start its handshake, or None."""
         if self.tls_pending >= self.config.max_pending_handshakes:
             return f"{self.tls_pending} TLS handshakes are already in progress"
-        if not self.handshakes.admit(address_key(conn.host), time.monotonic()):
-            return (
-                f"more than {self.config.handshake_rate:g} TLS handshakes a second from {conn.host}"
-            )
+        if not self.handshakes.admit(address_key(host), time.monotonic()):
+            return f"more than {self.config.handshake_rate:g} TLS handshakes a second from {host}"
         return None
 
     def authenticate(self, token: bytes) -> Rights:
