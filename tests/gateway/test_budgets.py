@@ -457,3 +457,51 @@ async def test_tls_handshakes_in_progress_are_bounded(tmp_path: Path, authority:
 
 def test_the_address_share_is_the_host_whatever_the_port() -> None:
     assert address_key("127.0.0.1") == "address:127.0.0.1"
+
+
+async def test_a_fetch_of_tiny_frames_is_served_at_the_readers_budget(tmp_path: Path) -> None:
+    """Each frame served is charged: a reader low on budget gets fewer frames, not more time."""
+    # 500 units a second: about 250 tiny frames a second after the burst.
+    gw = Gateway(config(tmp_path, work_budget_ms=0.5, idle_timeout_ms=0))
+    await gw.start()
+    try:
+        async with Producer(gw.address, producer_id=5, max_batch_bytes=64) as producer:
+            for i in range(1500):  # about 150 KiB of log: within the stream's capacity
+                await producer.send("tiny", b"%05d" % i + b"x" * 40)
+            await producer.flush()
+        frames = len(stored(tmp_path / "data", "tiny"))
+        assert frames >= 1000, "tiny batches make tiny frames"
+        await asyncio.sleep(1.0)  # the producer's spending is paid off
+        peer = await Raw().open(gw.address, producer_id=0)
+        peer.send(encode_frame(IssueGuarantees(channel=0, amount=4096)))
+        peer.send(
+            glob(
+                m.Fetch(
+                    request_id=1,
+                    stream="tiny",
+                    start_position=0,
+                    end_position=2**64 - 1,
+                    max_bytes=0,
+                )
+            )
+        )
+        # The gateway binds its fetch handle (channel 0); then the reader grants.
+        await peer.until(
+            lambda: any(isinstance(f, SendChannel) and f.channel == 0 for f in peer.frames)
+        )
+        peer.send(encode_frame(IssueGuarantees(channel=2, amount=1 << 40)))
+        started = time.monotonic()
+        await peer.read_for(1.0)
+        elapsed = time.monotonic() - started
+        served = sum(1 for f in peer.frames if isinstance(f, SendChannel) and f.channel == 2)
+        assert not peer.errors() and not peer.closed, peer.errors()
+        share = gw.shares.get(address_key("127.0.0.1"))
+        assert share is not None
+        assert share.charged >= served * Cost.FETCH_FRAME
+        # The burst and a second's refill, plus one serving turn of 256 frames
+        # charged after it was sent: far from all of them.
+        most = (500 + 500 * elapsed) / Cost.FETCH_FRAME + 256 + 64
+        assert 100 <= served <= most < frames
+        peer.close()
+    finally:
+        await gw.stop()
