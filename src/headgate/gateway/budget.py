@@ -79,10 +79,12 @@ class Cost:
     LIST_ENTRY = 7.0
     #: A Fetch request, plus FETCH_FRAME per frame served (and PER_KIB).
     FETCH = 20.0
-    FETCH_FRAME = 2.0
+    FETCH_FRAME = 6.0
+    #: Each frame read from the log to serve a fetch or a catch-up, sent or not.
+    READ_FRAME = 1.0
     #: A Subscribe, plus DELIVERY per batch delivered to it (and PER_KIB).
     SUBSCRIBE = 40.0
-    DELIVERY = 4.0
+    DELIVERY = 6.0
     #: A bind, accepted or refused (a refusal also costs a log line).
     BIND = 20.0
     #: A Hello: the token's hash, the Welcome.

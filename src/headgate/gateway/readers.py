@@ -59,6 +59,8 @@ SERVE_TURN_FRAMES = 256
 SERVE_TURN_COST = 2000.0
 #: Log bytes read from the log at a time.
 READ_CHUNK_BYTES = 256 * 1024
+#: Log bytes read at a time, at least.
+MIN_READ_BYTES = 4096
 #: Most fetches, and most listings, waiting their turn per connection
 #: (subscriptions have their own limits in the configuration).
 MAX_REQUESTS = 1024
@@ -209,6 +211,8 @@ class ReaderConnection:
         # What the serving turn in progress may still send, and has cost.
         self._frames_left = SERVE_TURN_FRAMES
         self._cost = 0.0
+        # Log bytes per frame lately (sizes the reads; small until seen).
+        self._frame_bytes = 64
         self._jobs: deque[_FetchJob] = deque()
         # ListStreams waiting for their turn (request ids), and who may see what.
         self._listings: deque[int] = deque()
@@ -455,6 +459,30 @@ class ReaderConnection:
             self._scheduled = True
             self._later(delay, self._continue)
 
+    def _can_send(self, handle: int) -> bool:
+        """Whether the reader has room for at least an empty TailRecords on ``handle``."""
+        channel = self._session.outbound(m.data_channel(handle))
+        return self._room() and channel.can_send(self._session.tail_cost(0))
+
+    def _read(self, stream: Stream, start: int, end: int) -> list[LogFrame]:
+        """Read about as many frames as this turn may still send (each read is charged).
+
+        Reading a chunk of the log makes an object per frame, so a chunk of
+        256 KiB of tiny frames is thousands of them: the chunk is sized by
+        the frames left in the turn and the size of the frames read lately.
+
+        Raises:
+            LogError: the log cannot be read there.
+        """
+        want = int(self._frames_left * self._frame_bytes * 1.25)
+        frames = stream.log.read(
+            start, end, max_bytes=max(MIN_READ_BYTES, min(READ_CHUNK_BYTES, want))
+        )
+        if frames:
+            self._frame_bytes = max(1, (frames[-1].end_position - start) // len(frames))
+            self._cost += Cost.READ_FRAME * len(frames)
+        return frames
+
     def _continue(self) -> None:
         self._scheduled = False
         try:
@@ -477,8 +505,10 @@ class ReaderConnection:
         limit = request.max_bytes or U64_MAX
         used = 0
         while job.cursor < job.end and used < budget:
+            if not self._can_send(handle):
+                return False, used  # read nothing that cannot be sent
             try:
-                frames = stream.log.read(job.cursor, job.end, max_bytes=READ_CHUNK_BYTES)
+                frames = self._read(stream, job.cursor, job.end)
             except LogError as error:
                 raise ProtocolError(
                     f"stream {request.stream!r}: cannot fetch from position {job.cursor}: {error}",
@@ -518,8 +548,10 @@ class ReaderConnection:
                 sub.missed += 1
                 sub.missed_total += 1
                 continue
+            if not self._can_send(sub.handle):
+                return used
             try:
-                frames = stream.log.read(sub.cursor, tail, max_bytes=READ_CHUNK_BYTES)
+                frames = self._read(stream, sub.cursor, tail)
             except LogError as error:
                 raise ProtocolError(
                     f"stream {sub.stream!r}: cannot read from position {sub.cursor}: {error}",
