@@ -214,7 +214,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         slot = gw.attach(self)
         if slot is None:
             if self._tls_pending:
-                gw.refusals.warning(loop.time(), "refused %s: too many connections", self.peer)
+                gw.refusals.warning(time.monotonic(), "refused %s: too many connections", self.peer)
                 self._closing = True
                 transport.abort()
             else:
