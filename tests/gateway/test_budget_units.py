@@ -10,6 +10,7 @@ import pytest
 
 from headgate.config import ConfigError, GatewayConfig, load_gateway_config
 from headgate.gateway.budget import (
+    SHORT_SLICE_UNITS,
     Cost,
     HandshakeBudgets,
     LogLimiter,
@@ -161,3 +162,19 @@ def test_fair_share_settings_come_from_the_file_and_default_from_max_connections
         path.write_text(f"[gateway]\n{bad}\n")
         with pytest.raises(ConfigError, match=fragment):
             load_gateway_config(path)
+
+
+def test_the_connections_of_a_share_in_debt_wake_in_turn_not_all_at_once() -> None:
+    """Sixty connections of one token wake about as often as one does."""
+    shares = PeerShares(rate=10_000, burst=10_000)
+    alone = shares.join(token_key("one"), now=0.0)
+    joined = [shares.join(token_key("sixty"), now=0.0) for _ in range(60)]
+    many = joined[0]
+    assert all(share is many for share in joined)
+    alone.charge(11_000, now=0.0)
+    many.charge(11_000, now=0.0)
+    # 1,000 units of debt at 10,000 a second: a tenth of a second alone; with
+    # sixty, each also waits for a short slice of every other one.
+    assert alone.wait(now=0.0) == pytest.approx(0.1)
+    assert many.wait(now=0.0) == pytest.approx(0.1 + 59 * SHORT_SLICE_UNITS / 10_000)
+    assert many.wait(now=0.1) == 0.0, "out of debt: no wait at all"
