@@ -30,8 +30,15 @@ Example ``headgate.toml``::
     bind_budget = "16KiB"
     max_streams = 256
     streams_per_token = 64
-    max_control_rate = 5000
     max_producer_ids = 100000
+    # Fair shares (see README, "Limits"):
+    work_budget_ms = 25             # gateway work per second per token
+    max_subscriptions = 64          # per connection
+    subscriptions_per_token = 256
+    connections_per_token = 256     # default: a quarter of max_connections
+    writer_slots = 128              # default: an eighth of max_connections
+    handshake_rate = 20             # TLS handshakes per second per address
+    max_pending_handshakes = 64
 
     [streams.ticks]
     capacity = "8MiB"
@@ -225,12 +232,49 @@ class GatewayConfig:
     #: a bind under a new id beyond this is refused (scoped). Ids are kept
     #: for good, so that nobody can take over another producer's id.
     max_producer_ids: int = 100_000
-    #: Control frames (and dropped data messages) per second one connection
-    #: may send, in bursts of as many; beyond, it is not read from until its
-    #: budget refills. Data within guarantees is not counted.
-    max_control_rate: int = 5000
+    #: Milliseconds of the gateway's work per second that the peers of one
+    #: token may cause together (the peers of one address before Hello, and
+    #: always without a tokens file), in bursts of as much. Every request is
+    #: charged (``headgate.gateway.budget.Cost``): frames, Pings, listings,
+    #: fetch pages, subscriptions and their deliveries, binds, handshakes;
+    #: data batches within guarantees are not. Beyond it the peers are not
+    #: read from, and their fetches wait, until the budget refills. It
+    #: replaces ``max_control_rate`` (frames per second per connection).
+    work_budget_ms: float = 25.0
+    #: Live subscriptions one connection may hold.
+    max_subscriptions: int = 64
+    #: Live subscriptions the peers of one token (or address) may hold together.
+    subscriptions_per_token: int = 256
+    #: Connections the peers of one token may hold at once (only with a
+    #: tokens file); 0: a quarter of ``max_connections``.
+    connections_per_token: int = 0
+    #: Connection slots kept for writers: connections that have not bound a
+    #: stream to write may hold at most ``max_connections - writer_slots``.
+    #: Once only these are left, a new connection must bind a stream within
+    #: ``handshake_timeout_ms`` or it is closed. 0: an eighth of
+    #: ``max_connections`` (at least 1).
+    writer_slots: int = 0
+    #: TLS handshakes per second that one peer address may start, in bursts
+    #: of as many; beyond, a new connection is cut off before its handshake.
+    handshake_rate: float = 20.0
+    #: TLS handshakes in progress at once, over all peers.
+    max_pending_handshakes: int = 64
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
+
+    @property
+    def token_connections(self) -> int:
+        """Connections one token may hold: ``connections_per_token`` resolved."""
+        if self.connections_per_token:
+            return self.connections_per_token
+        return max(1, self.max_connections // 4)
+
+    @property
+    def writer_slots_kept(self) -> int:
+        """Connection slots kept for writers: ``writer_slots`` resolved."""
+        if self.writer_slots:
+            return min(self.writer_slots, self.max_connections)
+        return max(1, self.max_connections // 8)
 
     def stream_capacity_for(self, name: str) -> int:
         """The capacity of stream ``name``, honouring a per-stream override."""
@@ -318,8 +362,24 @@ class GatewayConfig:
             raise ConfigError("streams_per_token must not be negative")
         if self.max_producer_ids < 1:
             raise ConfigError("max_producer_ids must be at least 1")
-        if self.max_control_rate < 10:
-            raise ConfigError("max_control_rate must be at least 10 frames per second")
+        if not 0.1 <= self.work_budget_ms <= 1000:
+            raise ConfigError(
+                "work_budget_ms must be from 0.1 to 1000 (ms per second), "
+                f"got {self.work_budget_ms}"
+            )
+        if self.max_subscriptions < 1 or self.subscriptions_per_token < 1:
+            raise ConfigError("max_subscriptions and subscriptions_per_token must be at least 1")
+        if self.connections_per_token < 0:
+            raise ConfigError("connections_per_token must not be negative (0: the default)")
+        if not 0 <= self.writer_slots < self.max_connections:
+            raise ConfigError(
+                f"writer_slots must be from 0 (the default) to max_connections - 1 "
+                f"({self.max_connections - 1}), got {self.writer_slots}"
+            )
+        if self.handshake_rate <= 0:
+            raise ConfigError("handshake_rate must be positive (TLS handshakes per second)")
+        if self.max_pending_handshakes < 1:
+            raise ConfigError("max_pending_handshakes must be at least 1")
         return self
 
 
@@ -348,8 +408,19 @@ _GATEWAY_KEYS = {
     "bind_budget",
     "max_streams",
     "streams_per_token",
-    "max_control_rate",
     "max_producer_ids",
+    "work_budget_ms",
+    "max_subscriptions",
+    "subscriptions_per_token",
+    "connections_per_token",
+    "writer_slots",
+    "handshake_rate",
+    "max_pending_handshakes",
+}
+#: Keys that were replaced, with what replaced them.
+_REPLACED_KEYS = {
+    "max_control_rate": "work_budget_ms (milliseconds of gateway work per second per token, "
+    "shared by the token's connections; see README, Limits)",
 }
 _STREAM_KEYS = {"capacity", "policy", "window", "xoff", "xon"}
 
@@ -367,6 +438,8 @@ def _count(value: object, what: str) -> int:
 
 
 def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
+    for key in set(table) & set(_REPLACED_KEYS):
+        raise ConfigError(f"{where}.{key} is no longer a setting: use {_REPLACED_KEYS[key]}")
     unknown = set(table) - _GATEWAY_KEYS
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
@@ -396,9 +469,13 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             "bind_budget",
         ):
             out[key] = parse_size(value, what=what)
-        elif key in ("group_commit_interval_ms", "handshake_timeout_ms"):
+        elif key in ("group_commit_interval_ms", "handshake_timeout_ms", "work_budget_ms"):
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise ConfigError(f"{what}: expected a number of milliseconds, got {value!r}")
+            out[key] = float(value)
+        elif key == "handshake_rate":
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(f"{what}: expected a number per second, got {value!r}")
             out[key] = float(value)
         elif key == "metrics":
             if not isinstance(value, str):
@@ -412,8 +489,12 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             "plead_deadline_ms",
             "max_streams",
             "streams_per_token",
-            "max_control_rate",
             "max_producer_ids",
+            "max_subscriptions",
+            "subscriptions_per_token",
+            "connections_per_token",
+            "writer_slots",
+            "max_pending_handshakes",
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")

@@ -18,6 +18,7 @@ import pytest
 
 from headgate.client import Producer, StreamRefused
 from headgate.gateway import Gateway
+from headgate.gateway.budget import UNITS_PER_MS, Cost
 from headgate.gateway.turns import FIRST_SLICE, TurnTaker
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
@@ -147,9 +148,9 @@ async def test_connections_beyond_the_limit_are_refused(gateway: Gateway) -> Non
         await peer.close()
 
 
-@pytest.mark.parametrize("control_rate", [5000, 10_000_000])
+@pytest.mark.parametrize("pings_per_second", [5000, 10_000_000])
 async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture, control_rate: int
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, pings_per_second: int
 ) -> None:
     """Pings by the megabyte, never a byte read.
 
@@ -163,7 +164,7 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(
             tmp_path,
             idle_timeout_ms=400,
             max_write_buffer=64 * 1024,
-            max_control_rate=control_rate,
+            work_budget_ms=min(1000.0, pings_per_second * Cost.CONTROL / UNITS_PER_MS),
         )
     )
     await gateway.start()
@@ -172,7 +173,7 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(
     finally:
         await gateway.stop()
     reasons = [r.getMessage() for r in caplog.records if r.name == "headgate.gateway"]
-    expected = "TIMEOUT" if control_rate == 5000 else "RESOURCE_EXHAUSTED"
+    expected = "TIMEOUT" if pings_per_second == 5000 else "RESOURCE_EXHAUSTED"
     assert any(expected in reason for reason in reasons), reasons
 
 
@@ -287,7 +288,9 @@ async def test_bind_guarantees_come_back_when_a_binding_is_freed(gateway: Gatewa
 
 
 async def test_a_ping_flood_is_slowed_to_the_control_budget(tmp_path: Path) -> None:
-    gw = Gateway(config(tmp_path, max_control_rate=200, idle_timeout_ms=0))
+    # A budget of 200 Pings a second (each with its Pong).
+    budget_ms = 200 * Cost.CONTROL / UNITS_PER_MS
+    gw = Gateway(config(tmp_path, work_budget_ms=budget_ms, idle_timeout_ms=0))
     await gw.start()
     try:
         reader, writer = await asyncio.open_connection(*gw.address)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from headgate.client import Producer
+from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.gateway.readers import MAX_BACKLOG
 from headgate.protocol import messages as m
@@ -146,7 +147,7 @@ async def test_a_connection_cannot_pile_up_subscriptions(tmp_path: Path) -> None
         peer = RawPeer(producer_id=0)
         await peer.connect(gw.address)
         # No bind guarantees: every Subscribe waits for a handle, and piles up.
-        for _ in range(1025):
+        for _ in range(GatewayConfig().max_subscriptions + 1):
             peer.session.send_global(m.Subscribe(stream="s", start=m.StartAt.NOW))
         await peer.send()
         for _ in range(100):
@@ -155,7 +156,7 @@ async def test_a_connection_cannot_pile_up_subscriptions(tmp_path: Path) -> None
             await peer.pump(0.02)
         (error,) = peer.errors()
         assert error.code == ErrorCode.RESOURCE_EXHAUSTED
-        assert "at most 1024 subscriptions" in error.text
+        assert f"at most {GatewayConfig().max_subscriptions} subscriptions" in error.text
         await asyncio.sleep(0.1)
         assert "s" not in gw.tails.subscriptions, "the closed connection's tails are gone"
     finally:

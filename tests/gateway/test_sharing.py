@@ -25,6 +25,7 @@ import pytest
 
 from headgate.config import StreamSettings
 from headgate.gateway import Gateway
+from headgate.gateway.auth import hash_token
 from headgate.gateway.policies import WindowFlow
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
@@ -70,7 +71,7 @@ async def started(tmp_path: Path, **kw: object) -> Gateway:
 async def test_a_thousand_handles_on_one_stream_do_not_take_the_good_producers_share(
     tmp_path: Path,
 ) -> None:
-    gw = await started(tmp_path, bind_budget=64 * 1024, max_control_rate=100_000)
+    gw = await started(tmp_path, bind_budget=64 * 1024, work_budget_ms=1000.0)
     try:
         flood = RawPeer(producer_id=2)
         await flood.connect(gw.address)
@@ -106,7 +107,7 @@ async def pump_forever(peer: RawPeer) -> None:
 async def test_an_absolve_flood_over_600_handles_rebalances_once_per_pass(
     tmp_path: Path,
 ) -> None:
-    gw = await started(tmp_path, bind_budget=64 * 1024, max_control_rate=1_000_000)
+    gw = await started(tmp_path, bind_budget=64 * 1024, work_budget_ms=1000.0)
     try:
         flood = RawPeer(producer_id=2)
         await flood.connect(gw.address)
@@ -251,6 +252,50 @@ async def test_the_plead_deadline_waits_while_the_gateway_does_not_read_the_writ
         gw.release("x", gw.streams["x"].log.tail_position)
         await hog.until(lambda: hog.closed, timeout=5)
         assert [e.code for e in hog.errors()] == [ErrorCode.TIMEOUT]
+        await good.close()
+    finally:
+        await gw.stop()
+
+
+async def test_a_deaf_writer_that_spends_its_budget_on_pings_still_meets_the_plead_deadline(
+    tmp_path: Path,
+) -> None:
+    # Held by its own budget, the hog is read only now and then: were that a
+    # reason to stop its Plead clock, a Ping flood would let it keep the
+    # victim's guarantees until the idle timeout.
+    hog_token, good_token = b"hog-" + b"h" * 40, b"good-" + b"g" * 40
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        "".join(
+            f'[[token]]\nname = "{name}"\nsha256 = "{hash_token(token)}"\nwrite = ["victim"]\n\n'
+            for name, token in (("hog", hog_token), ("good", good_token))
+        )
+    )
+    gw = await started(tmp_path, plead_deadline_ms=500, work_budget_ms=2.0, auth_file=tokens)
+    try:
+        hog = DeafToPleas(producer_id=2, token=hog_token)
+        await hog.connect(gw.address)
+        hh = await hog.bind("victim")
+        total = shareable(gw, "victim")
+        await hog.until(lambda: guarantees(hog, hh) >= 0.9 * total)
+        pings = b"".join(
+            encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=i)))) for i in range(50)
+        )
+        good = RawPeer(producer_id=1, token=good_token)
+        await good.connect(gw.address)
+        h = await good.bind("victim")  # the hog is pleaded now
+        (conn,) = [c for c in gw.connections.values() if c.rights and c.rights.name == "hog"]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        held = False
+        while not hog.closed and loop.time() < deadline:
+            await hog.send(pings)  # 2,500 Pings a second: far beyond its budget
+            await hog.pump(0.02)
+            held = held or conn.pauses_own_reads(time.monotonic())
+        assert held, "the flood never spent the hog's budget: the test proves nothing"
+        assert hog.closed, "the deaf hog kept its guarantees by flooding Pings"
+        assert [e.code for e in hog.errors()] == [ErrorCode.TIMEOUT]
+        await good.until(lambda: guarantees(good, h) >= 0.9 * total)
         await good.close()
     finally:
         await gw.stop()

@@ -59,9 +59,9 @@ LONGEST_ATTACK = 30.0
 #: Frames of the stream that ``fetch_tiny_frames`` reads (written by ``prepare``).
 TINY_FRAMES = 20_000
 SMALL_FRAMES = 16
-#: Credit-free frames a second that a flooder sends per connection: just under
-#: the gateway's default budget (max_control_rate, 5000), so that the gateway
-#: never has a reason to stop reading it, and every frame costs it work.
+#: Credit-free frames a second that a flooder sends per connection (just under
+#: the old per-connection limit of 5000 a second): a steady flood in which
+#: every frame costs the gateway work, charged to the flooder's token.
 FLOOD_RATE = 4500
 #: The u64 values every u64 field of the hostile-input cases is tried with.
 U64_EDGES = (0, 1, 1 << 63, U64_MAX)

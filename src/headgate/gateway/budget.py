@@ -1,42 +1,320 @@
-"""A token bucket for what a peer can make the gateway do without credit.
+"""What each request costs the gateway, and the budgets that pay for it.
 
-Guarantees bound the data a peer sends, but not its control frames: a
-Ping, a FreeHandle, an Absolve or a message sent where nothing is
-guaranteed costs the gateway a few microseconds each, and a peer can send
-hundreds of thousands a second. Each connection therefore has a budget of
-such frames (control frames, plus data messages that were dropped). Spent,
-the connection is not read from until the budget has refilled: the peer is
-slowed down, never buffered for, and the other connections keep their time.
+Guarantees bound the data a peer sends, but not the rest of what it can ask
+for: a Ping, an Absolve, a ListStreams, a Fetch page, a Subscribe, a bind, a
+Hello or a TLS handshake each cost the gateway's one event loop some time,
+and a peer can ask for hundreds of thousands a second. So every such piece
+of work is charged, as the broker seed's accounts charge fan-out, to the
+peer that caused it (:class:`Cost` names the price of each kind), and the
+charges are paid from a :class:`WorkBudget`: a token bucket of gateway time.
+
+Budgets are shared per *cause*, not per connection (:class:`PeerShares`):
+all the connections of one token (by the Rights' name) pay from one budget,
+so sixty connections get what one gets. A connection pays from its peer
+address's budget until its Hello is accepted, and for good when there is no
+tokens file. A spent budget pauses reading the connection (its turns are
+held), and a reader's serving waits: the peer is slowed, never buffered for,
+and everyone else keeps their time.
+
+Costs are in *units* of about one microsecond of the gateway's work, as
+measured on a 2-core development machine: decoding and acting on one small
+control frame is a few units, a Ping and its Pong about eleven, listing
+one stream about seven. They need only be right relative to each other and
+to ``work_budget_ms``.
+
+Data batches within guarantees cost nothing here: credit already bounds
+them, and a producer must never be slowed by its own data. A batch beyond
+its guarantees (dropped) is charged, as is every other frame, empty ones
+included (a one-byte SendChannel with no payload costs no credit at all).
+
+Everything here takes time as an argument, so it is tested without a clock.
 """
 
 from __future__ import annotations
 
-__all__ = ["FrameBudget"]
+import logging
+from dataclasses import dataclass
+
+__all__ = [
+    "Cost",
+    "HandshakeBudgets",
+    "LogLimiter",
+    "PeerShare",
+    "PeerShares",
+    "WorkBudget",
+    "address_key",
+    "token_key",
+]
+
+#: Units a budget holds per millisecond of ``work_budget_ms``.
+UNITS_PER_MS = 1000.0
+#: What a short slice of received bytes may cost (the gateway hands a
+#: connection low on budget slices of ``turns.MIN_SLICE`` bytes, at the
+#: dearest bytes' price).
+SHORT_SLICE_UNITS = 1024.0
 
 
-class FrameBudget:
-    """``rate`` frames per second, with bursts of up to ``burst``.
+class Cost:
+    """The price of each kind of work a peer can ask for, in units (about 1 µs)."""
 
-    Args:
-        rate: frames per second refilled.
-        burst: the most frames the bucket holds (and starts with).
+    #: Any frame decoded that is not a batch within guarantees (a control
+    #: frame, a global message, an empty or refused channel message).
+    FRAME = 3.0
+    #: A Ping: the Pong it is answered with (on top of FRAME).
+    PING = 8.0
+    #: Any frame that needs no credit (a global message or a control frame).
+    #: The session answers some on its own (a Ping with a Pong, a Plead with
+    #: an Absolve), unseen by the gateway, so each is priced as the dearest
+    #: of those: a Ping and its Pong.
+    CONTROL = FRAME + PING
+    #: An Absolve received, or a Plead answered (the Absolve sent back).
+    ABSOLVE = 4.0
+    PLEAD = 4.0
+    #: A batch dropped beyond its guarantees (plus PER_KIB of its bytes).
+    DROPPED = 4.0
+    #: Bytes moved for the peer, per KiB (dropped batches, fetch pages, deliveries).
+    PER_KIB = 0.25
+    #: A ListStreams, plus LIST_ENTRY per stream it lists.
+    LIST_STREAMS = 10.0
+    LIST_ENTRY = 7.0
+    #: A Fetch request, plus FETCH_FRAME per frame served (and PER_KIB).
+    FETCH = 20.0
+    FETCH_FRAME = 6.0
+    #: Each frame read from the log to serve a fetch or a catch-up, sent or not.
+    READ_FRAME = 1.0
+    #: A Subscribe, plus DELIVERY per batch delivered to it (and PER_KIB).
+    SUBSCRIBE = 40.0
+    DELIVERY = 6.0
+    #: A bind, accepted or refused (a refusal also costs a log line).
+    BIND = 20.0
+    #: A Hello: the token's hash, the Welcome.
+    HELLO = 50.0
+    #: A TLS handshake (public-key operations; charged once it is done).
+    TLS_HANDSHAKE = 2000.0
+
+    #: About the most one received byte can cost (an empty frame, a refused
+    #: bind, a Subscribe): a connection whose budget runs low is handed no
+    #: more bytes at once than its balance pays for at this price.
+    DEAREST_BYTE = 4.0
+
+    @staticmethod
+    def of_bytes(count: int) -> float:
+        """What moving ``count`` bytes costs."""
+        return count * (Cost.PER_KIB / 1024)
+
+
+class WorkBudget:
+    """A token bucket of gateway work: ``rate`` units a second, at most ``burst`` held.
+
+    It may go into debt (a charge is never refused: the work was already
+    done); the debt is what the payer waits for.
     """
 
-    __slots__ = ("_burst", "_last", "_rate", "_tokens")
+    __slots__ = ("_burst", "_last", "_rate", "balance")
 
     def __init__(self, rate: float, burst: float, now: float) -> None:
         if rate <= 0 or burst <= 0:
             raise ValueError("rate and burst must be positive")
         self._rate = rate
         self._burst = burst
-        self._tokens = burst
+        #: Units available now (negative: in debt), as of the last call.
+        self.balance = burst
         self._last = now
 
-    def charge(self, frames: int, now: float) -> float:
-        """Spend ``frames``; return how long to wait before reading on (0: at once)."""
-        self._tokens = min(self._burst, self._tokens + (now - self._last) * self._rate)
-        self._last = now
-        self._tokens -= frames
-        if self._tokens >= 0:
+    @property
+    def rate(self) -> float:
+        return self._rate
+
+    def _refill(self, now: float) -> None:
+        if now > self._last:
+            self.balance = min(self._burst, self.balance + (now - self._last) * self._rate)
+            self._last = now
+
+    def charge(self, units: float, now: float) -> float:
+        """Pay ``units``; return how long the payer should wait (0: not at all)."""
+        self._refill(now)
+        self.balance -= units
+        if self.balance >= 0:
             return 0.0
-        return -self._tokens / self._rate
+        return -self.balance / self._rate
+
+    def wait(self, now: float) -> float:
+        """Seconds until the budget is out of debt (0: it is not in debt)."""
+        return self.charge(0.0, now)
+
+
+def token_key(name: str) -> str:
+    """The share of the peers of the token called ``name``."""
+    return "token:" + name
+
+
+def address_key(host: str) -> str:
+    """The share of the peers at ``host`` (an IP address, or ``unix``), whatever their port."""
+    return "address:" + host
+
+
+@dataclass(eq=False)
+class PeerShare:
+    """What the connections of one cause (a token, or an address) share."""
+
+    #: ``token:<name>`` or ``address:<host>``.
+    key: str
+    #: The work they may cause.
+    budget: WorkBudget
+    #: Connections that pay from it now.
+    connections: int = 0
+    #: Live subscriptions they hold together.
+    subscriptions: int = 0
+    #: Units charged since the share was opened (for statistics and tests).
+    charged: float = 0.0
+
+    def charge(self, units: float, now: float) -> float:
+        """Pay ``units`` from the budget; the seconds to wait (0: none). See :meth:`wait`."""
+        self.charged += units
+        return self._spread(self.budget.charge(units, now))
+
+    def wait(self, now: float) -> float:
+        """Seconds a connection of this share should wait before it costs more (0: none).
+
+        Not only until the debt is paid: when it is, each of the share's
+        connections that waited would take a slice at once, sixty wake-ups
+        for one budget's worth of work. So each waits also for the time the
+        budget takes to pay one short slice for every other connection of
+        the share, and the wake-ups per second stay the same however many
+        connections a token opens.
+        """
+        return self._spread(self.budget.wait(now))
+
+    def _spread(self, wait: float) -> float:
+        if wait <= 0:
+            return 0.0
+        return wait + (self.connections - 1) * SHORT_SLICE_UNITS / self.budget.rate
+
+
+class PeerShares:
+    """Every open share, by key, counted by the connections that pay from it.
+
+    A share exists while a connection uses it and is dropped with the last
+    one, so the registry is bounded by the connections (``max_connections``).
+    A token that reconnects at once starts with a full budget again, which
+    ``connections_per_token`` and the handshake budget keep cheap.
+
+    Args:
+        rate: units a second each share earns.
+        burst: the most units a share holds (and starts with).
+    """
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self._shares: dict[str, PeerShare] = {}
+
+    def join(self, key: str, now: float) -> PeerShare:
+        """One more connection pays from ``key``'s share (opened if needed)."""
+        share = self._shares.get(key)
+        if share is None:
+            share = self._shares[key] = PeerShare(key, WorkBudget(self.rate, self.burst, now))
+        share.connections += 1
+        return share
+
+    def leave(self, share: PeerShare) -> None:
+        """A connection stops paying from ``share``; the last one closes it."""
+        share.connections -= 1
+        if share.connections <= 0 and self._shares.get(share.key) is share:
+            del self._shares[share.key]
+
+    def get(self, key: str) -> PeerShare | None:
+        return self._shares.get(key)
+
+    def __len__(self) -> int:
+        return len(self._shares)
+
+
+class HandshakeBudgets:
+    """How many TLS handshakes each peer address may start: ``rate`` a second.
+
+    Checked when a connection is accepted, before its handshake starts: a
+    handshake is the dearest thing a peer can ask for before it has said
+    anything, so a flood of them is cut off at the door. An address's
+    bucket outlives its connections (a flood opens and closes them), and is
+    forgotten once it has refilled; at most ``max_addresses`` are tracked,
+    beyond which new addresses share one bucket.
+
+    Args:
+        rate: handshakes a second per address, in bursts of as many.
+        max_addresses: the most buckets held.
+    """
+
+    OVERFLOW = "address:(others)"
+
+    def __init__(self, rate: float, *, max_addresses: int = 4096) -> None:
+        self._rate = rate
+        self._burst = max(1.0, rate)
+        self._max = max_addresses
+        self._buckets: dict[str, WorkBudget] = {}
+
+    def admit(self, key: str, now: float) -> bool:
+        """Whether a handshake from ``key`` may start now (it is counted if so)."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self._max:
+                self.forget_refilled(now)
+            if len(self._buckets) >= self._max:
+                key = self.OVERFLOW
+                bucket = self._buckets.get(key)
+            if bucket is None:
+                bucket = self._buckets[key] = WorkBudget(self._rate, self._burst, now)
+        if bucket.wait(now) > 0 or bucket.balance < 1:
+            return False
+        bucket.charge(1.0, now)
+        return True
+
+    def forget_refilled(self, now: float) -> None:
+        """Drop the buckets that are full again (their addresses are quiet)."""
+        for key in [
+            k for k, b in self._buckets.items() if b.wait(now) == 0 and b.balance >= self._burst
+        ]:
+            del self._buckets[key]
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
+class LogLimiter:
+    """At most ``lines`` log lines per ``interval`` seconds for one kind of event.
+
+    Logging costs the event loop too, so a flood of refusals must not become
+    a flood of lines: beyond the allowance they are counted, and the next
+    line that gets through says how many were left out.
+    """
+
+    __slots__ = ("_interval", "_lines", "_logger", "_suppressed", "_used", "_window")
+
+    def __init__(self, logger: logging.Logger, *, lines: int = 10, interval: float = 1.0) -> None:
+        self._logger = logger
+        self._lines = lines
+        self._interval = interval
+        self._window = -float("inf")
+        self._used = 0
+        self._suppressed = 0
+
+    def warning(self, now: float, message: str, *args: object) -> bool:
+        """Log ``message % args`` as a warning unless over the allowance; whether it was."""
+        if now - self._window >= self._interval:
+            self._window = now
+            self._used = 0
+        if self._used >= self._lines:
+            self._suppressed += 1
+            return False
+        self._used += 1
+        if self._suppressed:
+            message += " (%d more like this not logged)"
+            args = (*args, self._suppressed)
+            self._suppressed = 0
+        self._logger.warning(message, *args)
+        return True
+
+    @property
+    def suppressed(self) -> int:
+        """Lines left out and not yet reported."""
+        return self._suppressed

@@ -17,6 +17,13 @@ contract; this module keeps it:
   gets goes through :meth:`ReaderConnection.send_to_subscriber`, the one
   place where per-connection accounting can charge a delivery.
 
+Everything served is charged to the reader's work budget (shared by its
+token, see :mod:`headgate.gateway.budget`) with the connection's ``charge``:
+a listing by the streams it lists, a fetch page by its frames and bytes, a
+live delivery by its batch. One turn of serving sends at most
+:data:`SERVE_TURN_FRAMES` frames and :data:`SERVE_TURN_BYTES`; while the
+budget is in debt, serving waits for it, and live deliveries are missed.
+
 Nothing here touches the event loop directly: the connection passes in how to
 flush, how big its socket backlog is, and how to run something later.
 """
@@ -29,6 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from headgate.gateway.accounts import Account
+from headgate.gateway.budget import Cost, PeerShare
 from headgate.gateway.streams import Stream
 from headgate.log import LogError, LogFrame
 from headgate.protocol import messages as m
@@ -45,9 +53,16 @@ log = logging.getLogger("headgate.gateway")
 MAX_BACKLOG = 256 * 1024
 #: Log bytes one turn of serving reads before it lets the event loop run others.
 SERVE_TURN_BYTES = 1 << 20
+#: Frames one turn of serving sends (tiny frames cost per frame, not per byte).
+SERVE_TURN_FRAMES = 256
+#: Cost units (see budget.Cost) one turn of serving may spend.
+SERVE_TURN_COST = 2000.0
 #: Log bytes read from the log at a time.
 READ_CHUNK_BYTES = 256 * 1024
-#: Most subscriptions, and most fetches waiting their turn, per connection.
+#: Log bytes read at a time, at least.
+MIN_READ_BYTES = 4096
+#: Most fetches, and most listings, waiting their turn per connection
+#: (subscriptions have their own limits in the configuration).
 MAX_REQUESTS = 1024
 
 
@@ -154,9 +169,15 @@ class ReaderConnection:
         hub: the gateway's live subscriptions.
         flush: writes out what the session has queued.
         backlog: bytes waiting in the socket buffer to the peer.
-        later: runs a callable soon on the event loop.
+        later: runs a callable on the event loop after a delay in seconds (0: soon).
         fail: closes the connection with an Error (for failures outside
             event handling, where raising would reach nobody).
+        charge: pays units of work from the connection's budget; returns
+            the seconds to wait before more is done for it (0: none).
+        share: the budget share the connection pays from (for the
+            subscriptions its token holds together).
+        max_subscriptions: live subscriptions this connection may hold.
+        subscriptions_per_token: live subscriptions one share may hold.
     """
 
     def __init__(
@@ -167,8 +188,12 @@ class ReaderConnection:
         *,
         flush: Callable[[], None],
         backlog: Callable[[], int],
-        later: Callable[[Callable[[], None]], object],
+        later: Callable[[float, Callable[[], None]], object],
         fail: Callable[[ProtocolError], None],
+        charge: Callable[[float], float] = lambda units: 0.0,
+        share: Callable[[], PeerShare | None] = lambda: None,
+        max_subscriptions: int = 64,
+        subscriptions_per_token: int = 256,
     ) -> None:
         self._session = session
         self._streams = streams
@@ -177,7 +202,21 @@ class ReaderConnection:
         self._backlog = backlog
         self._later = later
         self._fail = fail
+        self._charge = charge
+        self._share = share
+        self._max_subscriptions = max_subscriptions
+        self._subscriptions_per_token = subscriptions_per_token
+        #: The share that counts this connection's subscriptions.
+        self._counted_in: PeerShare | None = None
+        # What the serving turn in progress may still send, and has cost.
+        self._frames_left = SERVE_TURN_FRAMES
+        self._cost = 0.0
+        # Log bytes per frame lately (sizes the reads; small until seen).
+        self._frame_bytes = 64
         self._jobs: deque[_FetchJob] = deque()
+        # ListStreams waiting for their turn (request ids), and who may see what.
+        self._listings: deque[int] = deque()
+        self._visible: Callable[[str], bool] = lambda name: True
         self._fetch_handles: dict[str, int] = {}
         # Requests that need a handle, in request order: a stream name (its
         # fetch handle) or a subscription. The k-th bind answers the k-th.
@@ -201,17 +240,14 @@ class ReaderConnection:
         """
         match message:
             case m.ListStreams(request_id=request_id):
-                self._session.send_global(
-                    m.StreamList(
-                        request_id=request_id,
-                        streams=tuple(
-                            self._info(s)
-                            for name, s in sorted(self._streams.items())
-                            if visible(name)
-                        ),
-                    )
-                )
+                # Answered in a serving turn, within the budget: a listing
+                # costs as much as the streams it walks, and a slice of
+                # received bytes can hold thousands of requests.
+                self._check_count(len(self._listings), "listings waiting")
+                self._visible = visible
+                self._listings.append(request_id)
             case m.Fetch():
+                self._charge(Cost.FETCH)
                 self._check_count(len(self._jobs), "fetches waiting")
                 stream = self._stream(message.stream)
                 end = message.end_position
@@ -227,7 +263,8 @@ class ReaderConnection:
                     self._to_bind.append(message.stream)
                 self._jobs.append(_FetchJob(message, message.start_position, end))
             case m.Subscribe():
-                self._check_count(len(self.subscriptions), "subscriptions")
+                self._charge(Cost.SUBSCRIBE)
+                self._check_subscriptions()
                 stream = self._stream(message.stream)
                 log_ = stream.log
                 if message.start is m.StartAt.NOW:
@@ -245,6 +282,7 @@ class ReaderConnection:
                     live=start == log_.tail_position,
                 )
                 self.subscriptions.append(sub)
+                self._count_subscription()
                 self._to_bind.append(sub)
                 self._hub.add(sub)
         self._bind()
@@ -267,6 +305,29 @@ class ReaderConnection:
                 f"the gateway holds no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME
             )
         return stream
+
+    def _check_subscriptions(self) -> None:
+        """Raise RESOURCE_EXHAUSTED if one more subscription is over a limit."""
+        if len(self.subscriptions) >= self._max_subscriptions:
+            raise ProtocolError(
+                f"a connection may have at most {self._max_subscriptions} subscriptions",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        share = self._share()
+        if share is not None and share.subscriptions >= self._subscriptions_per_token:
+            raise ProtocolError(
+                f"the peers of {share.key} hold their maximum of "
+                f"{self._subscriptions_per_token} subscriptions",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+
+    def _count_subscription(self) -> None:
+        share = self._share()
+        if share is None:
+            return
+        if self._counted_in is None:
+            self._counted_in = share
+        self._counted_in.subscriptions += 1
 
     @staticmethod
     def _check_count(count: int, what: str) -> None:
@@ -319,12 +380,36 @@ class ReaderConnection:
         return False
 
     def pump(self) -> None:
-        """Send what fetches and catching-up subscriptions can send now, then flush."""
+        """Send what fetches and catching-up subscriptions can send now, then flush.
+
+        One call is one turn: listings, then at most :data:`SERVE_TURN_FRAMES`
+        frames and :data:`SERVE_TURN_BYTES` (and :data:`SERVE_TURN_COST`),
+        charged to the reader's budget. More is served in a later turn,
+        once other connections have run and, if the budget is in debt, once
+        it is paid off.
+        """
         if self._closed or self._session.closed:
             return
+        if (
+            not self._jobs
+            and not self._listings
+            and not any(not sub.live for sub in self.subscriptions)
+        ):
+            self.flush()
+            return
+        wait = self._charge(0.0)
+        if wait > 0:
+            self._again(wait)
+            return
         budget = SERVE_TURN_BYTES
+        self._frames_left = SERVE_TURN_FRAMES
+        self._cost = 0.0
         self._out_of_room = False
-        while self._jobs and budget > 0:
+        while self._listings and self._cost < SERVE_TURN_COST and self._room():
+            self._list_streams(self._listings.popleft())
+        if self._cost >= SERVE_TURN_COST:
+            budget = 0
+        while self._jobs and budget > 0 and self._frames_left > 0:
             job = self._jobs[0]
             handle = self._fetch_handles.get(job.request.stream)
             if handle is None:
@@ -342,18 +427,61 @@ class ReaderConnection:
                 )
             )
         for sub in self.subscriptions:
-            if budget <= 0:
+            if budget <= 0 or self._frames_left <= 0:
                 break
             if not sub.live and sub.handle is not None:
                 budget -= self._catch_up(sub, budget)
+        wait = self._charge(self._cost) if self._cost else 0.0
+        self._cost = 0.0
         self.flush()
-        # More is ready (the turn's budget ran out, or the output filled up and
-        # the socket took it all at once, so no resume_writing will come):
-        # let other connections run, then serve it.
-        more = budget <= 0 or (self._out_of_room and self._room())
-        if more and not self._scheduled:
+        # More is ready (the turn ran out, or the output filled up and the
+        # socket took it all at once, so no resume_writing will come): let
+        # other connections run, then serve it.
+        more = (
+            budget <= 0
+            or self._frames_left <= 0
+            or bool(self._listings)
+            or (self._out_of_room and self._room())
+        )
+        if more:
+            self._again(wait)
+
+    def _list_streams(self, request_id: int) -> None:
+        """Answer one ListStreams: the streams the peer may read, with their positions."""
+        visible = self._visible
+        listed = tuple(self._info(s) for name, s in sorted(self._streams.items()) if visible(name))
+        self._cost += Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(self._streams)
+        self._session.send_global(m.StreamList(request_id=request_id, streams=listed))
+
+    def _again(self, delay: float) -> None:
+        """Serve another turn after ``delay`` seconds (0: once others have run)."""
+        if not self._scheduled:
             self._scheduled = True
-            self._later(self._continue)
+            self._later(delay, self._continue)
+
+    def _can_send(self, handle: int) -> bool:
+        """Whether the reader has room for at least an empty TailRecords on ``handle``."""
+        channel = self._session.outbound(m.data_channel(handle))
+        return self._room() and channel.can_send(self._session.tail_cost(0))
+
+    def _read(self, stream: Stream, start: int, end: int) -> list[LogFrame]:
+        """Read about as many frames as this turn may still send (each read is charged).
+
+        Reading a chunk of the log makes an object per frame, so a chunk of
+        256 KiB of tiny frames is thousands of them: the chunk is sized by
+        the frames left in the turn and the size of the frames read lately.
+
+        Raises:
+            LogError: the log cannot be read there.
+        """
+        want = int(self._frames_left * self._frame_bytes * 1.25)
+        frames = stream.log.read(
+            start, end, max_bytes=max(MIN_READ_BYTES, min(READ_CHUNK_BYTES, want))
+        )
+        if frames:
+            self._frame_bytes = max(1, (frames[-1].end_position - start) // len(frames))
+            self._cost += Cost.READ_FRAME * len(frames)
+        return frames
 
     def _continue(self) -> None:
         self._scheduled = False
@@ -361,6 +489,11 @@ class ReaderConnection:
             self.pump()
         except ProtocolError as error:
             self._fail(error)
+
+    def _sent(self, payload_bytes: int) -> None:
+        """One frame was sent in this serving turn: count it, and what it cost."""
+        self._frames_left -= 1
+        self._cost += Cost.FETCH_FRAME + Cost.of_bytes(payload_bytes)
 
     def flush(self) -> None:
         self._flush()
@@ -372,8 +505,10 @@ class ReaderConnection:
         limit = request.max_bytes or U64_MAX
         used = 0
         while job.cursor < job.end and used < budget:
+            if not self._can_send(handle):
+                return False, used  # read nothing that cannot be sent
             try:
-                frames = stream.log.read(job.cursor, job.end, max_bytes=READ_CHUNK_BYTES)
+                frames = self._read(stream, job.cursor, job.end)
             except LogError as error:
                 raise ProtocolError(
                     f"stream {request.stream!r}: cannot fetch from position {job.cursor}: {error}",
@@ -385,10 +520,11 @@ class ReaderConnection:
             for frame in frames:
                 if job.sent and frame.end_position - request.start_position > limit:
                     return True, used
-                if not self._room():
+                if self._frames_left <= 0 or not self._room():
                     return False, used
                 if not self._session.send_tail(handle, _header(frame), frame.payload):
                     return False, used  # the reader's guarantees bring us back
+                self._sent(len(frame.payload))
                 job.sent += 1
                 used += frame.end_position - job.cursor
                 job.cursor = frame.end_position
@@ -401,7 +537,7 @@ class ReaderConnection:
             return 0
         assert sub.handle is not None
         used = 0
-        while used < budget:
+        while used < budget and self._frames_left > 0:
             tail = stream.log.tail_position
             if sub.cursor >= tail:
                 sub.live = True
@@ -412,8 +548,10 @@ class ReaderConnection:
                 sub.missed += 1
                 sub.missed_total += 1
                 continue
+            if not self._can_send(sub.handle):
+                return used
             try:
-                frames = stream.log.read(sub.cursor, tail, max_bytes=READ_CHUNK_BYTES)
+                frames = self._read(stream, sub.cursor, tail)
             except LogError as error:
                 raise ProtocolError(
                     f"stream {sub.stream!r}: cannot read from position {sub.cursor}: {error}",
@@ -423,11 +561,14 @@ class ReaderConnection:
                 sub.cursor = tail
                 continue
             for frame in frames:
+                if self._frames_left <= 0:
+                    return used
                 if not sub.sampled_out():
                     header = _header(frame)
                     if not self._room() or not self.send_to_subscriber(sub, header, frame.payload):
                         sub.seen -= 1  # it will be considered again
                         return used
+                    self._sent(len(frame.payload))
                 used += frame.end_position - sub.cursor
                 sub.cursor = frame.end_position
         return used
@@ -448,11 +589,13 @@ class ReaderConnection:
         if (
             sub.handle is None
             or not self._room()
+            or self._charge(0.0) > 0  # its reader's budget is spent: no work for it now
             or not self.send_to_subscriber(sub, header, records)
         ):
             sub.missed += 1
             sub.missed_total += 1
             return False
+        self._charge(Cost.DELIVERY + Cost.of_bytes(len(records)))
         return True
 
     def send_to_subscriber(
@@ -481,8 +624,12 @@ class ReaderConnection:
         self._closed = True
         for sub in self.subscriptions:
             self._hub.remove(sub)
+        if self._counted_in is not None:
+            self._counted_in.subscriptions -= len(self.subscriptions)
+            self._counted_in = None
         self.subscriptions.clear()
         self._jobs.clear()
+        self._listings.clear()
 
 
 def _header(frame: LogFrame) -> m.TailHeader:

@@ -29,12 +29,14 @@ Who gets in and what a peer can make the gateway hold are decided here too,
 with the pieces in their own modules: TLS (``tls``), tokens and rights
 (``auth``: a Hello is authenticated, a bind is checked against the token's
 write patterns and stream quota, a Release against its admin right), turns
-and slices of received bytes (``turns``), and the budget of credit-free
-frames (``budget``). Timeouts and the cap on bytes queued for a peer that
-does not read are per connection, from ``GatewayConfig``: the handshake has
-a timer of its own; the idle and frame deadlines
-(:class:`~headgate.protocol.deadlines.ReceiveDeadlines`) and the Plead
-deadline are checked by the gateway's 0.1 s housekeeping loop
+and slices of received bytes (``turns``), and what each request costs and
+the per-token budgets that pay for it (``budget``). A share of the
+connection slots is kept for writers (``writer_slots``), and the peers of
+one token may hold at most ``connections_per_token``. Timeouts and the cap
+on bytes queued for a peer that does not read are per connection, from
+``GatewayConfig``: the handshake has a timer of its own; the idle and frame
+deadlines (:class:`~headgate.protocol.deadlines.ReceiveDeadlines`) and the
+Plead deadline are checked by the gateway's 0.1 s housekeeping loop
 (:meth:`Gateway.check_deadlines`), which also re-shares credit. Binds,
 frees and Absolves only mark their stream; it is re-shared once per pass of
 the event loop (:meth:`Gateway.rebalance_soon`).
@@ -53,6 +55,7 @@ import logging
 import os
 import ssl
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -61,7 +64,16 @@ from headgate.config import ConfigError, GatewayConfig, StreamSettings
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
-from headgate.gateway.budget import FrameBudget
+from headgate.gateway.budget import (
+    UNITS_PER_MS,
+    Cost,
+    HandshakeBudgets,
+    LogLimiter,
+    PeerShare,
+    PeerShares,
+    address_key,
+    token_key,
+)
 from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
@@ -70,7 +82,7 @@ from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
-from headgate.gateway.turns import TurnTaker
+from headgate.gateway.turns import MIN_SLICE, TurnTaker
 from headgate.log import LogError
 from headgate.protocol import messages as m
 from headgate.protocol.deadlines import ReceiveDeadlines
@@ -100,6 +112,13 @@ REBALANCE_INTERVAL_S = 0.1
 #: How long the gateway must have been reading a connection before a Plead
 #: deadline can end it: an Absolve still unread in the socket is not late.
 PLEAD_READ_GRACE_S = 0.5
+#: What the gateway's handling of each event costs, beyond its frame's
+#: (readers.py charges the reader requests, with what they serve).
+EVENT_COSTS: dict[type, float] = {
+    StreamBound: Cost.BIND,
+    HelloReceived: Cost.HELLO,
+    Absolved: Cost.ABSOLVE,
+}
 #: Bytes of a connection's first receive ring.
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
@@ -108,6 +127,14 @@ RING_MIN_READ = 16 * 1024
 
 #: Where a closing connection reads what its peer still sends, to drop it.
 _DISCARD = memoryview(bytearray(RING_MIN_READ))
+
+
+def _later(delay: float, call: Callable[[], None]) -> object:
+    """Run ``call`` on the event loop after ``delay`` seconds (0: soon)."""
+    loop = asyncio.get_running_loop()
+    if delay > 0:
+        return loop.call_later(delay, call)
+    return loop.call_soon(call)
 
 
 def ring_limit(max_message_size: int) -> int:
@@ -128,6 +155,18 @@ class GatewayConnection(asyncio.BufferedProtocol):
         )
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
+        #: The peer's host (IP address, or ``unix``): whose budget it pays from before Hello.
+        self.host = "?"
+        #: The budget this connection pays from (its address's, then its token's).
+        self.share: PeerShare | None = None
+        #: Whether it has bound a stream to write (it holds a writer slot).
+        self.is_writer = False
+        #: While it holds a slot kept for writers: closes it unless it binds in time.
+        self._writer_deadline: asyncio.TimerHandle | None = None
+        self._tls_counted = False
+        #: Whether its last slice cost anything (a spender waits for a budget in
+        #: debt). A new connection may be one more of a token in debt: it waits.
+        self._spending = True
         self.producer_id = 0
         #: Who the peer is as an owner of producer ids (from its Hello).
         self.producer_owner = ""
@@ -170,8 +209,6 @@ class GatewayConnection(asyncio.BufferedProtocol):
             lambda backlogged: self.reads.set("turn", backlogged),
             lambda: self._closing,
         )
-        rate = gateway.config.max_control_rate
-        self._budget = FrameBudget(rate, rate, time.monotonic())
         # Fetches and subscriptions, if the peer is a reader (readers.py).
         self.readers = ReaderConnection(
             self.session,
@@ -179,8 +216,12 @@ class GatewayConnection(asyncio.BufferedProtocol):
             gateway.tails,
             flush=self.flush,
             backlog=self._write_backlog,
-            later=lambda f: asyncio.get_running_loop().call_soon(f),
+            later=_later,
             fail=lambda error: self.refuse(error),
+            charge=self.charge,
+            share=lambda: self.share,
+            max_subscriptions=gateway.config.max_subscriptions,
+            subscriptions_per_token=gateway.config.subscriptions_per_token,
         )
 
     # -- asyncio.BufferedProtocol ------------------------------------------------
@@ -190,15 +231,18 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.transport = transport
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer or "unix")
+        self.host = str(peer[0]) if isinstance(peer, tuple) else "unix"
         loop = asyncio.get_running_loop()
         self.last_received = loop.time()
         config = self.gateway.config
+        gw = self.gateway
         self._handshake = loop.call_later(
             config.handshake_timeout_ms / 1000, self._handshake_expired
         )
-        if not self.gateway.attach(self):
+        slot = gw.attach(self)
+        if slot is None:
             if self._tls_pending:
-                log.warning("refused %s: too many connections", self.peer)
+                gw.refusals.warning(time.monotonic(), "refused %s: too many connections", self.peer)
                 self._closing = True
                 transport.abort()
             else:
@@ -206,7 +250,14 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     ProtocolError("too many connections", code=ErrorCode.RESOURCE_EXHAUSTED)
                 )
             return
+        self.share = gw.shares.join(address_key(self.host), time.monotonic())
+        if slot == "writer":
+            self._writer_deadline = loop.call_later(
+                config.handshake_timeout_ms / 1000, self._writer_slot_expired
+            )
         if self._tls_pending:
+            self._tls_counted = True
+            gw.tls_pending += 1
             context = self.gateway.ssl_context
             assert context is not None
             transport.pause_reading()
@@ -223,12 +274,14 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 ssl_handshake_timeout=self.gateway.config.handshake_timeout_ms / 1000,
             )
         except Exception as exc:  # ssl.SSLError, OSError, TimeoutError, a closed transport
+            self._tls_finished()
             if not self._closing:
                 log.warning("refused %s: TLS handshake failed: %s", self.peer, exc or "timeout")
             self._closing = True
             raw.abort()
             self.connection_lost(None)
             return
+        self._tls_finished()
         if tls is None or self._closing:
             # Cut off meanwhile (the handshake timeout), and logged then.
             raw.abort()
@@ -240,6 +293,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if self.reads.paused:
             tls.pause_reading()
         self.last_received = loop.time()
+        self.charge(Cost.TLS_HANDSHAKE)
         # Bytes that came with the end of the handshake wait in the ring.
         self._turns.received()
 
@@ -281,10 +335,29 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def reading_paused(self) -> bool:
         return self.reads.paused
 
+    def pauses_own_reads(self, now: float) -> bool:
+        """Whether the peer itself is why the gateway does not read it now.
+
+        It does not read what the gateway sends ("writing"), or it spent its
+        budget (held within the last ``PLEAD_READ_GRACE_S``). Such a pause
+        does not stop its Plead deadline: otherwise a writer could keep its
+        guarantees for ever by flooding Pings, or by not reading.
+        """
+        return "writing" in self.reads.reasons or now - self._turns.last_hold < PLEAD_READ_GRACE_S
+
     def _write_backlog(self) -> int:
         return 0 if self.transport is None else self.transport.get_write_buffer_size()
 
+    def _tls_finished(self) -> None:
+        """The TLS handshake ended (either way): it no longer counts as in progress."""
+        if self._tls_counted:
+            self._tls_counted = False
+            self.gateway.tls_pending -= 1
+
     def connection_lost(self, exc: Exception | None) -> None:
+        self._tls_finished()
+        if self._writer_deadline is not None:
+            self._writer_deadline.cancel()
         # What arrived before the end is stored, as it arrived, before the
         # connection's writers leave their streams.
         self.gateway.write_messages()
@@ -359,6 +432,22 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def _on_debt(self, over: bool) -> None:
         self.reads.set("debt", over)
 
+    def charge(self, units: float) -> float:
+        """Pay ``units`` of work from this connection's share; seconds to wait (0: none).
+
+        Everything the peer causes is charged here, whenever it is done (in
+        a turn, or serving a fetch later). While the share is in debt the
+        connection is not read from: its turns are held until it is not.
+        """
+        share = self.share
+        if share is None:
+            return 0.0
+        self._turns.spend(units)
+        wait = share.charge(units, time.monotonic())
+        if wait > 0:
+            self._turns.hold(wait)
+        return wait
+
     # -- the receive path ----------------------------------------------------------
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
@@ -401,11 +490,25 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if view is None or not len(view):
             return 0
         gw = self.gateway
+        share = self.share
+        if self._spending and share is not None:
+            # Its share is in debt (its other connections, or its last slice,
+            # spent it): decode nothing until it is paid off. A connection
+            # whose slices cost nothing (data within guarantees) goes on.
+            wait = share.wait(time.monotonic())
+            if wait > 0:
+                self._turns.hold(wait)
+                return 0
+            # No more than the budget can pay for, at the dearest bytes' price
+            # (the frames are acted on before they are charged).
+            limit = min(limit, max(MIN_SLICE, int(share.budget.balance / Cost.DEAREST_BYTE)))
         queue = gw.queue
         ring = self.ring
         session = self.session
         control = session.control_received
-        spent = 0
+        frames = session.frames_received
+        stored = 0
+        spent = 0.0
         try:
             piece = view[:limit]
             events, consumed, need = session.receive_in_place(piece)
@@ -421,18 +524,24 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     message.event = event
                     message.loan = self.account.loan(1)
                     queue.push(message)
+                    stored += 1
                 else:
                     if type(event) is BatchDropped:
-                        spent += 1
+                        spent += Cost.DROPPED + Cost.of_bytes(event.size)
                     if len(queue):
                         gw.write_messages()  # what came before goes first
+                    spent += EVENT_COSTS.get(type(event), 0.0)
                     self._handle(event)
             ring.consumed(consumed, need)
-            spent += session.control_received - control
+            controls = session.control_received - control
+            # Every frame but a batch within guarantees is charged, empty ones too.
+            spent += (
+                controls * Cost.CONTROL
+                + (session.frames_received - frames - controls - stored) * Cost.FRAME
+            )
+            self._spending = spent > 0
             if spent:
-                wait = self._budget.charge(spent, time.monotonic())
-                if wait > 0:
-                    self._turns.hold(wait)
+                self.charge(spent)
             return consumed
         except ProtocolError as error:
             gw.write_messages()
@@ -590,7 +699,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         No guarantees are ever issued on its channel, so whatever the peer
         sends there optimistically is dropped, never stored.
         """
-        log.warning("refused stream %r to %s: %s", name, self.peer, error)
+        self.gateway.refusals.warning(
+            time.monotonic(), "refused stream %r to %s: %s", name, self.peer, error
+        )
         self.refused[handle] = name
         text = str(error.args[0]) if error.args else ""
         self.session.send_global(
@@ -639,6 +750,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     party=self.share_party,
                 )
                 self.writers[handle] = writer
+                self._hold_writer_slot()
                 stream.add_writer(writer)
                 # Tell the producer where its sequence numbers resume.
                 stream.announce_resume(writer)
@@ -653,6 +765,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         code=ErrorCode.BAD_HELLO,
                     )
                 self.rights = gw.authenticate(hello.token)
+                self._pay_as_token()
                 self.producer_id = hello.producer_id
                 self.producer_owner, secret = hello_owner(
                     None if gw.tokens is None else self.rights.name, hello.secret
@@ -733,6 +846,83 @@ class GatewayConnection(asyncio.BufferedProtocol):
             return None
         return self.rights.name
 
+    def _pay_as_token(self) -> None:
+        """Hello accepted: with a tokens file, pay from (and count in) the token's share.
+
+        Raises:
+            ProtocolError: the token's peers already hold ``connections_per_token``.
+        """
+        gw = self.gateway
+        rights = self.rights
+        if gw.tokens is None or rights is None or self.share is None:
+            return  # without tokens, the address's share stays
+        held = gw.shares.get(token_key(rights.name))
+        cap = gw.config.token_connections
+        if held is not None and held.connections >= cap:
+            raise ProtocolError(
+                f"token {rights.name!r} holds its maximum of {cap} connections",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        old = self.share
+        self.share = gw.shares.join(token_key(rights.name), time.monotonic())
+        gw.shares.leave(old)
+
+    def _hold_writer_slot(self) -> None:
+        """It bound a stream to write: it is a writer (for the slots kept for writers)."""
+        if not self.is_writer:
+            self.is_writer = True
+            self.gateway.writer_connections += 1
+            if self._writer_deadline is not None:
+                self._writer_deadline.cancel()
+                self._writer_deadline = None
+
+    def _writer_slot_expired(self) -> None:
+        self._writer_deadline = None
+        if self.is_writer or self._closing:
+            return
+        config = self.gateway.config
+        self.refuse(
+            ProtocolError(
+                f"the last {config.writer_slots_kept} of {config.max_connections} connection "
+                f"slots are kept for writers, and this connection bound no stream to write "
+                f"within {config.handshake_timeout_ms:.0f} ms",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        )
+
+
+class TlsDoor(asyncio.Protocol):
+    """Where a TLS connection waits while the gateway decides whether to let it in.
+
+    A TLS handshake is the dearest thing a peer can ask for before it has
+    said anything, so it is admitted first (``handshake_rate`` per address,
+    ``max_pending_handshakes`` in all), before anything is built for the
+    connection: a refused one costs an accept and an abort, and a flood of
+    them is logged at a bounded rate. An admitted one is handed to a new
+    :class:`GatewayConnection`, which runs the handshake.
+    """
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        gw = self.gateway
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) else "unix"
+        refusal = gw.admit_handshake(host)
+        if refusal is not None:
+            where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else host
+            gw.refusals.warning(time.monotonic(), "refused %s: %s", where, refusal)
+            transport.abort()
+            return
+        conn = GatewayConnection(gw, next(gw._ids), tls=True)
+        transport.set_protocol(conn)
+        conn.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        """Nothing is read before the connection is handed over."""
+
 
 class Gateway:
     """The headgate gateway. ``await start()``, serve, ``await stop()``."""
@@ -771,6 +961,17 @@ class Gateway:
             {},
             limit=self.config.max_producer_ids,
         )
+        #: The work budgets, shared per token (per address before Hello, or
+        #: without a tokens file).
+        rate = self.config.work_budget_ms * UNITS_PER_MS
+        self.shares = PeerShares(rate, rate)
+        #: TLS handshakes each address may start, and how many are in progress.
+        self.handshakes = HandshakeBudgets(self.config.handshake_rate)
+        self.tls_pending = 0
+        #: Connections that have bound a stream to write (they hold writer slots).
+        self.writer_connections = 0
+        #: Refusals are logged at a bounded rate: a flood of them costs no flood of lines.
+        self.refusals = LogLimiter(log)
         #: Accepted tokens, or None when every peer may do anything.
         self.tokens: TokenTable | None = (
             None if self.config.auth_file is None else load_tokens(self.config.auth_file)
@@ -800,7 +1001,7 @@ class Gateway:
         host, port = self.config.listen
         tls = self.ssl_context is not None
         server = await loop.create_server(
-            lambda: GatewayConnection(self, next(self._ids), tls=tls),
+            (lambda: TlsDoor(self)) if tls else (lambda: GatewayConnection(self, next(self._ids))),
             host,
             port,
             reuse_address=True,
@@ -820,12 +1021,29 @@ class Gateway:
         self._tasks.append(asyncio.create_task(self._rebalance_loop()))
         log.info("listening on %s:%d, data in %s", self.address[0], self.address[1], data)
 
-    def attach(self, conn: GatewayConnection) -> bool:
-        """Count a new connection in; False if that is one too many."""
-        if len(self.connections) >= self.config.max_connections:
-            return False
+    def attach(self, conn: GatewayConnection) -> str | None:
+        """Count a new connection in: in which slot, or None if it is one too many.
+
+        ``"any"``: an ordinary slot. ``"writer"``: only the slots kept for
+        writers are left, and it holds one on condition that it binds a
+        stream to write within the handshake timeout.
+        """
+        config = self.config
+        if len(self.connections) >= config.max_connections:
+            return None
         self.connections[conn.conn_id] = conn
-        return True
+        others = len(self.connections) - 1 - self.writer_connections
+        if others >= config.max_connections - config.writer_slots_kept:
+            return "writer"
+        return "any"
+
+    def admit_handshake(self, host: str) -> str | None:
+        """Why a new TLS connection from ``host`` may not start its handshake, or None."""
+        if self.tls_pending >= self.config.max_pending_handshakes:
+            return f"{self.tls_pending} TLS handshakes are already in progress"
+        if not self.handshakes.admit(address_key(host), time.monotonic()):
+            return f"more than {self.config.handshake_rate:g} TLS handshakes a second from {host}"
+        return None
 
     def authenticate(self, token: bytes) -> Rights:
         """The rights of a Hello's token; raises UNAUTHENTICATED if it has none."""
@@ -1071,7 +1289,11 @@ class Gateway:
 
     def detach(self, conn: GatewayConnection) -> None:
         """A connection ended: its writers' unused credit goes back to the pool."""
-        self.connections.pop(conn.conn_id, None)
+        if self.connections.pop(conn.conn_id, None) is not None and conn.is_writer:
+            self.writer_connections -= 1
+        if conn.share is not None:
+            self.shares.leave(conn.share)
+            conn.share = None
         self.drop_writers(conn)
 
     def drop_writers(self, conn: GatewayConnection) -> None:
@@ -1192,6 +1414,7 @@ class Gateway:
         while True:
             await asyncio.sleep(REBALANCE_INTERVAL_S)
             now = time.monotonic()
+            self.handshakes.forget_refilled(now)
             for stream in self.streams.values():
                 if stream.storage_error is not None and stream.retry_storage():
                     self.mark_dirty(stream)
@@ -1213,7 +1436,8 @@ class Gateway:
         and its guarantees go back to the stream at once; but not while the
         gateway itself is not reading the connection (its Absolve may wait
         unread in the socket), nor within ``PLEAD_READ_GRACE_S`` of reading
-        again.
+        again, unless the peer itself is why it is not read
+        (:meth:`GatewayConnection.pauses_own_reads`).
         """
         for conn in list(self.connections.values()):
             conn.check_deadlines(now)
@@ -1232,7 +1456,9 @@ class Gateway:
             late = by_session.get(id(writer.session))
             if late is None or late._closing or late.session.closed:
                 continue
-            if late.deadlines.reading_for(now) < PLEAD_READ_GRACE_S:
+            if late.deadlines.reading_for(now) < PLEAD_READ_GRACE_S and not late.pauses_own_reads(
+                now
+            ):
                 continue
             late.refuse(
                 ProtocolError(

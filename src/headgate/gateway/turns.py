@@ -5,18 +5,24 @@ cheap to handle, but as 26,000 ten-byte Pings it costs hundreds of
 milliseconds of Python, during which no other connection is served: a
 cheap way for one peer to stall every producer on the gateway. So a
 connection's bytes go to its session in slices, and a connection gets one
-*turn* at a time: slices until ``TURN_BYTES`` or ``TURN_SECONDS`` is used
-up, then the rest waits (with the socket's reading paused) for a later pass
-of the event loop, after every other connection that is ready has had its
+*turn* at a time: slices until ``TURN_BYTES``, ``TURN_SECONDS`` or
+``TURN_COST`` (units of :class:`~headgate.gateway.budget.Cost`, told with
+:meth:`TurnTaker.spend`) is used up, then the rest waits (with the
+socket's reading paused) for a later pass of the event loop, after every
+other connection that is ready has had its
 turn.
 
 A slice's size follows what the connection's bytes cost: it shrinks at once
-to what fits a quarter of the time budget at the cost per byte just seen
+to what fits a quarter of the turn's time (or cost) at the cost per byte just seen
 (down to ``MIN_SLICE``), and grows back by ``SLICE_STEP`` per cheap slice
 (up to ``MAX_SLICE``). Large batches are cheap per byte and go in large
 slices, which is as fast as feeding whole reads; a flood of tiny frames goes
 in small ones. Growing slowly means a peer cannot buy a large slice of
 expensive bytes with a short stretch of cheap ones.
+
+Turns are weighted by cost, not by bytes or frames: a connection that sends
+expensive frames (listings, binds, Pings) ends its turn after fewer of
+them, even on a machine fast enough that the clock alone would not end it.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections.abc import Callable
 __all__ = ["TurnTaker"]
 
 #: Bounds of the bytes handed to the session at once, and its first size.
-MIN_SLICE = 2048
+MIN_SLICE = 256
 MAX_SLICE = 32 * 1024
 FIRST_SLICE = 16 * 1024
 #: How much a slice grows after a cheap one.
@@ -37,6 +43,8 @@ SLICE_STEP = 4096
 TURN_BYTES = 256 * 1024
 #: Time one connection may spend in one turn (checked after each slice).
 TURN_SECONDS = 0.002
+#: Cost units one connection may spend in one turn (about TURN_SECONDS of work).
+TURN_COST = 2000.0
 
 
 class TurnTaker:
@@ -63,6 +71,8 @@ class TurnTaker:
         "_set_backlogged",
         "_slice",
         "_step",
+        "_turn_cost",
+        "last_hold",
     )
 
     def __init__(
@@ -79,6 +89,9 @@ class TurnTaker:
         self._handle: asyncio.Handle | None = None
         self._slice = FIRST_SLICE
         self._held_until = 0.0
+        #: When the budget last held this connection (monotonic seconds; 0: never).
+        self.last_hold = 0.0
+        self._turn_cost = 0.0
 
     @property
     def waiting(self) -> bool:
@@ -87,7 +100,13 @@ class TurnTaker:
 
     def hold(self, seconds: float) -> None:
         """Decode nothing more for ``seconds`` (the connection's budget is spent)."""
-        self._held_until = max(self._held_until, time.monotonic() + seconds)
+        now = time.monotonic()
+        self.last_hold = now
+        self._held_until = max(self._held_until, now + seconds)
+
+    def spend(self, units: float) -> None:
+        """The slice being decoded cost ``units``: counted against this turn."""
+        self._turn_cost += units
 
     def received(self) -> None:
         """New bytes wait: decode a turn's worth now, the rest later."""
@@ -111,17 +130,30 @@ class TurnTaker:
         self._handle = None
         started = now = time.monotonic()
         fed = 0
+        self._turn_cost = 0.0
         more = False
         while not self._closing():
             before = now
+            cost_before = self._turn_cost
             took = self._step(self._slice)
             if not took:
+                # Nothing more to decode, or the step held the connection
+                # (its budget is in debt): then the rest waits for later.
+                more = self._held_until > time.monotonic()
                 break
             now = time.monotonic()
             fed += took
-            fits = (TURN_SECONDS / 4) * took / max(now - before, 1e-9)
+            fits = min(
+                (TURN_SECONDS / 4) * took / max(now - before, 1e-9),
+                (TURN_COST / 4) * took / max(self._turn_cost - cost_before, 1e-9),
+            )
             self._slice = max(MIN_SLICE, min(MAX_SLICE, int(fits), self._slice + SLICE_STEP))
-            if fed >= TURN_BYTES or now - started >= TURN_SECONDS or self._held_until > now:
+            if (
+                fed >= TURN_BYTES
+                or now - started >= TURN_SECONDS
+                or self._turn_cost >= TURN_COST
+                or self._held_until > now
+            ):
                 more = True
                 break
         self._done()

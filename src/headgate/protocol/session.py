@@ -325,7 +325,9 @@ class Session:
         #: control frames): what a peer can make us do without any credit.
         self.control_received = 0
         #: Complete frames received, of every kind: what counts as activity
-        #: for the receive deadlines (:mod:`headgate.protocol.deadlines`).
+        #: for the receive deadlines (:mod:`headgate.protocol.deadlines`), and
+        #: what the gateway charges for (all but batches within guarantees,
+        #: empty frames included).
         self.frames_received = 0
 
     # -- plumbing -------------------------------------------------------------

@@ -1,0 +1,180 @@
+"""The cost model and its budgets, with time as an argument (no clock, no network)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from headgate.config import ConfigError, GatewayConfig, load_gateway_config
+from headgate.gateway.budget import (
+    SHORT_SLICE_UNITS,
+    Cost,
+    HandshakeBudgets,
+    LogLimiter,
+    PeerShares,
+    WorkBudget,
+    address_key,
+    token_key,
+)
+from headgate.gateway.turns import TURN_COST, TurnTaker
+
+
+def test_a_budget_pays_a_burst_at_once_then_its_rate_and_says_how_long_a_debt_waits() -> None:
+    budget = WorkBudget(rate=1000, burst=500, now=0.0)
+    assert budget.charge(500, now=0.0) == 0.0
+    # 100 units in debt at 1000 a second: a tenth of a second to wait.
+    assert budget.charge(100, now=0.0) == pytest.approx(0.1)
+    assert budget.wait(now=0.05) == pytest.approx(0.05)
+    assert budget.wait(now=0.1) == 0.0
+    # Idle time refills it, but never beyond its burst.
+    budget.charge(0, now=100.0)
+    assert budget.balance == 500
+
+
+def test_the_connections_of_one_cause_share_one_budget_and_the_last_one_closes_it() -> None:
+    shares = PeerShares(rate=1000, burst=1000)
+    first = shares.join(token_key("t"), now=0.0)
+    second = shares.join(token_key("t"), now=0.0)
+    other = shares.join(address_key("10.0.0.1"), now=0.0)
+    assert first is second and first is not other
+    assert first.connections == 2 and len(shares) == 2
+    # Sixty connections' worth of Pings from one token: one budget pays, so
+    # the second connection waits for what the first spent.
+    assert first.charge(1000, now=0.0) == 0.0
+    assert second.charge(Cost.CONTROL, now=0.0) > 0
+    assert other.charge(Cost.CONTROL, now=0.0) == 0.0
+    shares.leave(first)
+    assert shares.get(token_key("t")) is second
+    shares.leave(second)
+    shares.leave(other)
+    assert len(shares) == 0, "the registry holds only shares in use"
+
+
+def test_handshakes_per_address_are_a_rate_and_quiet_addresses_are_forgotten() -> None:
+    handshakes = HandshakeBudgets(rate=2, max_addresses=3)
+    flood = address_key("10.0.0.9")
+    assert [handshakes.admit(flood, now=0.0) for _ in range(3)] == [True, True, False]
+    assert handshakes.admit(address_key("10.0.0.8"), now=0.0), "another address has its own"
+    assert not handshakes.admit(flood, now=0.1)
+    assert handshakes.admit(flood, now=0.6)
+    handshakes.forget_refilled(now=10.0)
+    assert len(handshakes) == 0
+    # Beyond max_addresses, new addresses share one bucket: bounded memory.
+    for i in range(3):
+        assert handshakes.admit(address_key(f"10.1.0.{i}"), now=20.0)
+    assert handshakes.admit(address_key("10.2.0.1"), now=20.0)
+    assert handshakes.admit(address_key("10.2.0.2"), now=20.0)
+    assert not handshakes.admit(address_key("10.2.0.3"), now=20.0)
+    assert len(handshakes) == 4
+
+
+def test_a_flood_of_refusals_is_a_few_log_lines_that_count_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    logger = logging.getLogger("headgate.test.limiter")
+    limiter = LogLimiter(logger, lines=3, interval=1.0)
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logged = [limiter.warning(0.001 * i, "refused %d", i) for i in range(100)]
+        assert sum(logged) == 3
+        assert limiter.suppressed == 97
+        assert limiter.warning(1.5, "refused %d", 100)
+    lines = [r.getMessage() for r in caplog.records if r.name == logger.name]
+    assert lines == [
+        "refused 0",
+        "refused 1",
+        "refused 2",
+        "refused 100 (97 more like this not logged)",
+    ]
+
+
+def test_costs_are_named_and_a_listing_or_a_page_grows_with_what_it_serves() -> None:
+    assert Cost.CONTROL == Cost.FRAME + Cost.PING
+    assert Cost.FRAME > 0, "an empty frame is charged too"
+    assert Cost.of_bytes(1024) == Cost.PER_KIB
+    list_200 = Cost.LIST_STREAMS + 200 * Cost.LIST_ENTRY
+    assert list_200 > 100 * Cost.CONTROL
+
+
+async def test_a_turn_of_expensive_frames_ends_after_its_cost_not_its_bytes() -> None:
+    """Each slice costs half a turn: two slices a turn, however fast they are."""
+    slices: list[int] = []
+    pending = {"bytes": 1 << 20}
+    turns: list[int] = []
+
+    def step(limit: int) -> int:
+        took = min(limit, pending["bytes"])
+        pending["bytes"] -= took
+        if took:
+            slices.append(took)
+            taker.spend(TURN_COST / 2)
+        return took
+
+    def done() -> None:
+        turns.append(len(slices))
+
+    taker = TurnTaker(step, done, lambda backlogged: None, lambda: False)
+    taker.received()
+    assert turns == [2], "the first turn ended after two expensive slices"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 5
+    while pending["bytes"] and loop.time() < deadline:
+        await asyncio.sleep(0)
+    assert not pending["bytes"]
+    # No turn took more than two: 1 MiB of cheap bytes would have gone in four.
+    assert max(b - a for a, b in zip([0, *turns], turns, strict=False)) == 2
+
+
+def test_max_control_rate_names_its_replacement(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text("[gateway]\nmax_control_rate = 5000\n")
+    with pytest.raises(
+        ConfigError, match="max_control_rate is no longer a setting: use work_budget_ms"
+    ):
+        load_gateway_config(path)
+
+
+def test_fair_share_settings_come_from_the_file_and_default_from_max_connections(
+    tmp_path: Path,
+) -> None:
+    defaults = GatewayConfig(max_connections=64).validate()
+    assert defaults.token_connections == 16 and defaults.writer_slots_kept == 8
+    assert GatewayConfig(max_connections=4).validate().writer_slots_kept == 1
+    path = tmp_path / "gw.toml"
+    path.write_text(
+        "[gateway]\nwork_budget_ms = 20\nmax_subscriptions = 8\nsubscriptions_per_token = 16\n"
+        "connections_per_token = 5\nwriter_slots = 3\nhandshake_rate = 7.5\n"
+        "max_pending_handshakes = 9\n"
+    )
+    cfg = load_gateway_config(path)
+    assert (cfg.work_budget_ms, cfg.max_subscriptions, cfg.subscriptions_per_token) == (20, 8, 16)
+    assert (cfg.token_connections, cfg.writer_slots_kept) == (5, 3)
+    assert (cfg.handshake_rate, cfg.max_pending_handshakes) == (7.5, 9)
+    for bad, fragment in [
+        ("work_budget_ms = 0", "work_budget_ms"),
+        ("writer_slots = 1024", "writer_slots"),
+        ("handshake_rate = 0", "handshake_rate"),
+        ("max_subscriptions = 0", "max_subscriptions"),
+        ('handshake_rate = "fast"', "expected a number per second"),
+    ]:
+        path.write_text(f"[gateway]\n{bad}\n")
+        with pytest.raises(ConfigError, match=fragment):
+            load_gateway_config(path)
+
+
+def test_the_connections_of_a_share_in_debt_wake_in_turn_not_all_at_once() -> None:
+    """Sixty connections of one token wake about as often as one does."""
+    shares = PeerShares(rate=10_000, burst=10_000)
+    alone = shares.join(token_key("one"), now=0.0)
+    joined = [shares.join(token_key("sixty"), now=0.0) for _ in range(60)]
+    many = joined[0]
+    assert all(share is many for share in joined)
+    alone.charge(11_000, now=0.0)
+    many.charge(11_000, now=0.0)
+    # 1,000 units of debt at 10,000 a second: a tenth of a second alone; with
+    # sixty, each also waits for a short slice of every other one.
+    assert alone.wait(now=0.0) == pytest.approx(0.1)
+    assert many.wait(now=0.0) == pytest.approx(0.1 + 59 * SHORT_SLICE_UNITS / 10_000)
+    assert many.wait(now=0.1) == 0.0, "out of debt: no wait at all"
