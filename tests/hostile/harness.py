@@ -125,6 +125,9 @@ NEW_KEYS = {
     "frame_timeout_ms": "2000",
     # Connection slots kept for writers (reader_slots).
     "writer_slots": "16",
+    # Room for one token's 80 slow connections (slowloris_half_frame): the
+    # deadlines, not the per-token cap (32 of 128 by default), must end them.
+    "connections_per_token": "100",
 }
 
 
