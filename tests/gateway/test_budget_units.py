@@ -46,11 +46,33 @@ def test_the_connections_of_one_cause_share_one_budget_and_the_last_one_closes_i
     assert first.charge(1000, now=0.0) == 0.0
     assert second.charge(Cost.CONTROL, now=0.0) > 0
     assert other.charge(Cost.CONTROL, now=0.0) == 0.0
-    shares.leave(first)
+    shares.leave(first, now=0.0)
     assert shares.get(token_key("t")) is second
-    shares.leave(second)
-    shares.leave(other)
+    shares.leave(second, now=0.0)
+    shares.leave(other, now=0.0)
+    # Spent shares stay until they have refilled (see the next test); then
+    # the registry holds only shares in use.
+    shares.prune(now=10.0)
     assert len(shares) == 0, "the registry holds only shares in use"
+
+
+def test_a_peer_that_reconnects_finds_the_budget_it_left_not_a_full_one() -> None:
+    shares = PeerShares(rate=1000, burst=1000, max_idle=2)
+    spent = shares.join(address_key("10.0.0.1"), now=0.0)
+    spent.charge(3000, now=0.0)  # its burst and two seconds more
+    shares.leave(spent, now=0.0)
+    again = shares.join(address_key("10.0.0.1"), now=0.5)
+    assert again is spent and again.wait(now=0.5) == pytest.approx(1.5)
+    shares.leave(again, now=0.5)
+    # Refilled (at 3 s), it is forgotten; the registry keeps at most
+    # max_idle shares without connections, the oldest forgotten first.
+    shares.prune(now=3.0)
+    assert shares.get(address_key("10.0.0.1")) is None
+    for host in ("10.0.0.2", "10.0.0.3", "10.0.0.4"):
+        left = shares.join(address_key(host), now=4.0)
+        left.charge(500, now=4.0)
+        shares.leave(left, now=4.0)
+    assert len(shares) == 2 and shares.get(address_key("10.0.0.2")) is None
 
 
 def test_handshakes_per_address_are_a_rate_and_quiet_addresses_are_forgotten() -> None:

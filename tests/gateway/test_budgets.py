@@ -368,6 +368,40 @@ async def test_a_bind_flood_of_forbidden_streams_is_charged_and_logged_at_a_boun
     peer.close()
 
 
+async def test_each_new_producer_id_is_charged_for_its_claim(gateway: Gateway) -> None:
+    # A claim is an fsync on the event loop: new ids cost the token a claim
+    # apiece; an id already claimed costs none.
+    def bind(stream: str) -> bytes:
+        return encode_frame(
+            SendChannel(channel=0, payload=m.encode_message(m.BindStream(stream=stream)))
+        )
+
+    async def bound(producer_id: int) -> Raw:
+        peer = await Raw().open(gateway.address, FLOOD, producer_id=producer_id)
+        await peer.read(1.0)  # Welcome and the bind guarantees
+        peer.send(bind("f-claims"))
+        # The fixture's budget is 1,100 units a second: after a claim the
+        # token waits about a second before the next is read.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5.0
+        while gateway.owners.owner(producer_id) is None and loop.time() < deadline:
+            await peer.read(0.05)
+        await peer.read_for(0.2)
+        return peer
+
+    peers = [await bound(producer_id) for producer_id in (101, 102, 103)]
+    assert [gateway.owners.owner(i) for i in (101, 102, 103)] == ['token:"flood"'] * 3
+    share = gateway.shares.get(token_key("flood"))
+    assert share is not None
+    assert share.charged >= 3 * Cost.CLAIM
+    before = share.charged
+    again = await bound(101)
+    assert not again.errors()
+    assert share.charged - before < Cost.CLAIM
+    for peer in [*peers, again]:
+        peer.close()
+
+
 # -- TLS ---------------------------------------------------------------------------
 
 

@@ -89,6 +89,9 @@ class Cost:
     BIND = 20.0
     #: A Hello: the token's hash, the Welcome.
     HELLO = 50.0
+    #: A new producer id's claim: a line appended to the owners' table and
+    #: fsynced on the event loop (``headgate.gateway.identity``).
+    CLAIM = 1000.0
     #: A TLS handshake (public-key operations; charged once it is done).
     TLS_HANDSHAKE = 2000.0
 
@@ -142,6 +145,11 @@ class WorkBudget:
         """Seconds until the budget is out of debt (0: it is not in debt)."""
         return self.charge(0.0, now)
 
+    def full(self, now: float) -> bool:
+        """Whether the budget has refilled to its burst."""
+        self._refill(now)
+        return self.balance >= self._burst
+
 
 def token_key(name: str) -> str:
     """The share of the peers of the token called ``name``."""
@@ -192,36 +200,59 @@ class PeerShare:
 
 
 class PeerShares:
-    """Every open share, by key, counted by the connections that pay from it.
+    """Every share, by key, counted by the connections that pay from it.
 
-    A share exists while a connection uses it and is dropped with the last
-    one, so the registry is bounded by the connections (``max_connections``).
-    A token that reconnects at once starts with a full budget again, which
-    ``connections_per_token`` and the handshake budget keep cheap.
+    A share outlives its last connection until its budget has refilled: a
+    peer that spends its burst, closes and reconnects must not find a full
+    budget waiting (a plain TCP connection costs it almost nothing, so that
+    would make every budget a burst per reconnection). Shares left by all
+    their connections are forgotten once refilled (:meth:`prune`, called on
+    each join and leave and by the gateway's housekeeping loop), and at most
+    ``max_idle`` of them are kept, the oldest forgotten first; so the
+    registry is bounded by the connections plus ``max_idle``.
 
     Args:
         rate: units a second each share earns.
         burst: the most units a share holds (and starts with).
+        max_idle: the most shares kept with no connection.
     """
 
-    def __init__(self, rate: float, burst: float) -> None:
+    def __init__(self, rate: float, burst: float, *, max_idle: int = 4096) -> None:
         self.rate = rate
         self.burst = burst
+        self._max_idle = max_idle
         self._shares: dict[str, PeerShare] = {}
+        # Keys of the shares without connections, oldest first.
+        self._idle: dict[str, None] = {}
 
     def join(self, key: str, now: float) -> PeerShare:
         """One more connection pays from ``key``'s share (opened if needed)."""
+        self.prune(now)
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = PeerShare(key, WorkBudget(self.rate, self.burst, now))
+        self._idle.pop(key, None)
         share.connections += 1
         return share
 
-    def leave(self, share: PeerShare) -> None:
-        """A connection stops paying from ``share``; the last one closes it."""
+    def leave(self, share: PeerShare, now: float) -> None:
+        """A connection stops paying from ``share``; the last one leaves it to refill."""
         share.connections -= 1
         if share.connections <= 0 and self._shares.get(share.key) is share:
-            del self._shares[share.key]
+            self._idle[share.key] = None
+        self.prune(now)
+
+    def prune(self, now: float) -> None:
+        """Forget the shares without connections whose budget has refilled."""
+        while len(self._idle) > self._max_idle:
+            self._forget(next(iter(self._idle)))
+        for key in list(self._idle)[:8]:  # the oldest few: amortised, never a scan
+            if self._shares[key].budget.full(now):
+                self._forget(key)
+
+    def _forget(self, key: str) -> None:
+        del self._idle[key]
+        del self._shares[key]
 
     def get(self, key: str) -> PeerShare | None:
         return self._shares.get(key)

@@ -31,7 +31,8 @@ and one fsync per new id, never a rewrite of the table). The fsync runs on
 the event loop, so a new id costs every connection about one fsync of
 latency once. A connection claims at most once (its first bind), so what a
 peer can make of that is bounded by the connections it may open and the
-budgets that charge Hellos and binds, and in all by ``max_producer_ids``.
+budgets that charge Hellos, binds and each new claim (``Cost.CLAIM``, about
+a millisecond of work), and in all by ``max_producer_ids``.
 Ids already known cost nothing. A last line without
 its newline is a claim a crash tore: its bind was never accepted, so it is
 dropped. Any other damage stops the gateway at start with a clear error, as

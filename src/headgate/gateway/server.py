@@ -830,7 +830,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """
         if self.producer_claimed:
             return None
-        refusal = self.gateway.owners.claim(self.producer_id, self.producer_owner)
+        owners = self.gateway.owners
+        if owners.owner(self.producer_id) is None:
+            self.charge(Cost.CLAIM)  # its fsync, whether it is taken or refused
+        refusal = owners.claim(self.producer_id, self.producer_owner)
         self.producer_claimed = refusal is None
         return refusal
 
@@ -865,7 +868,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             )
         old = self.share
         self.share = gw.shares.join(token_key(rights.name), time.monotonic())
-        gw.shares.leave(old)
+        gw.shares.leave(old, time.monotonic())
 
     def _hold_writer_slot(self) -> None:
         """It bound a stream to write: it is a writer (for the slots kept for writers)."""
@@ -1292,7 +1295,7 @@ class Gateway:
         if self.connections.pop(conn.conn_id, None) is not None and conn.is_writer:
             self.writer_connections -= 1
         if conn.share is not None:
-            self.shares.leave(conn.share)
+            self.shares.leave(conn.share, time.monotonic())
             conn.share = None
         self.drop_writers(conn)
 
@@ -1415,6 +1418,7 @@ class Gateway:
             await asyncio.sleep(REBALANCE_INTERVAL_S)
             now = time.monotonic()
             self.handshakes.forget_refilled(now)
+            self.shares.prune(now)
             for stream in self.streams.values():
                 if stream.storage_error is not None and stream.retry_storage():
                     self.mark_dirty(stream)
