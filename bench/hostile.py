@@ -13,6 +13,12 @@ a machine that is busy for other reasons slows both alike). Per attack:
 
 * ``alone``, ``attacked``: the medians of the good producer's acked records/s;
 * ``ratio``: attacked over alone (target: at least 0.9);
+* ``gateway cores alone / attacked``, ``attacker cores``: the medians of the
+  CPU the gateway used (seconds per wall second) during the runs alone and
+  attacked, and of what the attack worker used during the attacked runs. On
+  a machine with fewer cores than the three processes, a ratio under 0.9
+  with the gateway's cores no higher attacked than alone points at the
+  attacker's own CPU, not at the gateway's time spent on it;
 * ``lost``: records the gateway acknowledged and did not store (0 expected),
   and whether the stored records were exactly the good producer's, in order;
 * ``attacker's answer``: what the attacker was told (Error codes, closes).
@@ -53,7 +59,7 @@ def row(result: Measured) -> str:
     order = " (records wrong)" if result.mismatched else ""
     return (
         f"| {result.name} | {result.base:,.0f} | {result.attacked:,.0f} | {result.ratio:.2f} "
-        f"| {met} | {result.lost}{order} | {result.answer()}{died} |"
+        f"| {met} | {result.cores()} | {result.lost}{order} | {result.answer()}{died} |"
     )
 
 
@@ -74,9 +80,10 @@ async def run(
             flush=True,
         )
         print(
-            "| attack | alone rec/s | attacked rec/s | ratio | >= 0.9 | lost | attacker's answer |"
+            "| attack | alone rec/s | attacked rec/s | ratio | >= 0.9 "
+            "| gateway cores alone / attacked | attacker cores | lost | attacker's answer |"
         )
-        print("|---|---:|---:|---:|---|---:|---|", flush=True)
+        print("|---|---:|---:|---:|---|---:|---:|---:|---|", flush=True)
         try:
             for name in names:
                 arena = tls if name in TLS_ATTACKS else plain

@@ -285,6 +285,11 @@ class Arena:
                     return int(line.split()[1]) * 1024
         return 0
 
+    def cpu(self) -> float:
+        """CPU seconds the gateway has used (user and system)."""
+        assert self.proc is not None
+        return cpu_seconds(self.proc.pid)
+
     def ssl(self) -> Any:
         return client_context(ca_file=self.ca) if self.tls else None
 
@@ -302,11 +307,26 @@ class Arena:
         )
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process ``pid`` has used, user and system (0 if it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    # Fields after the command name (which may hold spaces), from field 3 on.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class Attacker:
     """The attack worker process (``python -m tests.hostile.attacks``)."""
 
     def __init__(self) -> None:
         self.proc: asyncio.subprocess.Process | None = None
+
+    def cpu(self) -> float:
+        """CPU seconds the attack worker has used (0 before it starts)."""
+        return 0.0 if self.proc is None else cpu_seconds(self.proc.pid)
 
     async def _line(self, timeout: float) -> str:
         assert self.proc is not None and self.proc.stdout is not None
@@ -485,6 +505,22 @@ class Measured:
     peak_memory: int = 0
     base_memory: int = 0
     seconds: float = 0.0
+    #: Cores the gateway used during each run alone, and attacked; cores the
+    #: attack worker used during each attacked run (CPU seconds / wall seconds).
+    gateway_alone: list[float] = field(default_factory=list)
+    gateway_attacked: list[float] = field(default_factory=list)
+    attacker_cores: list[float] = field(default_factory=list)
+
+    def cores(self) -> str:
+        """The medians of the gateway's cores alone / attacked, and the attacker's."""
+
+        def med(values: list[float]) -> float:
+            return statistics.median(values) if values else 0.0
+
+        return (
+            f"{med(self.gateway_alone):.2f} / {med(self.gateway_attacked):.2f} "
+            f"| {med(self.attacker_cores):.2f}"
+        )
 
     @property
     def base(self) -> float:
@@ -545,7 +581,9 @@ async def measure(
     await ledger.check(arena, warm)
     result.base_memory = arena.memory()
     for _ in range(rounds):
+        cpu, wall = arena.cpu(), time.monotonic()
         alone = await good_run(arena, stream, ledger.next_record, seconds, max_records)
+        result.gateway_alone.append((arena.cpu() - cpu) / (time.monotonic() - wall))
         result.base_rates.append(alone.rate)
         await ledger.check(arena, alone)
         if alone.failure:
@@ -553,10 +591,14 @@ async def measure(
         await attacker.start(name, arena.target(stream))
         await asyncio.sleep(0.1)
         sampler = asyncio.get_running_loop().create_task(_sample_memory(arena, result))
+        cpu, theirs, wall = arena.cpu(), attacker.cpu(), time.monotonic()
         try:
             attacked = await good_run(arena, stream, ledger.next_record, seconds, max_records)
         finally:
             sampler.cancel()
+            took = time.monotonic() - wall
+            result.gateway_attacked.append((arena.cpu() - cpu) / took)
+            result.attacker_cores.append((attacker.cpu() - theirs) / took)
             report = await attacker.stop()
         result.attacked_rates.append(attacked.rate)
         result.reports.append(report)
