@@ -22,13 +22,13 @@ import pytest
 from headgate.client import Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
-from headgate.gateway.auth import hash_token
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import Frame, IssueGuarantees, SendChannel, SendGlobal
 from tests.gateway._certs import Authority, make_authority
+from tests.gateway._tokens import Token, write_tokens
 from tests.gateway.test_gateway import config, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,15 +39,12 @@ READ_ONLY = "read-" + "r" * 40
 
 
 def tokens(path: Path) -> Path:
-    path.write_text(
-        f'[[token]]\nname = "flood"\nsha256 = "{hash_token(FLOOD.encode())}"\n'
-        'write = ["f-*"]\nread = ["*"]\n\n'
-        f'[[token]]\nname = "good"\nsha256 = "{hash_token(GOOD.encode())}"\n'
-        'write = ["good-*"]\nread = ["*"]\n\n'
-        f'[[token]]\nname = "reader"\nsha256 = "{hash_token(READ_ONLY.encode())}"\n'
-        'read = ["*"]\n'
+    return write_tokens(
+        path,
+        Token("flood", FLOOD, write=("f-*",), read=("*",)),
+        Token("good", GOOD, write=("good-*",), read=("*",)),
+        Token("reader", READ_ONLY, read=("*",)),
     )
-    return path
 
 
 def glob(message: m.GlobalMessage) -> bytes:

@@ -20,7 +20,6 @@ import pytest
 
 from headgate.client import Producer, SessionRefused, StreamRefused
 from headgate.gateway import Gateway
-from headgate.gateway.auth import hash_token
 from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.log import LogError, StorageError
 from headgate.protocol import messages as m
@@ -29,6 +28,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import SendChannel
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived
+from tests.gateway._tokens import Token, write_tokens
 from tests.gateway.test_gateway import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,21 +39,11 @@ ATTACKER_TOKEN = "a-" + "2" * 40
 
 
 def tokens_file(path: Path) -> Path:
-    path.write_text(
-        f"""
-[[token]]
-name = "victim"
-sha256 = "{hash_token(VICTIM_TOKEN.encode())}"
-write = ["*"]
-
-[[token]]
-name = "attacker"
-sha256 = "{hash_token(ATTACKER_TOKEN.encode())}"
-write = ["*"]
-read = ["*"]
-"""
+    return write_tokens(
+        path,
+        Token("victim", VICTIM_TOKEN, write=("*",)),
+        Token("attacker", ATTACKER_TOKEN, write=("*",), read=("*",)),
     )
-    return path
 
 
 def raw_batch(handle: int, first_sequence: int, values: list[bytes]) -> bytes:

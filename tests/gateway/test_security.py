@@ -34,6 +34,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from tests.gateway._certs import Authority, make_authority
+from tests.gateway._tokens import Token, write_tokens
 from tests.gateway.test_gateway import config, stored
 
 pytestmark = pytest.mark.timeout(60)
@@ -44,25 +45,11 @@ ADMIN = "x-" + "c" * 40
 
 
 def tokens_file(path: Path) -> Path:
-    path.write_text(
-        f"""
-[[token]]
-name = "writer"
-sha256 = "{hash_token(WRITER.encode())}"
-write = ["ok-*", "events"]
-
-[[token]]
-name = "reader"
-sha256 = "{hash_token(READER.encode())}"
-read = ["*"]
-
-[[token]]
-name = "admin"
-sha256 = "{hash_token(ADMIN.encode())}"
-write = ["*"]
-read = ["*"]
-admin = true
-"""
+    write_tokens(
+        path,
+        Token("writer", WRITER, write=("ok-*", "events")),
+        Token("reader", READER, read=("*",)),
+        Token("admin", ADMIN, write=("*",), read=("*",), admin=True),
     )
     return path
 

@@ -25,7 +25,6 @@ import pytest
 
 from headgate.config import StreamSettings
 from headgate.gateway import Gateway
-from headgate.gateway.auth import hash_token
 from headgate.gateway.policies import WindowFlow
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
@@ -34,6 +33,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import Absolve, Apologise, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived, StreamBound, WelcomeReceived
+from tests.gateway._tokens import Token, write_tokens
 from tests.gateway.test_gateway import RawPeer, config
 
 pytestmark = pytest.mark.timeout(60)
@@ -264,12 +264,10 @@ async def test_a_deaf_writer_that_spends_its_budget_on_pings_still_meets_the_ple
     # reason to stop its Plead clock, a Ping flood would let it keep the
     # victim's guarantees until the idle timeout.
     hog_token, good_token = b"hog-" + b"h" * 40, b"good-" + b"g" * 40
-    tokens = tmp_path / "tokens.toml"
-    tokens.write_text(
-        "".join(
-            f'[[token]]\nname = "{name}"\nsha256 = "{hash_token(token)}"\nwrite = ["victim"]\n\n'
-            for name, token in (("hog", hog_token), ("good", good_token))
-        )
+    tokens = write_tokens(
+        tmp_path / "tokens.toml",
+        Token("hog", hog_token.decode(), write=("victim",)),
+        Token("good", good_token.decode(), write=("victim",)),
     )
     gw = await started(tmp_path, plead_deadline_ms=500, work_budget_ms=2.0, auth_file=tokens)
     try:

@@ -32,10 +32,10 @@ from headgate.client import Producer, ProducerError
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.tls import client_context
 from headgate.config import GatewayConfig
-from headgate.gateway.auth import hash_token
 from headgate.log import LogReader
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import decode_records
+from tests.gateway._tokens import Token, write_tokens
 from tests.hostile.attacks import ATTACKS, Target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,38 +58,13 @@ PROBE_PRODUCER = 0x9_0BE
 #: producer's records are told apart by its producer id; it has a stream per
 #: attack, hence its own quota. Per-token keys the fixes add (connection
 #: caps, ...) go in the tables here.
-TOKENS = """
-[[token]]
-name = "good"
-sha256 = "{good}"
-write = ["g-*"]
-read = ["g-*"]
-admin = true
-max_streams = 64
-
-[[token]]
-name = "hostile"
-sha256 = "{bad}"
-write = ["h-*", "g-*"]
-read = ["h-*"]
-
-[[token]]
-name = "reader"
-sha256 = "{reader}"
-read = ["*"]
-
-[[token]]
-name = "flood"
-sha256 = "{flood}"
-write = ["h-flood-*"]
-
-[[token]]
-name = "admin"
-sha256 = "{admin}"
-write = ["h-*"]
-read = ["h-*"]
-admin = true
-"""
+TOKENS = (
+    Token("good", GOOD_TOKEN, write=("g-*",), read=("g-*",), admin=True, max_streams=64),
+    Token("hostile", BAD_TOKEN, write=("h-*", "g-*"), read=("h-*",)),
+    Token("reader", READER_TOKEN, read=("*",)),
+    Token("flood", FLOOD_TOKEN, write=("h-flood-*",)),
+    Token("admin", ADMIN_TOKEN, write=("h-*",), read=("h-*",), admin=True),
+)
 
 #: The served gateway's configuration. ``{extra}`` is where keys that only
 #: the fixed gateway knows go (:data:`NEW_KEYS`).
@@ -173,15 +148,7 @@ class Arena:
         run = self.root / f"run-{self.generation}"
         run.mkdir(parents=True)
         tokens = run / "tokens.toml"
-        tokens.write_text(
-            TOKENS.format(
-                good=hash_token(GOOD_TOKEN.encode()),
-                bad=hash_token(BAD_TOKEN.encode()),
-                reader=hash_token(READER_TOKEN.encode()),
-                flood=hash_token(FLOOD_TOKEN.encode()),
-                admin=hash_token(ADMIN_TOKEN.encode()),
-            )
-        )
+        write_tokens(tokens, *TOKENS)
         tls = ""
         if self.tls:
             from tests.gateway._certs import make_authority
@@ -394,6 +361,8 @@ class GoodRun:
     attempted: int
     acked: int
     failure: str = ""
+    #: How long the run took, connection and flush included (seconds).
+    elapsed: float = 0.0
 
 
 async def good_run(
@@ -432,7 +401,11 @@ async def good_run(
     if not failure and stats.reconnects:
         failure = f"reconnected {stats.reconnects} times: {stats.last_error}"
     return GoodRun(
-        rate=acked / max(elapsed, 1e-6), attempted=i - first, acked=acked, failure=failure
+        rate=acked / max(elapsed, 1e-6),
+        attempted=i - first,
+        acked=acked,
+        failure=failure,
+        elapsed=elapsed,
     )
 
 
@@ -507,6 +480,9 @@ class Measured:
     seconds: float = 0.0
     #: Cores the gateway used during each run alone, and attacked; cores the
     #: attack worker used during each attacked run (CPU seconds / wall seconds).
+    #: How long each good run took, alone and attacked (seconds).
+    base_elapsed: list[float] = field(default_factory=list)
+    attacked_elapsed: list[float] = field(default_factory=list)
     gateway_alone: list[float] = field(default_factory=list)
     gateway_attacked: list[float] = field(default_factory=list)
     attacker_cores: list[float] = field(default_factory=list)
@@ -585,6 +561,7 @@ async def measure(
         alone = await good_run(arena, stream, ledger.next_record, seconds, max_records)
         result.gateway_alone.append((arena.cpu() - cpu) / (time.monotonic() - wall))
         result.base_rates.append(alone.rate)
+        result.base_elapsed.append(alone.elapsed)
         await ledger.check(arena, alone)
         if alone.failure:
             result.failures.append("alone: " + alone.failure)
@@ -601,6 +578,7 @@ async def measure(
             result.attacker_cores.append((attacker.cpu() - theirs) / took)
             report = await attacker.stop()
         result.attacked_rates.append(attacked.rate)
+        result.attacked_elapsed.append(attacked.elapsed)
         result.reports.append(report)
         if attacked.failure:
             result.failures.append("attacked: " + attacked.failure)

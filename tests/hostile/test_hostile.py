@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,17 @@ pytestmark = pytest.mark.timeout(120)
 #: runs longer.
 ROUNDS = 2
 GOOD_SECONDS = 0.5
+#: Attacks whose harm the gateway bounds by a deadline rather than by a
+#: share: writers that ignore a Plead keep the good stream's credit until the
+#: arena's plead_deadline_ms (0.5 s) has passed, so a good run of a few tenths
+#: of a second cannot keep half its rate. For these the check is that an
+#: attacked run took at most the deadline (plus this slack: the 0.1 s check
+#: and a busy machine) longer than a run alone. (The deadline itself is
+#: tested deterministically in tests/gateway/test_sharing.py; here the hogs
+#: do not always hold the credit when the good producer binds.)
+DEADLINE_BOUND_S = {"plead_ignored": 0.5}
+DEADLINE_SLACK_S = 0.6
+GOOD_SECONDS_FOR = {"plead_ignored": 2.5}
 GOOD_RECORDS = 400_000
 #: The good producer keeps at least this share of its throughput alone.
 #: Loose for noise (issue 13's target, on a quiet machine, is 0.9; see
@@ -106,7 +118,7 @@ async def attacked(served: Arena, name: str) -> Measured:
             name,
             victim_stream(name),
             rounds=ROUNDS,
-            seconds=GOOD_SECONDS,
+            seconds=GOOD_SECONDS_FOR.get(name, GOOD_SECONDS),
             max_records=GOOD_RECORDS,
         )
     finally:
@@ -133,10 +145,19 @@ async def test_the_gateway_survives_the_attack_and_the_good_producer_is_unharmed
     assert result.failures == [], result.failures
     held = max(0, HELD_CONNECTIONS.get(name, 0) - 40)
     assert result.peak_memory - result.base_memory < MEMORY_BOUND + held * CONNECTION_MEMORY
-    assert result.ratio >= THROUGHPUT_RATIO, (
-        f"the good producer was starved: {result.attacked_rates} rec/s attacked, "
-        f"{result.base_rates} alone"
-    )
+    if name in DEADLINE_BOUND_S:
+        lost_time = statistics.median(result.attacked_elapsed) - statistics.median(
+            result.base_elapsed
+        )
+        assert lost_time <= DEADLINE_BOUND_S[name] + DEADLINE_SLACK_S, (
+            f"the good producer was held {lost_time:.2f} s, beyond the deadline: "
+            f"{result.attacked_elapsed} s attacked, {result.base_elapsed} s alone"
+        )
+    else:
+        assert result.ratio >= THROUGHPUT_RATIO, (
+            f"the good producer was starved: {result.attacked_rates} rec/s attacked, "
+            f"{result.base_rates} alone"
+        )
     for report in result.reports:
         for got in report["errors"]:
             assert set(got) <= DOCUMENTED
