@@ -335,6 +335,15 @@ class Peer:
         self.spent_binds += len(payload)
         return encode_frame(SendChannel(channel=m.STREAM_CHANNEL, payload=payload))
 
+    async def bind_many(self, name: str, most: int) -> int:
+        """Bind stream ``name`` up to ``most`` times, within the bind guarantees; how many."""
+        size = len(m.encode_message(m.BindStream(stream=name)))
+        handles = 0
+        while handles < most and self.bind_room() >= size and not self.closed:
+            await self.send(self.bind(name))
+            handles += 1
+        return handles
+
     def close(self) -> None:
         if self._pump is not None:
             self._pump.cancel()
@@ -890,10 +899,7 @@ async def absolve_zero_flood(target: Target, run: Run) -> Report:
     """600 handles of one stream on one connection, and Absolve(0) on each, without end."""
     report = Report()
     peer = await opened(parse_address(target.address), target.token, report)
-    handles = 0
-    while handles < 600 and peer.bind_room() >= 8 and not peer.closed:
-        await peer.send(peer.bind("h-z"))
-        handles += 1
+    handles = await peer.bind_many("h-z", 600)
     await peer.read(0.3)
     report.facts["handles"] = handles
     run.engage()
@@ -910,10 +916,7 @@ async def many_handles(target: Target, run: Run) -> Report:
     """1,000 handles of the victim's stream on one connection, each holding a share."""
     report = Report()
     peer = await opened(parse_address(target.address), target.token, report)
-    handles = 0
-    while handles < 1000 and peer.bind_room() >= 16 and not peer.closed:
-        await peer.send(peer.bind(target.victim_stream))
-        handles += 1
+    handles = await peer.bind_many(target.victim_stream, 1000)
     report.facts["handles"] = handles
     await peer.until(lambda: len(peer.acks) + len(peer.scoped) >= handles, 3.0)
     run.engage()
@@ -1149,10 +1152,7 @@ async def dilute_shares(target: Target, run: Run) -> Report:
     """200 handles of the victim's stream, each writing a little, so each counts as active."""
     report = Report()
     peer = await opened(parse_address(target.address), target.token, report)
-    handles = 0
-    while handles < 200 and peer.bind_room() >= 16:
-        await peer.send(peer.bind(target.victim_stream))
-        handles += 1
+    handles = await peer.bind_many(target.victim_stream, 200)
     await peer.until(lambda: len(peer.acks) + len(peer.scoped) >= handles, 3.0)
     report.facts["handles"] = handles
     sequence = max(peer.acks.values(), default=0)
