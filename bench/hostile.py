@@ -71,8 +71,11 @@ async def run(
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="headgate-hostile-"))
         else:
             tmp = str(keep)
-        plain = Arena(Path(tmp) / "plain", capacity_mib=256)
-        tls = Arena(Path(tmp) / "tls", capacity_mib=256, tls=True)
+        # Big enough that a good run is not cut short by the records that
+        # fit in the stream (a third of it, between releases).
+        capacity = max(256, int(seconds * 2_500_000 * 128 * 3) >> 20)
+        plain = Arena(Path(tmp) / "plain", capacity_mib=capacity)
+        tls = Arena(Path(tmp) / "tls", capacity_mib=capacity, tls=True)
         attacker = Attacker()
         results: list[Measured] = []
         print(
@@ -94,7 +97,7 @@ async def run(
                     victim_stream(name),
                     rounds=rounds,
                     seconds=seconds,
-                    max_records=2_000_000,
+                    max_records=int(seconds * 2_500_000),
                 )
                 results.append(result)
                 print(row(result), flush=True)
