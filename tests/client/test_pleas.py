@@ -11,8 +11,7 @@ from headgate.client import Producer
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.gateway.streams import Stream, Writer
-from headgate.log import LogReader
-from headgate.protocol.records import decode_records
+from tests.client.test_producer import Releaser
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -44,8 +43,8 @@ async def test_producers_sharing_a_stream_absolve_before_the_plead_deadline(
         GatewayConfig(
             listen=("127.0.0.1", 0),
             data_dir=tmp_path / "data",
-            stream_capacity=8 << 20,
-            term_length=1 << 20,
+            stream_capacity=2 << 20,
+            term_length=256 * 1024,
             max_message_size=64 * 1024,
             group_commit_interval_ms=1.0,
             plead_deadline_ms=250,
@@ -58,21 +57,24 @@ async def test_producers_sharing_a_stream_absolve_before_the_plead_deadline(
             Producer(address, producer_id=1, max_batch_bytes=16 * 1024) as first,
             Producer(address, producer_id=2, max_batch_bytes=16 * 1024) as second,
         ):
-            await first.send("shared", b"first")  # it holds the whole stream
+            await first.send("shared", b"first")
             await first.flush()
-            await asyncio.gather(
-                write(first, b"a", pause_at=RECORDS // 2), write(second, b"b", pause_at=100)
+            # A consumer that keeps up: each writer earns credit by using it,
+            # and when one goes idle its share moves to the other (a Plead).
+            releaser = Releaser(gw, tmp_path / "data", "shared")
+            both = asyncio.ensure_future(
+                asyncio.gather(
+                    write(first, b"a", pause_at=RECORDS // 2), write(second, b"b", pause_at=100)
+                )
             )
+            await releaser.run_until(both)
+            await both
+            releaser.close()
             assert first.statistics().reconnects == 0
             assert second.statistics().reconnects == 0
             assert first.statistics().failure is None and second.statistics().failure is None
     finally:
         await gw.stop()
     assert pleas, "the writers were never pleaded: the test proves nothing"
-    reader = LogReader.open(tmp_path / "data" / "streams" / "shared")
-    try:
-        frames = reader.read(reader.start_position(), reader.published_position())
-        values = [v for f in frames for v in decode_records(f.payload).to_lists()[0]]
-    finally:
-        reader.close()
+    values = [v for f in releaser.frames for v in f.values]
     assert len(values) == 2 * RECORDS + 1 == len(set(values))

@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from headgate.costs import batch_cost
-from headgate.gateway.streams import IDLE_AFTER_S, Stream, Writer, fair_shares
+from headgate.gateway.streams import IDLE_AFTER_S, USE_HALF_LIFE_S, Stream, Writer, fair_shares
 from headgate.protocol import messages as m
 from headgate.protocol.session import Role, Session, StreamBound
 
@@ -23,11 +23,26 @@ FLOOR = 1000
 
 
 def writers_of(layout: Sequence[tuple[str | None, int]], now: float = 0.0) -> list[Writer]:
-    """Writers for ``layout``: one connection per entry, (party, handles on the stream)."""
+    """Writers for ``layout``: one connection per entry, (party, handles on the stream).
+
+    Each connection is a gateway session that a producer session really
+    bound the stream on, ``handles`` times (a share counts what each
+    handle's channel holds).
+    """
     out = []
     for party, handles in layout:
-        session = Session(Role.GATEWAY)
-        for handle in range(handles):
+        session = Session(Role.GATEWAY, data_cost=batch_cost)
+        producer = Session(Role.PRODUCER, data_cost=batch_cost)
+        producer.send_global(m.Hello(producer_id=1, client_name="t"))
+        session.receive_data(producer.data_to_send())
+        session.send_global(m.Welcome(server_name="g", max_message_size=4096, idle_timeout_ms=0))
+        session.grant(m.STREAM_CHANNEL, 1 << 20)
+        producer.receive_data(session.data_to_send())
+        bound = [producer.bind_stream("s") for _ in range(handles)]
+        events = session.receive_data(producer.data_to_send())
+        assert len([e for e in events if isinstance(e, StreamBound)]) == handles
+        for handle in bound:
+            assert handle is not None
             out.append(
                 Writer(
                     session=session,
@@ -106,6 +121,77 @@ def test_shares_never_exceed_the_total_and_each_connection_gets_an_equal_part(
         assert equal - handles < part <= equal
 
 
+# --- credit follows use --------------------------------------------------------------
+
+START = 10_000
+
+
+def test_a_writer_that_used_nothing_gets_the_first_grant_and_the_rest_stays_unassigned() -> None:
+    [idle] = writers_of([(None, 1)])
+    limited: set[int] = set()
+    shares = fair_shares(1_000_000, FLOOR, [idle], now=0.0, start=START, limited=limited)
+    assert shares[id(idle)] == START
+    assert limited == {id(idle)}
+
+
+def test_use_earns_twice_itself_up_to_the_fair_part() -> None:
+    a, b = writers_of([(None, 1), (None, 1)])
+    a.note_sent(50_000, 0.0)
+    b.note_sent(900_000, 0.0)
+    limited: set[int] = set()
+    shares = fair_shares(1_000_000, FLOOR, [a, b], now=0.0, start=START, limited=limited)
+    # a wants START + 2 x 50,000; b wants more than all: b gets what a leaves.
+    assert shares[id(a)] == START + 100_000
+    assert shares[id(b)] == 1_000_000 - shares[id(a)]
+    assert limited == {id(a)}
+
+
+def test_use_halves_every_half_life() -> None:
+    [w] = writers_of([(None, 1)])
+    w.note_sent(500_000, 0.0)
+    assert w.recent_use(0.0) == 500_000
+    assert w.recent_use(USE_HALF_LIFE_S) == 250_000
+    assert w.recent_use(3 * USE_HALF_LIFE_S) == 62_500
+    w.note_sent(1_000, USE_HALF_LIFE_S)
+    assert w.recent_use(USE_HALF_LIFE_S) == 251_000
+    assert w.recent_use(None) == 251_000  # as last noted
+    assert w.recent_use(20.0) < 1
+
+
+def test_a_thousand_unused_handles_take_one_first_grant_not_a_thousand() -> None:
+    good, *flood = writers_of([(None, 1), (None, 1000)])
+    good.note_sent(10_000_000, 0.0)
+    shares = fair_shares(1_000_000, FLOOR, [good, *flood], now=0.0, start=START)
+    assert sum(shares[id(w)] for w in flood) <= START
+    assert shares[id(good)] >= 1_000_000 - START
+
+
+@given(
+    total=st.integers(0, 1 << 32),
+    start=st.integers(0, 1 << 24),
+    use=st.lists(st.integers(0, 1 << 30), min_size=1, max_size=20),
+    parties=st.lists(st.sampled_from([None, "a", "b"]), min_size=20, max_size=20),
+)
+def test_shares_that_follow_use_never_exceed_the_total_or_the_fair_part_of_the_greedy(
+    total: int, start: int, use: list[int], parties: list[str | None]
+) -> None:
+    """Caps by use only ever leave space unassigned or move it to who wants it:
+    the sum stays within ``total``, nobody gets more than it wants, and a
+    writer whose every level wants more than an equal part is not cut below
+    what it would get with no caps at all."""
+    writers = [w for party, u in zip(parties, use, strict=False) for w in writers_of([(party, 1)])]
+    for w, u in zip(writers, use, strict=True):
+        w.note_sent(u, 0.0)
+    limited: set[int] = set()
+    shares = fair_shares(total, FLOOR, writers, now=0.0, start=start, limited=limited)
+    plain = fair_shares(total, FLOOR, writers, now=0.0)
+    assert sum(shares.values()) <= total
+    for w, u in zip(writers, use, strict=True):
+        assert shares[id(w)] <= start + 2 * u or w.party is not None
+        if id(w) not in limited:
+            assert shares[id(w)] >= plain[id(w)]
+
+
 # --- the Plead deadline, with time as an argument ------------------------------------
 
 
@@ -134,6 +220,11 @@ def bound_writer(stream: Stream, producer_id: int, now: float) -> tuple[Writer, 
     return writer, producer
 
 
+def busy(writer: Writer, now: float) -> None:
+    """The writer sends as if it used all it could get: its use earns it all of its share."""
+    writer.note_sent(1 << 30, now)
+
+
 def open_stream(tmp_path: Path) -> Stream:
     return Stream.open(
         "s", tmp_path, capacity=256 * 1024, term_length=64 * 1024, max_message_size=4096
@@ -144,6 +235,7 @@ def test_a_writer_that_ignores_a_plead_is_overdue_at_the_deadline(tmp_path: Path
     stream = open_stream(tmp_path)
     try:
         first, first_peer = bound_writer(stream, 1, now=0.0)
+        busy(first, 0.0)
         stream.rebalance_credit(0.0)
         first_peer.receive_data(first.session.data_to_send())  # it holds everything
         held = first.session.inbound(first.channel).client_guarantees
@@ -163,6 +255,7 @@ def test_a_writer_that_absolves_as_pleaded_is_never_overdue(tmp_path: Path) -> N
     stream = open_stream(tmp_path)
     try:
         first, first_peer = bound_writer(stream, 1, now=0.0)
+        busy(first, 0.0)
         stream.rebalance_credit(0.0)
         first_peer.receive_data(first.session.data_to_send())
         bound_writer(stream, 2, now=1.0)

@@ -182,10 +182,17 @@ async def test_a_full_stream_waits_while_another_on_the_same_connection_flows(
         block = encode_records([b"x" * 1000] * 8)
         sent_a = 0
         await peer.until(lambda: peer.session.outbound(m.data_channel(a)).guarantees > 0)
-        while peer.session.send_batch(a, sent_a * 8, block):
-            sent_a += 1
+        # A uses all it is granted, and so earns more, until its log is full.
+        for _ in range(20):
+            before = sent_a
+            while peer.session.send_batch(a, sent_a * 8, block):
+                sent_a += 1
+            await peer.send()
+            for _ in range(5):
+                await peer.pump()
+            if sent_a == before:
+                break
         assert 0 < sent_a < 64, "A's credit is bounded by its log's capacity"
-        await peer.send()
         # Nothing releases A. B still flows, many times A's capacity over time.
         sent_b = 0
         for _ in range(200):
@@ -291,27 +298,92 @@ async def test_a_peer_that_sends_no_hello_is_told_so(gateway: Gateway) -> None:
     writer.close()
 
 
+async def write_what_fits(peer: RawPeer, handle: int, sequence: int) -> int:
+    """Send 1 KiB batches while the peer's guarantees allow; the next sequence."""
+    block = encode_records([b"x" * 1000])
+    while peer.session.send_batch(handle, sequence, block):
+        sequence += 1
+    await peer.send()
+    return sequence
+
+
 async def test_two_writers_of_one_stream_share_its_capacity(gateway: Gateway) -> None:
     first = RawPeer(producer_id=1)
     await first.connect(gateway.address)
     h1 = await first.bind("shared")
-    await first.until(lambda: first.session.outbound(m.data_channel(h1)).guarantees > 0)
-    alone = first.session.outbound(m.data_channel(h1)).guarantees
+    stream = gateway.streams["shared"]
+    room = stream.log.capacity - stream.reserve
+
+    def held(peer: RawPeer, h: int) -> int:
+        return peer.session.outbound(m.data_channel(h)).guarantees
+
+    # A writer that uses its credit earns the whole stream, the consumer keeping up.
+    s1 = 0
+    for _ in range(100):
+        s1 = await write_what_fits(first, h1, s1)
+        await first.until(lambda n=s1: first.acked(h1) == n)
+        gateway.release("shared", stream.log.durable_position)
+        await first.pump()
+        if held(first, h1) > room * 3 // 4:
+            break
+    alone = held(first, h1)
+    assert alone > room * 3 // 4
     second = RawPeer(producer_id=2)
     await second.connect(gateway.address)
     h2 = await second.bind("shared")
-    # The first writer is pleaded down; the second gets the absolved space.
-    await first.until(lambda: first.session.outbound(m.data_channel(h1)).guarantees < alone)
-    await second.until(lambda: second.session.outbound(m.data_channel(h2)).guarantees > alone // 3)
-    g1 = first.session.outbound(m.data_channel(h1)).guarantees
-    g2 = second.session.outbound(m.data_channel(h2)).guarantees
-    stream = gateway.streams["shared"]
+    # Both write: the first is pleaded down; the second gets the absolved space.
+    s2 = 0
+    for _ in range(5):
+        s1 = await write_what_fits(first, h1, s1)
+        s2 = await write_what_fits(second, h2, s2)
+        await first.until(lambda n=s1: first.acked(h1) == n)
+        await second.until(lambda n=s2: second.acked(h2) == n)
+        gateway.release("shared", stream.log.durable_position)
+        await first.pump()
+        await second.pump()
+    # While both write, each holds half. (Once quiet, each falls back to a first grant.)
+    g1, g2 = held(first, h1), held(second, h2)
+    assert g1 < alone and g2 > alone // 3
     assert g1 + g2 <= stream.log.free_capacity - stream.reserve
     assert abs(g1 - g2) <= alone // 10
     events = [e for e in second.events if isinstance(e, GuaranteesReceived)]
     assert events
     await first.close()
     await second.close()
+
+
+async def test_an_unused_grant_stays_small_and_a_newcomer_gets_the_rest_at_once(
+    gateway: Gateway,
+) -> None:
+    """Credit follows use: a writer that binds and never writes holds a first
+    grant only, so a second writer is granted the rest without a Plead."""
+    idle = RawPeer(producer_id=1)
+    await idle.connect(gateway.address)
+    h1 = await idle.bind("unused")
+    stream = gateway.streams["unused"]
+    room = stream.log.capacity - stream.reserve
+    await idle.until(lambda: idle.session.outbound(m.data_channel(h1)).guarantees > 0)
+    await idle.pump(0.3)
+    first_grant = idle.session.outbound(m.data_channel(h1)).guarantees
+    assert 0 < first_grant < room // 2, "not the whole stream, as it was alone"
+    newcomer = RawPeer(producer_id=2)
+    await newcomer.connect(gateway.address)
+    h2 = await newcomer.bind("unused")
+    # The newcomer uses what it gets, and earns the rest of the stream
+    # (short of a frame's rounding).
+    rest = room - first_grant - 16 * 1024
+    sequence = 0
+    for _ in range(50):
+        sequence = await write_what_fits(newcomer, h2, sequence)
+        await newcomer.until(lambda n=sequence: newcomer.acked(h2) == n)
+        gateway.release("unused", stream.log.durable_position)
+        await newcomer.pump()
+        if newcomer.session.outbound(m.data_channel(h2)).guarantees >= rest:
+            break
+    assert newcomer.session.outbound(m.data_channel(h2)).guarantees >= rest
+    assert stream.writers[0].pleaded is None, "nobody had to be pleaded"
+    await idle.close()
+    await newcomer.close()
 
 
 async def test_a_release_beyond_the_tail_or_between_frames_is_refused_and_loses_nothing(

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from headgate.client import Producer
+from headgate.client.control import ReleaseClient
 from headgate.config import ConfigError, StreamSettings, load_gateway_config
 from headgate.costs import batch_cost
 from headgate.gateway import Gateway
@@ -282,6 +283,29 @@ def test_credit_never_lets_buffered_bytes_exceed_capacity(tmp_path: Path) -> Non
     run(scenario(), timeout=25)
 
 
+async def write_released(p: Producer, releaser: Releaser, values: list[bytes]) -> None:
+    """Send ``values`` to A while the consumer keeps up: the producer earns its credit by use."""
+
+    async def send() -> None:
+        for value in values:
+            await p.send("A", value)
+        await p.flush("A")
+
+    task = asyncio.create_task(send())
+    await releaser.run_until(task)
+    await task
+
+
+async def guarantees_reach(p: Producer, least: int, seconds: float = 2.0) -> int:
+    """The producer's guarantees on A once they reach ``least`` (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    g = p.statistics().streams["A"].guarantees or 0
+    while g < least and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+        g = p.statistics().streams["A"].guarantees or 0
+    return g
+
+
 def test_lowering_capacity_pleads_the_producer_down_and_raising_grants_more(
     tmp_path: Path,
 ) -> None:
@@ -290,11 +314,13 @@ def test_lowering_capacity_pleads_the_producer_down_and_raising_grants_more(
             gateway(tmp_path, **SMALL, stream_capacity=1 * MiB) as gw,
             Producer(gw.address, linger_ms=1) as p,
         ):
-            await p.send("A", b"hello")
-            await p.flush("A")
+            releaser = Releaser(gw, tmp_path, "A")
+            # Credit follows use: writing earns the producer most of the stream.
+            warm = records("w" * 100, 8000)
+            await write_released(p, releaser, warm)
             stream = gw.streams["A"]
-            before = p.statistics().streams["A"].guarantees
-            assert before is not None and before > 512 * KiB
+            before = await guarantees_reach(p, 512 * KiB + 1)
+            assert before > 512 * KiB
 
             low = 256 * KiB
             gw.set_capacity("A", low)
@@ -316,7 +342,6 @@ def test_lowering_capacity_pleads_the_producer_down_and_raising_grants_more(
                 await p.flush("A")
 
             task = asyncio.create_task(send())
-            releaser = Releaser(gw, tmp_path, "A")
             for i in range(3000):
                 if task.done():
                     break
@@ -327,16 +352,14 @@ def test_lowering_capacity_pleads_the_producer_down_and_raising_grants_more(
             await releaser.run_until(task)
             await task
 
+            # Raised: a producer that goes on writing is granted more than before.
             gw.set_capacity("A", 2 * MiB)
-            for _ in range(200):
-                g = p.statistics().streams["A"].guarantees
-                if g is not None and g > 1 * MiB:
-                    break
-                await asyncio.sleep(0.01)
-            g = p.statistics().streams["A"].guarantees
-            assert g is not None and g > 1 * MiB
+            more = records("m" * 100, 8000)
+            await write_released(p, releaser, more)
+            g = await guarantees_reach(p, 1 * MiB + 1)
+            assert g > 1 * MiB
             releaser.close()
-            assert values_in_order(releaser.frames, p.producer_id) == [b"hello", *values]
+            assert values_in_order(releaser.frames, p.producer_id) == [*warm, *values, *more]
 
     run(scenario(), timeout=25)
 
@@ -375,11 +398,23 @@ def test_sighup_rereads_the_config_and_lowers_a_stream_capacity(tmp_path: Path) 
         assert line.startswith("listening on "), line
         port = int(line.rsplit(":", 1)[1])
 
+        releases = ReleaseClient(("127.0.0.1", port))
+
         async def scenario() -> None:
             async with Producer(("127.0.0.1", port), linger_ms=1) as p:
-                await p.send("A", b"x")
-                await p.flush("A")
-                g = p.statistics().streams["A"].guarantees
+                # Credit follows use: a producer that keeps writing (its
+                # consumer keeping up) earns most of the stream.
+                for i in range(40):
+                    for value in records("x" * 100, 200, start=200 * i):
+                        await p.send("A", value)
+                    await p.flush("A")
+                    with LogReader.open(tmp_path / "data" / "streams" / "A") as reader:
+                        durable = reader.durable_position()
+                    releases.release("A", durable)
+                    assert releases.flush(5.0)
+                    g = p.statistics().streams["A"].guarantees
+                    if g is not None and g > 512 * KiB:
+                        break
                 assert g is not None and g > 512 * KiB
                 write("192KiB")
                 os.kill(proc.pid, signal.SIGHUP)
@@ -397,7 +432,10 @@ def test_sighup_rereads_the_config_and_lowers_a_stream_capacity(tmp_path: Path) 
                 await p.send("A", b"still here")
                 await p.flush("A")
 
-        run(scenario(), timeout=15)
+        try:
+            run(scenario(), timeout=15)
+        finally:
+            releases.close()
     finally:
         proc.terminate()
         try:

@@ -169,6 +169,9 @@ class Peer:
         self.acks: dict[int, int] = {}
         #: Plead frames, FreeHandle frames and binds from the gateway; data received.
         self.pleads = 0
+        #: When the first Plead came (loop time), and the deadline Welcome announced (s).
+        self.first_plead_at: float | None = None
+        self.plead_deadline = 0.0
         self.frees_from_gateway = 0
         self.gateway_binds = 0
         self.pongs = 0
@@ -255,6 +258,8 @@ class Peer:
             self.report.dropping.append(frame.channel)
         elif isinstance(frame, Plead):
             self.pleads += 1
+            if self.first_plead_at is None:
+                self.first_plead_at = asyncio.get_running_loop().time()
         elif isinstance(frame, SendChannel):
             self._on_down(frame)
         elif isinstance(frame, SendGlobal):
@@ -285,6 +290,7 @@ class Peer:
     def _on_message(self, message: m.GlobalMessage) -> None:
         if isinstance(message, m.Welcome):
             self.welcomed = True
+            self.plead_deadline = message.plead_deadline_ms / 1000
             if self.reader_role:
                 self.write(IssueGuarantees(channel=m.STREAM_CHANNEL, amount=1 << 20))
         elif isinstance(message, m.Error):
@@ -958,6 +964,15 @@ async def plead_ignored(target: Target, run: Run) -> Report:
         await run.pause(0.3)
     report.facts["closed_under_attack"] = sum(p.closed for p in peers)
     report.facts["pleads"] = sum(p.pleads for p in peers)
+    # Writers first pleaded long enough before the end for the deadline (and
+    # the gateway's check, every 0.1 s) to have passed, with slack.
+    stopped = asyncio.get_running_loop().time()
+    report.facts["pleaded_past_deadline"] = sum(
+        p.first_plead_at is not None
+        and p.plead_deadline > 0
+        and stopped - p.first_plead_at >= p.plead_deadline + 0.6
+        for p in peers
+    )
     # Past the measurement, silent: idleness or the Plead deadline ends it.
     await asyncio.gather(*(p.until_closed(4.0) for p in peers))
     close_all(peers)

@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 
-from headgate.config import GatewayConfig
 from headgate.log import LogReader, frame_cost
 from headgate.protocol.errors import ErrorCode
 from tests.hostile.attacks import ATTACKS, DOCUMENTED
@@ -303,8 +302,14 @@ def check_offender(
         # closed with TIMEOUT; idle after the attack, it is closed as well.
         assert report["closed"] == connections
         assert errors == [codes(ErrorCode.TIMEOUT)] * connections
-        if facts["pleads"] and "plead_deadline_ms" in GatewayConfig.__dataclass_fields__:
-            assert facts["closed_under_attack"] == connections
+        # Writers pleaded long before the end were closed under attack. (Not
+        # every hog is pleaded: credit follows use, and one that holds no
+        # more than its share is asked for nothing; and a Plead is withdrawn
+        # when the writer's share rises back, say when the other hogs are
+        # closed. So at least one, not all; the exact rule is tested in
+        # tests/gateway/test_sharing.py.)
+        if facts["pleaded_past_deadline"]:
+            assert facts["closed_under_attack"] >= 1
     elif name == "reader_slots":
         # Readers beyond their share of the slots are refused; the good
         # producer still connected (checked by its failures and its rate).

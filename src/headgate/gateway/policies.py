@@ -104,6 +104,11 @@ class Flow:
     """The credit policy, and the base of the others."""
 
     policy = "credit"
+    #: Whether a group commit moves this policy's credit (a window's slot is
+    #: freed by durability), so that the stream rebalances after every
+    #: commit; the credit policy's space moves only with releases, binds,
+    #: frees, Absolves and use, so after a commit it rebalances now and then.
+    durability_moves_credit = False
 
     def __init__(
         self,
@@ -269,6 +274,7 @@ class WindowFlow(Flow):
     """A sliding window of batches per writer; guarantees are acknowledgements."""
 
     policy = "window"
+    durability_moves_credit = True
 
     def __init__(
         self,
@@ -355,6 +361,7 @@ class XonXoffFlow(Flow):
     """Pause whole connections at a high watermark, resume them at a low one."""
 
     policy = "xonxoff"
+    durability_moves_credit = True
 
     def __init__(
         self,

@@ -566,8 +566,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """The log writer's part: append one batch, borrow until it is durable."""
         gw = self.gateway
         stream = gw.streams[event.stream]
+        writer = self.writers[event.handle]
         gw.flow(stream).receive(
-            self.writers[event.handle],
+            writer,
             event.first_sequence,
             event.record_count,
             event.records,
@@ -576,6 +577,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
         )
         gw.durability.add(stream.name, stream.log.tail_position, self.account.loan(1))
         gw.mark_dirty(stream)
+        if stream.wants_credit(writer, now):
+            gw.rebalance_soon(stream)
 
     def after_write(self) -> None:
         """The writer handled some of our messages: reclaim, answer, maybe read again.
@@ -1393,7 +1396,18 @@ class Gateway:
             else:
                 stream.on_durable()
                 self.durability.settle(stream.name, stream.log.durable_position)
-            stream.rebalance(time.monotonic())
+            now = time.monotonic()
+            # A rebalance visits every writer of the stream: under the
+            # credit policy, not after each of hundreds of commits a second
+            # (binds, frees, Absolves, releases and use rebalance it, and
+            # the housekeeping loop every REBALANCE_INTERVAL_S).
+            if (
+                stream.flow is None
+                or stream.flow.durability_moves_credit
+                or stream in failed
+                or now - stream.rebalanced_at >= REBALANCE_INTERVAL_S
+            ):
+                stream.rebalance(now)
             stream.flush_writers()
 
     async def _group_commit(self) -> None:

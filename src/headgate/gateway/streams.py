@@ -14,7 +14,11 @@ Spark releases returns to the writers as guarantees (or, for a writer above
 its fair share, shrinks its buffer instead); space that no writer holds is
 granted to writers below their share. A writer above its share while another
 waits is pleaded down (the seed's Plead/Absolve), and a writer that has gone
-quiet keeps only a floor, so its share moves to those still writing.
+quiet keeps only a floor, so its share moves to those still writing. Shares
+also follow use: a writer is granted a first grant plus twice what it uses,
+up to its share, so that what nobody uses is never promised away; a
+newcomer gets it at once instead of waiting on a holder that may ignore
+Pleads until its deadline.
 
 What a fair share is, is :func:`fair_shares` (the one home of the rule):
 equal among *parties* (the token, or the connection where the
@@ -49,12 +53,14 @@ import os
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from headgate.gateway.accounts import Account
 from headgate.log import AppendResult, LogError, StorageError, StreamLog, frame_cost
 from headgate.protocol import messages as m
+from headgate.protocol.channel import ServerChannel
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
 
@@ -66,6 +72,10 @@ log = logging.getLogger("headgate.gateway")
 #: A writer that sent nothing for this long keeps only a floor of credit
 #: when another writer of the same stream could use it.
 IDLE_AFTER_S = 1.0
+#: A writer's use of its credit counts half as much after this long.
+USE_HALF_LIFE_S = 0.5
+#: A writer's use asks for a rebalance (to earn more) at most this often.
+ASK_INTERVAL_S = 0.05
 
 
 @dataclass(eq=False)
@@ -105,30 +115,93 @@ class Writer:
     #: Whom the writer's share is counted for (see :func:`fair_shares`): the
     #: token's name where the gateway has a tokens file; None: its connection.
     party: Hashable | None = None
+    #: Bytes of batches sent, decayed by half every :data:`USE_HALF_LIFE_S`
+    #: (as of ``use_at``): about what the writer sent in the last second.
+    use: float = 0.0
+    use_at: float = 0.0
+    #: The last rebalance held this writer's share below its fair part for
+    #: want of use (see :func:`fair_shares`): more use may earn it more.
+    wants_more: bool = False
+    #: When this writer's use last asked for a rebalance (caller's clock).
+    asked_at: float = float("-inf")
 
     @property
     def channel(self) -> int:
         return m.data_channel(self.handle)
 
+    @cached_property
+    def inbound(self) -> ServerChannel[Any]:
+        """The writer's channel as the gateway's session keeps it (from the bind to
+        the free, which ends the writer too); looked up once."""
+        return self.session.inbound(self.channel)
 
-def _split(total: int, floor: int, active: Sequence[bool]) -> list[int]:
+    def note_sent(self, nbytes: int, now: float) -> None:
+        """The writer sent a batch of ``nbytes`` guarantees' worth at ``now``."""
+        self.last_active = now
+        self.use = self.recent_use(now) + nbytes
+        self.use_at = max(now, self.use_at)
+
+    def recent_use(self, now: float | None) -> float:
+        """What the writer sent lately, decayed to ``now`` (as last noted when None)."""
+        if now is None or now <= self.use_at or not self.use:
+            return self.use
+        return self.use * float(0.5 ** ((now - self.use_at) / USE_HALF_LIFE_S))
+
+
+def _split(
+    total: int, floor: int, active: Sequence[bool], demand: Sequence[int] | None = None
+) -> tuple[list[int], list[bool]]:
     """Share ``total`` among members: idle ones get a floor, active ones the rest equally.
 
     An idle member keeps ``min(floor, total // n)`` so that it can still send
     a batch without waiting; when all members are idle (or all active) they
-    share equally. The sum never exceeds ``total``.
+    share equally. With ``demand``, no member gets more than its demand, and
+    what one does not want goes equally to the others that want more (max-min
+    fairness); what nobody wants is left over. The sum never exceeds ``total``.
+
+    Returns the parts, and for each whether its demand, not fairness, bounded it.
     """
     n = len(active)
     busy = sum(active)
     if busy == 0 or busy == n:
-        return [total // n] * n
-    kept = min(floor, total // n)
-    share = (total - kept * (n - busy)) // busy
-    return [share if a else kept for a in active]
+        eligible = list(range(n))
+        parts = [0] * n
+        room = total
+    else:
+        kept = min(floor, total // n)
+        eligible = [i for i, a in enumerate(active) if a]
+        parts = [0 if a else kept for a in active]
+        room = total - kept * (n - busy)
+    each = room // len(eligible)
+    if demand is None or all(demand[i] >= each for i in eligible):
+        # Nobody wants less than an equal part: equal parts (the common case).
+        for i in eligible:
+            parts[i] = each
+        return parts, [False] * n
+    capped = [False] * n
+    # Water-fill: the smallest demands first, each at most an equal part of what is left.
+    order = sorted(eligible, key=lambda i: demand[i])
+    left = len(order)
+    for i in order:
+        fair = room // left
+        if demand[i] < fair:
+            parts[i] = demand[i]
+            capped[i] = True
+        else:
+            parts[i] = fair
+        room -= parts[i]
+        left -= 1
+    return parts, capped
 
 
 def fair_shares(
-    total: int, floor: int, writers: Sequence[Writer], now: float | None
+    total: int,
+    floor: int,
+    writers: Sequence[Writer],
+    now: float | None,
+    *,
+    start: int | None = None,
+    limited: set[int] | None = None,
 ) -> dict[int, int]:
     """The fair share of ``total`` guarantees of each writer of one stream, by ``id``.
 
@@ -149,6 +222,17 @@ def fair_shares(
     :data:`IDLE_AFTER_S` (with ``now`` None, nobody is idle); an idle member
     keeps only a floor of ``floor`` (at most an equal part) while others are
     active. The shares sum to at most ``total``.
+
+    With ``start``, shares follow use as well: a member (a party, a
+    connection, a handle) is given at most ``start`` plus twice the bytes its
+    writers hold in the log and sent lately (counted at half every
+    :data:`USE_HALF_LIFE_S`, :meth:`Writer.recent_use`). Credit that a writer holds and does not use
+    would otherwise stay out of reach of a newcomer for as long as the
+    holder ignores Pleads (up to ``plead_deadline_ms``); so what nobody uses
+    is left unassigned, and a new writer is granted it at once. A writer
+    that uses what it has earns more at once (twice its use, up to its
+    fair part). The ids of writers bounded by use rather than fairness go
+    into ``limited``.
     """
     if not writers:
         return {}
@@ -160,17 +244,38 @@ def fair_shares(
     def active(group: Sequence[Writer]) -> bool:
         return now is None or any(now - w.last_active <= IDLE_AFTER_S for w in group)
 
+    # What each writer holds in the log and sent lately: once, for all three levels.
+    used = (
+        {}
+        if start is None
+        else {id(w): w.inbound.buffered_bytes + w.recent_use(now) for w in writers}
+    )
+
+    def demands(groups: Sequence[Sequence[Writer]]) -> list[int] | None:
+        if start is None:
+            return None
+        return [start + 2 * int(sum(used[id(w)] for w in group)) for group in groups]
+
     out: dict[int, int] = {}
     party_groups = list(parties.values())
-    party_parts = _split(
-        total, floor, [active([w for c in p.values() for w in c]) for p in party_groups]
+    party_writers = [[w for c in p.values() for w in c] for p in party_groups]
+    party_parts, party_capped = _split(
+        total, floor, [active(p) for p in party_writers], demands(party_writers)
     )
-    for connections, party_part in zip(party_groups, party_parts, strict=True):
+    for connections, party_part, p_capped in zip(
+        party_groups, party_parts, party_capped, strict=True
+    ):
         groups = list(connections.values())
-        parts = _split(party_part, floor, [active(c) for c in groups])
-        for handles, part in zip(groups, parts, strict=True):
-            shares = _split(part, floor, [active([w]) for w in handles])
+        parts, c_capped = _split(party_part, floor, [active(c) for c in groups], demands(groups))
+        for handles, part, capped in zip(groups, parts, c_capped, strict=True):
+            shares, h_capped = _split(
+                part, floor, [active([w]) for w in handles], demands([[w] for w in handles])
+            )
             out.update((id(w), share) for w, share in zip(handles, shares, strict=True))
+            if limited is not None:
+                limited.update(
+                    id(w) for w, h in zip(handles, h_capped, strict=True) if h or capped or p_capped
+                )
     return out
 
 
@@ -235,8 +340,11 @@ class Stream:
         self.reserve = (stream_log.capacity // stream_log.term_length + 2) * max_frame
         self._floor = max_frame
         self._max_frame = max_frame
+        self._start = self._first_grant(stream_log.capacity)
         #: The stream's flow-control policy; None is plain credit.
         self.flow: Flow | None = None
+        #: When :meth:`rebalance` last ran (caller's clock).
+        self.rebalanced_at = float("-inf")
         self.writers: list[Writer] = []
         #: producer id -> next sequence, over everything appended.
         self.dedup: dict[int, int] = {}
@@ -370,7 +478,7 @@ class Stream:
         """Space promised or issuable to writers, not yet filled."""
         total = 0
         for w in self.writers:
-            state = w.session.inbound(w.channel)
+            state = w.inbound
             total += state.capacity - state.buffered_bytes
         return total
 
@@ -380,7 +488,7 @@ class Stream:
 
     def guarantees_outstanding(self) -> int:
         """Guarantees the writers hold (as the gateway knows them)."""
-        return sum(max(0, w.session.inbound(w.channel).client_guarantees) for w in self.writers)
+        return sum(max(0, w.inbound.client_guarantees) for w in self.writers)
 
     # -- sequences --------------------------------------------------------------
 
@@ -449,7 +557,7 @@ class Stream:
                 resend must repeat the original batches exactly); nothing is
                 stored or held then.
         """
-        writer.last_active = now
+        writer.note_sent(frame_cost(len(records)), now)
         if self.storage_error is None:
             try:
                 return self._store(
@@ -585,25 +693,59 @@ class Stream:
             _, writer = self._inflight.popleft()
             if not writer.alive:
                 continue
-            state = writer.session.inbound(writer.channel)
-            # Above its share, a writer's buffer shrinks instead of re-issuing.
+            state = writer.inbound
+            # Above its share, or asked by a Plead to hold less, a writer's
+            # buffer shrinks instead of re-issuing (re-issuing to a pleaded
+            # writer would hand back what the Plead asked for, and count
+            # against it at the deadline).
             writer.session.process(
                 writer.handle,
-                reissue=self.storage_error is None and state.capacity <= shares.get(id(writer), 0),
+                reissue=self.storage_error is None
+                and writer.pleaded_at is None
+                and state.capacity <= shares.get(id(writer), 0),
             )
 
-    def shares(self, now: float | None) -> dict[int, int]:
-        """Each writer's fair share of the stream, by ``id`` (see :func:`fair_shares`)."""
+    def _first_grant(self, capacity: int) -> int:
+        """What a writer that has used nothing yet may hold: a few frames, or 1/16 of the log."""
+        return max(4 * self._max_frame, capacity // 16)
+
+    def shares(self, now: float | None, limited: set[int] | None = None) -> dict[int, int]:
+        """Each writer's fair share of the stream, by ``id`` (see :func:`fair_shares`).
+
+        Shares follow use (``start``): credit nobody uses stays unassigned,
+        for a newcomer to be granted at once.
+        """
         total = max(0, self.log.capacity - self.reserve)
-        return fair_shares(total, self._floor, self.writers, now)
+        return fair_shares(
+            total, self._floor, self.writers, now, start=self._start, limited=limited
+        )
+
+    def wants_credit(self, writer: Writer, now: float) -> bool:
+        """Whether a rebalance could give ``writer`` more now (checked after each batch).
+
+        True when the last rebalance held its share down for want of use,
+        left space unassigned, and the writer has since used half of what it
+        holds: its use now earns it more. At most once per rebalance, and
+        once per :data:`ASK_INTERVAL_S` (a rebalance visits every writer).
+        """
+        if not writer.wants_more or now - writer.asked_at < ASK_INTERVAL_S:
+            return False
+        state = writer.inbound
+        if state.client_guarantees >= state.capacity // 2:
+            return False
+        writer.wants_more = False
+        writer.asked_at = now
+        return True
 
     def set_capacity(self, capacity: int) -> None:
         """Resize the log; the next :meth:`rebalance` grants or pleads to match."""
         self.log.set_capacity(capacity)
         self.reserve = (capacity // self.log.term_length + 2) * self._max_frame
+        self._start = self._first_grant(capacity)
 
     def rebalance(self, now: float) -> None:
         """Let the stream's policy move credit (plain credit when it has none)."""
+        self.rebalanced_at = now
         if self.flow is not None:
             self.flow.rebalance(now)
         else:
@@ -613,13 +755,14 @@ class Stream:
         """Grant free space to writers below their share; plead those above it."""
         if self.storage_error is not None:
             return  # no guarantees while the storage fails
-        shares = self.shares(now)
+        limited: set[int] = set()
+        shares = self.shares(now, limited)
         if not shares:
             return
         unassigned = self.unassigned()
         starving = False
         for w in self.writers:
-            state = w.session.inbound(w.channel)
+            state = w.inbound
             want = shares[id(w)] - state.capacity
             if want > 0:
                 grant = min(want, unassigned)
@@ -628,8 +771,12 @@ class Stream:
                     unassigned -= grant
                 if grant < want:
                     starving = True
+        # Who was held down for want of use may earn more by using it, as
+        # long as there is space left to grant (Stream.wants_credit).
         for w in self.writers:
-            state = w.session.inbound(w.channel)
+            w.wants_more = unassigned > 0 and id(w) in limited
+        for w in self.writers:
+            state = w.inbound
             excess = state.capacity - shares[id(w)]
             if starving and excess > 0 and state.client_guarantees > 0:
                 self.plead(w, max(0, state.client_guarantees - excess), now)
@@ -669,7 +816,7 @@ class Stream:
         for w in self.writers:
             if w.pleaded_at is None:
                 continue
-            held = w.session.inbound(w.channel).client_guarantees
+            held = w.inbound.client_guarantees
             if held <= w.pleaded_most:
                 w.pleaded_at = None
             elif now - w.pleaded_at >= deadline:
