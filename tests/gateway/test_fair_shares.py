@@ -15,8 +15,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from headgate.costs import batch_cost
-from headgate.gateway.streams import IDLE_AFTER_S, USE_HALF_LIFE_S, Stream, Writer, fair_shares
+from headgate.gateway.streams import (
+    ASK_INTERVAL_S,
+    IDLE_AFTER_S,
+    USE_HALF_LIFE_S,
+    Stream,
+    Writer,
+    fair_shares,
+)
 from headgate.protocol import messages as m
+from headgate.protocol.records import encode_records
 from headgate.protocol.session import Role, Session, StreamBound
 
 FLOOR = 1000
@@ -266,5 +274,32 @@ def test_a_writer_that_absolves_as_pleaded_is_never_overdue(tmp_path: Path) -> N
         assert first.session.inbound(first.channel).client_guarantees <= (first.pleaded or 0)
         assert stream.overdue_pleas(100.0, 5.0) == []
         assert first.pleaded_at is None
+    finally:
+        stream.close()
+
+
+def test_use_asks_for_a_rebalance_at_most_once_per_interval_for_the_whole_stream(
+    tmp_path: Path,
+) -> None:
+    stream = open_stream(tmp_path)
+    try:
+        pairs = [bound_writer(stream, producer, now=0.0) for producer in (1, 2)]
+        stream.rebalance_credit(0.0)
+        for writer, peer in pairs:
+            assert writer.wants_more, "held to a first grant for want of use"
+            peer.receive_data(writer.session.data_to_send())
+            # Use more than half of it: the batches wait in the channel.
+            held = peer.outbound(writer.channel).guarantees
+            block = encode_records([b"x" * 1000])
+            sequence = 0
+            while peer.outbound(writer.channel).guarantees > held // 2 - 2000:
+                assert peer.send_batch(writer.handle, sequence, block)
+                sequence += 1
+            writer.session.receive_data(peer.data_to_send())
+        (first, _), (second, _) = pairs
+        assert stream.wants_credit(first, 1.0)
+        assert not stream.wants_credit(first, 1.0), "once per rebalance"
+        assert not stream.wants_credit(second, 1.0 + ASK_INTERVAL_S / 2), "once per interval"
+        assert stream.wants_credit(second, 1.0 + ASK_INTERVAL_S)
     finally:
         stream.close()

@@ -74,7 +74,7 @@ log = logging.getLogger("headgate.gateway")
 IDLE_AFTER_S = 1.0
 #: A writer's use of its credit counts half as much after this long.
 USE_HALF_LIFE_S = 0.5
-#: A writer's use asks for a rebalance (to earn more) at most this often.
+#: Writers' use asks for a rebalance of their stream (to earn more) at most this often.
 ASK_INTERVAL_S = 0.05
 
 
@@ -122,8 +122,6 @@ class Writer:
     #: The last rebalance held this writer's share below its fair part for
     #: want of use (see :func:`fair_shares`): more use may earn it more.
     wants_more: bool = False
-    #: When this writer's use last asked for a rebalance (caller's clock).
-    asked_at: float = float("-inf")
 
     @property
     def channel(self) -> int:
@@ -345,6 +343,8 @@ class Stream:
         self.flow: Flow | None = None
         #: When :meth:`rebalance` last ran (caller's clock).
         self.rebalanced_at = float("-inf")
+        # When a writer's use last asked for a rebalance (wants_credit).
+        self._asked_at = float("-inf")
         self.writers: list[Writer] = []
         #: producer id -> next sequence, over everything appended.
         self.dedup: dict[int, int] = {}
@@ -726,15 +726,17 @@ class Stream:
         True when the last rebalance held its share down for want of use,
         left space unassigned, and the writer has since used half of what it
         holds: its use now earns it more. At most once per rebalance, and
-        once per :data:`ASK_INTERVAL_S` (a rebalance visits every writer).
+        once per :data:`ASK_INTERVAL_S` for the whole stream, whoever asks (a
+        rebalance visits every writer, and serves them all: a thousand
+        handles writing small batches cannot make it run more often).
         """
-        if not writer.wants_more or now - writer.asked_at < ASK_INTERVAL_S:
+        if not writer.wants_more or now - self._asked_at < ASK_INTERVAL_S:
             return False
         state = writer.inbound
         if state.client_guarantees >= state.capacity // 2:
             return False
         writer.wants_more = False
-        writer.asked_at = now
+        self._asked_at = now
         return True
 
     def set_capacity(self, capacity: int) -> None:
