@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # the attacks live with the hostile tests
 
-from tests.hostile.attacks import ATTACKS  # noqa: E402
+from tests.hostile.attacks import ATTACKS, CONTROLS  # noqa: E402
 from tests.hostile.harness import (  # noqa: E402
     TLS_ATTACKS,
     Arena,
@@ -114,9 +114,13 @@ async def run(
             for arena in (plain, tls):
                 if arena.deaths or codes[0 if arena is plain else 1] not in (0, None):
                     print(f"gateway log ({arena.root}):\n{arena.log_tail()}")
-        met = sum(r.ratio >= TARGET_RATIO for r in results)
+        attacked = [r for r in results if r.name not in CONTROLS]
+        met = sum(r.ratio >= TARGET_RATIO for r in attacked)
         died = [r.name for r in results if r.gateway_died]
-        print(f"\n{met}/{len(results)} attacks at or above {TARGET_RATIO} of the baseline")
+        print(f"\n{met}/{len(attacked)} attacks at or above {TARGET_RATIO} of the baseline")
+        controls = [f"{r.ratio:.2f}" for r in results if r.name in CONTROLS]
+        if controls:
+            print(f"controls (nothing attacks; the measurement's own noise): {', '.join(controls)}")
         print(f"records lost: {sum(r.lost for r in results)}")
         if died or plain.deaths or tls.deaths:
             print(f"the gateway died in: {', '.join(died)}")
@@ -125,6 +129,15 @@ async def run(
             print(f"the gateway did not stop cleanly: {codes}")
             return 1
         return 0
+
+
+def default_names(control: bool) -> list[str]:
+    """Every attack; with ``control``, the control at the start, the middle and the end."""
+    names = list(ATTACKS)
+    if not control:
+        return names
+    half = len(names) // 2
+    return ["no_attack", *names[:half], "no_attack", *names[half:], "no_attack"]
 
 
 def main() -> None:
@@ -136,9 +149,15 @@ def main() -> None:
     parser.add_argument(
         "--attack",
         action="append",
-        choices=list(ATTACKS),
+        choices=[*ATTACKS, *CONTROLS],
         metavar="NAME",
         help="run only this attack (repeatable; --list shows the names)",
+    )
+    parser.add_argument(
+        "--no-control",
+        action="store_true",
+        help="without --attack, skip the three control rows (no_attack: nothing "
+        "attacks, measured like an attack, at the start, the middle and the end)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="A B pairs per attack (default 2)")
     parser.add_argument(
@@ -159,14 +178,20 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="list the attacks and exit")
     args = parser.parse_args()
     if args.list:
-        for name, attack in ATTACKS.items():
+        for name, attack in {**ATTACKS, **CONTROLS}.items():
             print(f"{name:28} {(attack.__doc__ or '').splitlines()[0]}")
         return
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds must be at least 1 and --seconds positive")
     sys.exit(
         asyncio.run(
-            run(args.attack or list(ATTACKS), args.rounds, args.seconds, args.keep, args.verbose)
+            run(
+                args.attack or default_names(control=not args.no_control),
+                args.rounds,
+                args.seconds,
+                args.keep,
+                args.verbose,
+            )
         )
     )
 

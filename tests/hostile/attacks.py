@@ -1260,6 +1260,18 @@ async def free_gateway_handle(target: Target, run: Run) -> Report:
 
 Attack = Callable[[Target, Run], Coroutine[Any, Any, Report]]
 
+
+async def no_attack(target: Target, run: Run) -> Report:
+    """The control: nothing touches the gateway, so the ratio shows the measurement's noise."""
+    run.engage()
+    while run.active():
+        await run.pause(1.0)
+    return Report()
+
+
+#: Runs measured like the attacks that are not attacks (bench/hostile.py).
+CONTROLS: dict[str, Attack] = {"no_attack": no_attack}
+
 ATTACKS: dict[str, Attack] = {
     "random_frames": random_frames,
     "mutated_frames": mutated_frames,
@@ -1356,7 +1368,8 @@ async def _serve() -> None:
             continue
         name = command["attack"]
         run = Run(lambda: say("engaged"))
-        task = loop.create_task(_guarded(name, ATTACKS[name](target, run)))
+        attack = ATTACKS[name] if name in ATTACKS else CONTROLS[name]
+        task = loop.create_task(_guarded(name, attack(target, run)))
         stop = loop.create_task(stdin.readline())
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         run.engage()  # an attack that ended before engaging: let the harness go on

@@ -603,4 +603,4 @@ async def _sample_memory(arena: Arena, result: Measured) -> None:
 
 def victim_stream(name: str) -> str:
     """The good producer's stream for an attack: short, so that 1,000 binds of it fit."""
-    return f"g-{list(ATTACKS).index(name)}"
+    return f"g-{list(ATTACKS).index(name)}" if name in ATTACKS else f"g-{name}"
