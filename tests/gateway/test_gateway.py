@@ -307,6 +307,28 @@ async def write_what_fits(peer: RawPeer, handle: int, sequence: int) -> int:
     return sequence
 
 
+async def earn(peer: RawPeer, handle: int, gw: Gateway, stream: str, least: float) -> int:
+    """Write what fits, the consumer releasing it, until ``peer`` holds ``least`` guarantees.
+
+    Credit follows use: a writer holds much of a stream only once it has
+    used much. Returns the next sequence.
+    """
+
+    def held() -> int:
+        return peer.session.outbound(m.data_channel(handle)).guarantees
+
+    sequence = max(0, peer.acked(handle))
+    for _ in range(200):
+        if held() >= least:
+            break
+        sequence = await write_what_fits(peer, handle, sequence)
+        await peer.until(lambda n=sequence: peer.acked(handle) == n)
+        gw.release(stream, gw.streams[stream].log.durable_position)
+        await peer.pump()
+    assert held() >= least
+    return sequence
+
+
 async def test_two_writers_of_one_stream_share_its_capacity(gateway: Gateway) -> None:
     first = RawPeer(producer_id=1)
     await first.connect(gateway.address)
@@ -318,16 +340,8 @@ async def test_two_writers_of_one_stream_share_its_capacity(gateway: Gateway) ->
         return peer.session.outbound(m.data_channel(h)).guarantees
 
     # A writer that uses its credit earns the whole stream, the consumer keeping up.
-    s1 = 0
-    for _ in range(100):
-        s1 = await write_what_fits(first, h1, s1)
-        await first.until(lambda n=s1: first.acked(h1) == n)
-        gateway.release("shared", stream.log.durable_position)
-        await first.pump()
-        if held(first, h1) > room * 3 // 4:
-            break
+    s1 = await earn(first, h1, gateway, "shared", room * 3 // 4 + 1)
     alone = held(first, h1)
-    assert alone > room * 3 // 4
     second = RawPeer(producer_id=2)
     await second.connect(gateway.address)
     h2 = await second.bind("shared")
@@ -371,16 +385,7 @@ async def test_an_unused_grant_stays_small_and_a_newcomer_gets_the_rest_at_once(
     h2 = await newcomer.bind("unused")
     # The newcomer uses what it gets, and earns the rest of the stream
     # (short of a frame's rounding).
-    rest = room - first_grant - 16 * 1024
-    sequence = 0
-    for _ in range(50):
-        sequence = await write_what_fits(newcomer, h2, sequence)
-        await newcomer.until(lambda n=sequence: newcomer.acked(h2) == n)
-        gateway.release("unused", stream.log.durable_position)
-        await newcomer.pump()
-        if newcomer.session.outbound(m.data_channel(h2)).guarantees >= rest:
-            break
-    assert newcomer.session.outbound(m.data_channel(h2)).guarantees >= rest
+    await earn(newcomer, h2, gateway, "unused", room - first_grant - 16 * 1024)
     assert stream.writers[0].pleaded is None, "nobody had to be pleaded"
     await idle.close()
     await newcomer.close()

@@ -34,7 +34,7 @@ from headgate.protocol.frames import Absolve, Apologise, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived, StreamBound, WelcomeReceived
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import RawPeer, config, write_what_fits
+from tests.gateway.test_gateway import RawPeer, config, earn
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,24 +57,6 @@ class DeafToPleas(RawPeer):
         kept = b"".join(encode_frame(f) for f in frames if not isinstance(f, Absolve))
         self.writer.write(kept)
         await self.writer.drain()
-
-
-async def earn(peer: RawPeer, handle: int, gw: Gateway, stream: str, least: float) -> int:
-    """Write what fits, the consumer releasing it, until ``peer`` holds ``least`` guarantees.
-
-    Credit follows use: a writer holds much of a stream only once it has
-    used much. Returns the next sequence.
-    """
-    sequence = peer.acked(handle)
-    for _ in range(200):
-        if guarantees(peer, handle) >= least:
-            break
-        sequence = await write_what_fits(peer, handle, sequence)
-        await peer.until(lambda n=sequence: peer.acked(handle) == n)
-        gw.release(stream, gw.streams[stream].log.durable_position)
-        await peer.pump()
-    assert guarantees(peer, handle) >= least
-    return sequence
 
 
 async def started(tmp_path: Path, **kw: object) -> Gateway:
