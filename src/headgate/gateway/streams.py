@@ -222,15 +222,15 @@ def fair_shares(
     active. The shares sum to at most ``total``.
 
     With ``start``, shares follow use as well: a member (a party, a
-    connection, a handle) is given at most ``start`` plus twice the bytes its
-    writers hold in the log and sent lately (counted at half every
-    :data:`USE_HALF_LIFE_S`, :meth:`Writer.recent_use`). Credit that a writer holds and does not use
-    would otherwise stay out of reach of a newcomer for as long as the
-    holder ignores Pleads (up to ``plead_deadline_ms``); so what nobody uses
-    is left unassigned, and a new writer is granted it at once. A writer
-    that uses what it has earns more at once (twice its use, up to its
-    fair part). The ids of writers bounded by use rather than fairness go
-    into ``limited``.
+    connection, a handle) is given at most ``start`` plus twice the bytes
+    its writers hold in the log and sent lately (counted at half every
+    :data:`USE_HALF_LIFE_S`, :meth:`Writer.recent_use`). Credit that a
+    writer holds and does not use would otherwise stay out of reach of a
+    newcomer for as long as the holder ignores Pleads (up to
+    ``plead_deadline_ms``); so what nobody uses is left unassigned, and a
+    new writer is granted it at once. A writer that uses what it has earns
+    more at once (twice its use, up to its fair part). The ids of writers
+    bounded by use rather than fairness, at any level, go into ``limited``.
     """
     if not writers:
         return {}
