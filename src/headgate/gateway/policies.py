@@ -184,7 +184,7 @@ class Flow:
         if over <= 0:
             return
         for w in s.writers:
-            state = w.session.inbound(w.channel)
+            state = w.inbound
             take = min(over, state.issuable, max(0, state.free))
             if take > 0:
                 state.shrink(take)
@@ -193,7 +193,7 @@ class Flow:
             return
         shares = s.shares(now)
         for w in s.writers:
-            state = w.session.inbound(w.channel)
+            state = w.inbound
             excess = state.capacity - shares.get(id(w), 0)
             if excess > 0 and state.client_guarantees > 0:
                 s.plead(w, max(0, state.client_guarantees - excess), now)
@@ -304,7 +304,7 @@ class WindowFlow(Flow):
         now: float,
         timestamp_us: int,
     ) -> None:
-        in_flight = writer.session.inbound(writer.channel).buffered_messages
+        in_flight = writer.inbound.buffered_messages
         self.max_in_flight = max(self.max_in_flight, in_flight)
         self._receive_or_hold(
             writer, first_sequence, record_count, records, now=now, timestamp_us=timestamp_us
@@ -331,7 +331,7 @@ class WindowFlow(Flow):
             if give > 0:
                 self._slots[w] += give
                 used[id(w.session)] = self.settings.window
-                w.session.inbound(w.channel).grow(give * self.slot)
+                w.inbound.grow(give * self.slot)
 
     def rebalance(self, now: float) -> None:
         s = self.stream
@@ -351,7 +351,7 @@ class WindowFlow(Flow):
             size = w.session.process(w.handle, reissue=True)
             back = min(self._absolved.get(w, 0), self.slot - size)
             if back > 0:
-                w.session.inbound(w.channel).grow(back)
+                w.inbound.grow(back)
                 self._absolved[w] -= back
         for w in s.writers:
             w.session.issue(w.channel)
@@ -418,7 +418,7 @@ class XonXoffFlow(Flow):
         self._throttled = writers if pause else set()
 
     def _opening(self, writer: Writer) -> None:
-        writer.session.inbound(writer.channel).grow(XONXOFF_CREDIT)
+        writer.inbound.grow(XONXOFF_CREDIT)
         if self.paused and writer.throttle is not None:
             writer.throttle(self.reason, True)
             self._throttled.add(writer)
@@ -433,7 +433,7 @@ class XonXoffFlow(Flow):
             self._throttle(False)
         for w in s.writers:
             # Top the formality up only when half is spent: no chatter per batch.
-            if w.session.inbound(w.channel).client_guarantees < XONXOFF_CREDIT // 2:
+            if w.inbound.client_guarantees < XONXOFF_CREDIT // 2:
                 w.session.issue(w.channel)
 
     def statistics(self) -> FlowStatistics:

@@ -773,11 +773,10 @@ class Stream:
                     unassigned -= grant
                 if grant < want:
                     starving = True
-        # Who was held down for want of use may earn more by using it, as
-        # long as there is space left to grant (Stream.wants_credit).
         for w in self.writers:
+            # Who was held down for want of use may earn more by using it, as
+            # long as there is space left to grant (Stream.wants_credit).
             w.wants_more = unassigned > 0 and id(w) in limited
-        for w in self.writers:
             state = w.inbound
             excess = state.capacity - shares[id(w)]
             if starving and excess > 0 and state.client_guarantees > 0:
