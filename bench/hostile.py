@@ -46,11 +46,14 @@ from tests.hostile.harness import (  # noqa: E402
     Arena,
     Attacker,
     Measured,
+    capacity_for,
     measure,
     victim_stream,
 )
 
 TARGET_RATIO = 0.9
+#: Above the good producer's rate here (about 1M records/s): a run's cap.
+MOST_RECORDS_PER_S = 2_500_000
 
 
 def row(result: Measured) -> str:
@@ -72,8 +75,9 @@ async def run(
         else:
             tmp = str(keep)
         # Big enough that a good run is not cut short by the records that
-        # fit in the stream (a third of it, between releases).
-        capacity = max(256, int(seconds * 2_500_000 * 128 * 3) >> 20)
+        # fit in the stream (harness.records_that_fit).
+        most = int(seconds * MOST_RECORDS_PER_S)
+        capacity = max(256, capacity_for(most))
         plain = Arena(Path(tmp) / "plain", capacity_mib=capacity)
         tls = Arena(Path(tmp) / "tls", capacity_mib=capacity, tls=True)
         attacker = Attacker()
@@ -97,7 +101,7 @@ async def run(
                     victim_stream(name),
                     rounds=rounds,
                     seconds=seconds,
-                    max_records=int(seconds * 2_500_000),
+                    max_records=most,
                 )
                 results.append(result)
                 print(row(result), flush=True)

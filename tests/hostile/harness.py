@@ -529,6 +529,21 @@ class Measured:
         return f"{closed}/{connections} closed; " + (", ".join(parts) or "no Error")
 
 
+#: A good run must fit in its stream's log (released after each run): in a
+#: third of it, at about this many bytes of log per record.
+LOG_BYTES_PER_RECORD = 128
+
+
+def records_that_fit(capacity_mib: int) -> int:
+    """The most records one good run may send into a stream of ``capacity_mib``."""
+    return capacity_mib * 1024 * 1024 // 3 // LOG_BYTES_PER_RECORD
+
+
+def capacity_for(records: int) -> int:
+    """The stream capacity (MiB) in which a good run of ``records`` fits."""
+    return -(-records * 3 * LOG_BYTES_PER_RECORD // (1024 * 1024))
+
+
 async def measure(
     arena: Arena,
     attacker: Attacker,
@@ -542,9 +557,7 @@ async def measure(
     """The good producer A B A B ... (``rounds`` of each), the attack on during each B."""
     started = time.monotonic()
     arena.ensure_up()
-    # A run must fit in the stream's log (released after each run): a third
-    # of it, at ~128 bytes of log per record.
-    max_records = min(max_records, arena.capacity_mib * 1024 * 1024 // 3 // 128)
+    max_records = min(max_records, records_that_fit(arena.capacity_mib))
     result = Measured(name=name)
     if name in TINY_ATTACKS and not arena.prepared:
         prepared = await attacker.prepare(arena.target())
