@@ -572,7 +572,7 @@ def top(address: str, interval: float, once: bool) -> None:
 @click.option(
     "--data-dir",
     type=click.Path(path_type=Path),
-    default=Path("headgate-data"),
+    default=Path("headgate-demo"),
     show_default=True,
     help="Logs, checkpoints and Parquet output.",
 )
@@ -591,10 +591,21 @@ def run(data_dir: Path, seconds: float) -> None:
 
     if seconds <= 0:
         raise click.UsageError("--seconds must be positive")
-    summaries = run_demo(data_dir, seconds, Console())
-    lost = [s.stream for s in summaries if s.acked != s.written + s.dead_letters]
+    try:
+        result = run_demo(data_dir, seconds, Console())
+    except KeyboardInterrupt:  # a second Ctrl-C, while stopping
+        click.echo("headgate run: interrupted", err=True)
+        sys.exit(130)
+    if result.failure is not None:
+        click.echo(f"headgate run: {result.failure}", err=True)
+        sys.exit(1)
+    if result.interrupted:
+        sys.exit(130)
+    lost = [s.stream for s in result.summaries if s.acked > s.written + s.dead_letters]
     if lost:
-        click.echo(f"records acknowledged but not written: {', '.join(lost)}", err=True)
+        click.echo(
+            f"headgate run: records acknowledged but not written: {', '.join(lost)}", err=True
+        )
         sys.exit(1)
 
 

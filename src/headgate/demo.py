@@ -103,8 +103,8 @@ def demo_gateway_config(data_dir: Path) -> GatewayConfig:
     return GatewayConfig(
         listen=("127.0.0.1", 0),
         data_dir=data_dir,
-        stream_capacity=4 * 1024**2,
-        term_length=256 * 1024,
+        stream_capacity=16 * 1024**2,
+        term_length=512 * 1024,
         max_message_size=64 * 1024,
         group_commit_interval_ms=2.0,
         streams={"audit": StreamSettings(capacity=1024**2)},
@@ -123,9 +123,32 @@ class BackgroundLoop:
         future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         return future.result(timeout)
 
+    def submit(self, coro: Any) -> Future[Any]:
+        """Start ``coro`` on the loop; the returned future tells when it is done."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def call(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop soon; nothing happens once the loop is closed."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(callback)
+
     def stop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
+        """Cancel what still runs on the loop, then stop and close it."""
+        if self._thread.is_alive():
+
+            async def cancel_the_rest() -> None:
+                me = asyncio.current_task()
+                rest = [t for t in asyncio.all_tasks() if t is not me]
+                for task in rest:
+                    task.cancel()
+                await asyncio.gather(*rest, return_exceptions=True)
+
+            with contextlib.suppress(Exception):
+                self.run(cancel_the_rest(), 10)
+            self.call(self.loop.stop)
+            self._thread.join(10)
+        if not self._thread.is_alive() and not self.loop.is_closed():
+            self.loop.close()
 
 
 @dataclass
@@ -136,6 +159,33 @@ class StreamSummary:
     written: int
     dead_letters: int
     acked_per_second: float
+    #: Acknowledged after the load stopped: what the producer still held then.
+    acked_after_load: int = 0
+
+
+@dataclass
+class DemoResult:
+    """How ``headgate run`` ended, and the counts so far."""
+
+    summaries: list[StreamSummary]
+    #: True once every acknowledged record was written (or dead-lettered).
+    completed: bool
+    #: Ctrl-C stopped it.
+    interrupted: bool = False
+    #: The one-line reason it stopped early, or None.
+    failure: str | None = None
+
+
+class DemoFailed(Exception):
+    """The demo cannot go on; the message is one line for the user."""
+
+
+#: How long the catch-up may go without any stream moving before it gives up.
+STALL_TIMEOUT_S = 120.0
+#: How long Spark may take to run its first (empty) batch of every query.
+SPARK_START_TIMEOUT_S = 600.0
+#: Dashboard refresh.
+TICK_S = 0.5
 
 
 async def _load(producer: Any, stream: str, stop: asyncio.Event) -> None:
@@ -143,157 +193,388 @@ async def _load(producer: Any, stream: str, stop: asyncio.Event) -> None:
     make = GENERATORS[stream]
     n = 0
     while not stop.is_set():
-        for _ in range(200):
-            await producer.send(stream, make(rng, n))
-            n += 1
-        await asyncio.sleep(0)
+        # Each send returns at once while the stream's producer buffer has
+        # room, and waits for credit once it is full (the backpressure).
+        await producer.send(stream, make(rng, n))
+        n += 1
+        if n % 200 == 0:
+            await asyncio.sleep(0)
 
 
-def run_demo(data_dir: Path, seconds: float, console: Console) -> list[StreamSummary]:
-    """Run everything for ``seconds`` of load, then drain, stop and summarise."""
-    from headgate.client import Producer
-    from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict, spark_session
+class _Demo:
+    """The demo's parts and its phases; what it knows so far makes the summary."""
 
-    data_dir = data_dir.resolve()
-    console.print(f"[bold]headgate run[/]: data in {data_dir}")
-    gw_thread = BackgroundLoop("headgate-gateway")
-    gateway = Gateway(demo_gateway_config(data_dir))
-    gw_thread.run(gateway.start(), 30)
-    host, port = gateway.address
-    console.print(f"gateway listening on {host}:{port}")
+    def __init__(self, data_dir: Path, console: Console, spark: Any | None) -> None:
+        self.data_dir = data_dir
+        self.console = console
+        self.spark = spark
+        self.gw_thread: BackgroundLoop | None = None
+        self.gateway: Gateway | None = None
+        self.pipeline: Any = None
+        self.prod_thread: BackgroundLoop | None = None
+        self.producer: Any = None
+        self.stop_load: asyncio.Event | None = None
+        self.loads: list[Future[Any]] = []
+        self.load_started: float | None = None
+        self.load_seconds = 0.0
+        self.acked_under_load: dict[str, int] = {}
+        self.completed = False
 
-    def release(stream: str, position: int) -> None:
+    # -- phases -----------------------------------------------------------------
+
+    def start_gateway(self) -> None:
+        self.gw_thread = BackgroundLoop("headgate-gateway")
+        try:
+            self.gateway = Gateway(demo_gateway_config(self.data_dir))
+            self.gw_thread.run(self.gateway.start(), 30)
+        except Exception as exc:
+            self.gateway = None
+            raise DemoFailed(f"the gateway did not start: {exc}") from None
+        host, port = self.gateway.address
+        self.console.print(f"gateway listening on {host}:{port}")
+
+    def start_spark(self) -> None:
+        from headgate.config import ConfigError
+        from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict, spark_session
+
+        began = time.monotonic()
+        with self.console.status("starting Spark (local mode) ...") as status:
+            if self.spark is None:
+                self.spark = spark_session("headgate-demo")
+
+            def slow_score(action: str | None) -> int:
+                time.sleep(0.0005)  # the deliberately slow transform
+                return len(action or "")
+
+            self.spark.udf.register("slow_score", slow_score, "int")
+            self.pipeline = Pipeline(
+                self.spark,
+                pipeline_config_from_dict({"data_dir": str(self.data_dir), "streams": PIPELINE}),
+                release=self._release,
+            )
+            try:
+                self.pipeline.start()
+            except ConfigError as exc:
+                raise DemoFailed(f"the pipeline did not start: {exc}") from None
+            # The load's clock starts once every query ran its first batch:
+            # before that, Spark is still starting and nothing would drain.
+            while True:
+                states = self.query_states()
+                dead = {s: why for s, why in states.items() if why is not None}
+                if dead:
+                    stream, why = next(iter(dead.items()))
+                    raise DemoFailed(f"the {stream} query stopped: {why}")
+                waiting = [s for s, q in self.pipeline.queries.items() if q.lastProgress is None]
+                if not waiting:
+                    break
+                took = time.monotonic() - began
+                if took > SPARK_START_TIMEOUT_S:
+                    raise DemoFailed(
+                        f"Spark did not run a first batch of {', '.join(waiting)} "
+                        f"within {SPARK_START_TIMEOUT_S:.0f} s"
+                    )
+                status.update(
+                    f"starting Spark (local mode): {took:.0f} s, "
+                    f"waiting for the first batch of {', '.join(waiting)}"
+                )
+                time.sleep(TICK_S)
+        self.console.print(f"Spark is ready ({time.monotonic() - began:.0f} s)")
+
+    def run_load(self, seconds: float) -> None:
+        from headgate.client import Producer
+
+        assert self.gateway is not None
+        host, port = self.gateway.address
+        self.prod_thread = BackgroundLoop("headgate-producer")
+        # A small producer-side buffer, so that the application itself feels
+        # the backpressure: send() waits as soon as a stream runs out of credit.
+        self.producer = Producer(
+            f"{host}:{port}", client_name="headgate-demo", max_buffered_bytes=512 * 1024
+        )
+        try:
+            self.prod_thread.run(self.producer.connect(), 30)
+        except Exception as exc:
+            raise DemoFailed(f"the producer could not connect: {exc}") from None
+        self.stop_load = asyncio.Event()
+        self.loads = [
+            self.prod_thread.submit(_load(self.producer, s, self.stop_load)) for s in STREAMS
+        ]
+        self.load_started = time.monotonic()
+        previous = {s: 0 for s in STREAMS}
+        last = self.load_started
+        title = f"headgate: {seconds:g} s of load on one connection (Ctrl-C stops early)"
+        with Live(console=self.console, refresh_per_second=4) as live:
+            while time.monotonic() - self.load_started < seconds:
+                time.sleep(TICK_S)
+                self._check_load()
+                now = time.monotonic()
+                acked = self.acked()
+                rates = {s: (acked[s] - previous[s]) / max(now - last, 1e-6) for s in STREAMS}
+                previous, last = acked, now
+                live.update(self._dashboard(title, rates))
+        self.end_load()
+        sent = sum(self.acked_under_load.values())
+        self.console.print(
+            f"load stopped after {self.load_seconds:.0f} s with {sent:,} records acknowledged; "
+            "flushing what the producer still holds and letting Spark catch up ..."
+        )
+
+    def end_load(self) -> None:
+        """Stop the load now: no send starts after this returns."""
+        if self.load_started is None or self.stop_load is None:
+            return
+        if not self.acked_under_load:
+            self.load_seconds = time.monotonic() - self.load_started
+            self.acked_under_load = self.acked()
+        assert self.prod_thread is not None
+        self.prod_thread.call(self.stop_load.set)
+        # A send waiting for credit is cancelled; what it had handed to the
+        # producer stays there and is flushed like the rest.
+        for load in self.loads:
+            load.cancel()
+
+    def catch_up(self) -> None:
+        """Flush the producer, then wait until Spark wrote everything, showing progress."""
+        assert self.prod_thread is not None and self.gateway is not None
+        flush = self.prod_thread.submit(self.producer.flush())
+        began = time.monotonic()
+        moved_at = began
+        last_mark: tuple[int, ...] = ()
+        title = "headgate: catching up (Ctrl-C stops early)"
+        with Live(console=self.console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(TICK_S)
+                now = time.monotonic()
+                if flush.done() and flush.exception() is not None:
+                    raise DemoFailed(f"the producer failed: {flush.exception()}")
+                self._check_queries()
+                gw = self.gateway_stats()
+                mark = tuple(self.acked().values()) + tuple(g.release_position for g in gw.values())
+                if mark != last_mark:
+                    last_mark, moved_at = mark, now
+                live.update(self._dashboard(title, None, gw=gw, catching_up=True))
+                if flush.done() and all(
+                    g.release_position >= g.durable_position for g in gw.values()
+                ):
+                    break
+                if now - moved_at > STALL_TIMEOUT_S:
+                    behind = [s for s, g in gw.items() if g.release_position < g.tail_position]
+                    raise DemoFailed(
+                        f"no progress for {STALL_TIMEOUT_S:.0f} s while catching up "
+                        f"({', '.join(behind) or 'the producer'} still behind)"
+                    )
+        self.pipeline.drain_progress()
+        self.completed = True
+        self.console.print(f"caught up in {time.monotonic() - began:.0f} s")
+
+    def teardown(self) -> None:
+        """Stop everything started, in order; never raises."""
+        if self.load_started is not None:
+            self.end_load()
+        if self.prod_thread is not None:
+            if self.producer is not None:
+                # Stopped early, nothing waits for acknowledgements: the
+                # summary counts only acknowledged records as delivered.
+                ending = self.producer.close() if self.completed else self.producer.abort()
+                with contextlib.suppress(Exception):
+                    self.prod_thread.run(ending, 30)
+            self.prod_thread.stop()
+        if self.pipeline is not None:
+            with contextlib.suppress(Exception):
+                self.pipeline.stop(finish_batches=30.0 if self.completed else 0.0)
+        if self.gw_thread is not None:
+            if self.gateway is not None:
+                with contextlib.suppress(Exception):
+                    self.gw_thread.run(self.gateway.stop(), 60)
+            self.gw_thread.stop()
+
+    # -- what it knows --------------------------------------------------------------
+
+    def _release(self, stream: str, position: int) -> None:
+        gateway, thread = self.gateway, self.gw_thread
+        if gateway is None or thread is None:
+            return
+
         def apply() -> None:
             with contextlib.suppress(Exception):
                 gateway.release(stream, position)
 
-        gw_thread.loop.call_soon_threadsafe(apply)
+        thread.call(apply)
 
-    console.print("starting Spark (local mode) ...")
-    spark = spark_session("headgate-demo")
+    def acked(self) -> dict[str, int]:
+        if self.producer is None:
+            return {s: 0 for s in STREAMS}
+        stats = self.producer.statistics().streams
+        return {s: stats[s].records_acked if s in stats else 0 for s in STREAMS}
 
-    def slow_score(action: str | None) -> int:
-        time.sleep(0.0005)  # the deliberately slow transform
-        return len(action or "")
+    def gateway_stats(self) -> dict[str, StreamStatistics]:
+        assert self.gw_thread is not None and self.gateway is not None
+        gateway = self.gateway
 
-    spark.udf.register("slow_score", slow_score, "int")
-    pipeline = Pipeline(
-        spark,
-        pipeline_config_from_dict({"data_dir": str(data_dir), "streams": PIPELINE}),
-        release=release,
-    )
-    pipeline.start()
+        async def snapshot() -> list[StreamStatistics]:
+            return gateway.statistics()
 
-    prod_thread = BackgroundLoop("headgate-producer")
-    # A small producer-side buffer, so that the application itself feels the
-    # backpressure: send() waits as soon as a stream runs out of credit.
-    producer = Producer(
-        f"{host}:{port}", client_name="headgate-demo", max_buffered_bytes=512 * 1024
-    )
-    prod_thread.run(producer.connect(), 30)
-    stop = asyncio.Event()
-    loads = [
-        asyncio.run_coroutine_threadsafe(_load(producer, s, stop), prod_thread.loop)
-        for s in STREAMS
-    ]
-    started = time.monotonic()
-    try:
-        with Live(console=console, refresh_per_second=4) as live:
-            previous = {s: 0 for s in STREAMS}
-            last = time.monotonic()
-            while time.monotonic() - started < seconds:
-                time.sleep(0.5)
-                now = time.monotonic()
-                stats = producer.statistics().streams
-                gw_stats = {s.name: s for s in _gateway_stats(gw_thread, gateway)}
-                table = _dashboard(stats, gw_stats, pipeline, previous, now - last)
-                previous = {s: stats[s].records_acked if s in stats else 0 for s in STREAMS}
-                last = now
-                live.update(table)
-        elapsed = time.monotonic() - started
-        during_load = {s: st.records_acked for s, st in producer.statistics().streams.items()}
-        console.print("load finished; flushing the producer and letting Spark catch up ...")
-        prod_thread.loop.call_soon_threadsafe(stop.set)
-        # A load stops at its next send; one waiting for credit on the slow
-        # stream waits for Spark, which can take a while on a busy machine.
-        for load in loads:
-            load.result(300)
-        prod_thread.run(producer.flush(), 300)
-        final = producer.statistics().streams
-        pipeline.catch_up()
-    finally:
-        with contextlib.suppress(Exception):
-            prod_thread.run(producer.close(), 30)
-        prod_thread.stop()
-        pipeline.stop()
-        gw_thread.run(gateway.stop(), 60)
-        gw_thread.stop()
-    summaries = [
-        StreamSummary(
-            stream=s,
-            sent=final[s].records_sent,
-            acked=final[s].records_acked,
-            written=pipeline.rows_written[s],
-            dead_letters=pipeline.dead_letters[s],
-            acked_per_second=during_load.get(s, 0) / elapsed,
+        return {s.name: s for s in self.gw_thread.run(snapshot(), 10)}
+
+    def query_states(self) -> dict[str, str | None]:
+        """Per stream: None while its query runs, else why it stopped (one line)."""
+        from headgate.spark.pipeline import error_text
+
+        states: dict[str, str | None] = {}
+        for stream, query in (self.pipeline.queries if self.pipeline else {}).items():
+            try:
+                if query.isActive:
+                    states[stream] = None
+                    continue
+                exc = query.exception()
+                states[stream] = "stopped" if exc is None else error_text(exc)
+            except Exception as exc:  # the JVM itself is going away
+                states[stream] = error_text(exc)
+        return states
+
+    def _check_queries(self) -> None:
+        for stream, why in self.query_states().items():
+            if why is not None:
+                raise DemoFailed(f"the {stream} query stopped: {why}")
+
+    def _check_load(self) -> None:
+        self._check_queries()
+        for load in self.loads:
+            if load.done() and not load.cancelled() and load.exception() is not None:
+                raise DemoFailed(f"the load failed: {load.exception()}")
+
+    def summaries(self) -> list[StreamSummary]:
+        stats = self.producer.statistics().streams if self.producer is not None else {}
+        pipeline = self.pipeline
+        elapsed = max(self.load_seconds, 1e-6)
+        return [
+            StreamSummary(
+                stream=s,
+                sent=stats[s].records_sent if s in stats else 0,
+                acked=stats[s].records_acked if s in stats else 0,
+                written=pipeline.rows_written[s] if pipeline else 0,
+                dead_letters=pipeline.dead_letters[s] if pipeline else 0,
+                acked_per_second=self.acked_under_load.get(s, 0) / elapsed,
+                acked_after_load=(stats[s].records_acked if s in stats else 0)
+                - self.acked_under_load.get(s, 0),
+            )
+            for s in STREAMS
+        ]
+
+    def _dashboard(
+        self,
+        title: str,
+        rates: dict[str, float] | None,
+        *,
+        gw: dict[str, StreamStatistics] | None = None,
+        catching_up: bool = False,
+    ) -> Table:
+        gw = gw if gw is not None else self.gateway_stats()
+        acked = self.acked()
+        producer = self.producer.statistics().streams if self.producer is not None else {}
+        states = self.query_states()
+        max_frame = demo_gateway_config(self.data_dir).max_message_size
+        table = Table(title=title)
+        columns = ["stream", "acked"]
+        columns += ["to flush", "to write"] if catching_up else ["rec/s", "log"]
+        columns += ["batches", "written", "bad", "state"]
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("stream", "state") else "right")
+        notes: list[str] = []
+        full = False
+        for s in STREAMS:
+            g = gw.get(s)
+            why = states.get(s)
+            if why is not None:
+                state = "[red]dead[/]"
+                notes.append(f"{s}: its Spark query stopped: {why}")
+            elif g is not None and g.storage_problem:
+                state = "[red]held[/]"
+                notes.append(f"{s}: the gateway cannot store it: {g.storage_problem}")
+            elif g is not None and g.free_capacity - g.reserve < max_frame:
+                state = "[yellow]log full[/]"
+                full = True
+            else:
+                state = "flowing"
+            row = [s, f"{acked[s]:,}"]
+            if catching_up:
+                p = producer.get(s)
+                to_flush = 0 if p is None else p.buffered_bytes
+                to_write = 0 if g is None else max(0, g.tail_position - g.release_position)
+                row += [_kib(to_flush), _kib(to_write)]
+            else:
+                fill = "-" if g is None else f"{100 * (1 - g.free_capacity / g.capacity):.0f}%"
+                row += [f"{(rates or {}).get(s, 0.0):,.0f}", fill]
+            row += [
+                str(self.pipeline.batches[s]),
+                f"{self.pipeline.rows_written[s]:,}",
+                f"{self.pipeline.dead_letters[s]:,}",
+                state,
+            ]
+            table.add_row(*row)
+        legend = (
+            "to flush: in the producer, not yet acknowledged; to write: in the log, "
+            "not yet written by Spark"
+            if catching_up
+            else "log: how full the stream's log is; bad: records that did not parse (dead letters)"
         )
-        for s in STREAMS
-    ]
-    _print_summary(console, summaries, data_dir, spark)
-    spark.stop()
-    return summaries
+        if full:
+            notes.insert(
+                0,
+                "log full: no room left (the rest is kept for term rotation); "
+                "its producer waits until Spark writes and releases",
+            )
+        table.caption = "\n".join([legend, *notes])
+        return table
 
 
-def _gateway_stats(thread: BackgroundLoop, gateway: Gateway) -> list[StreamStatistics]:
-    async def snapshot() -> list[StreamStatistics]:
-        return gateway.statistics()
+def _kib(n: int) -> str:
+    return f"{n / 1024:,.0f} KiB"
 
-    result: list[StreamStatistics] = thread.run(snapshot(), 5)
+
+def run_demo(
+    data_dir: Path, seconds: float, console: Console, *, spark: Any | None = None
+) -> DemoResult:
+    """Run everything for ``seconds`` of load, then drain, stop and summarise.
+
+    Never raises for what goes wrong in the demo itself: the result says how
+    it ended, and the summary (of what was done so far) is printed in every
+    case. ``spark``: a session to use (and leave running); else one is made
+    and stopped at the end.
+    """
+    data_dir = data_dir.resolve()
+    console.print(f"[bold]headgate run[/]: data in {data_dir}")
+    demo = _Demo(data_dir, console, spark)
+    own_spark = spark is None
+    interrupted = False
+    failure: str | None = None
+    try:
+        demo.start_gateway()
+        demo.start_spark()
+        demo.run_load(seconds)
+        demo.catch_up()
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("interrupted: stopping ...")
+    except DemoFailed as exc:
+        failure = str(exc)
+    finally:
+        demo.teardown()
+    result = DemoResult(demo.summaries(), demo.completed, interrupted, failure)
+    try:
+        _print_summary(console, result, data_dir, demo.spark if demo.completed else None)
+    finally:
+        if own_spark and demo.spark is not None:
+            with contextlib.suppress(Exception):
+                demo.spark.stop()
     return result
 
 
-def _dashboard(
-    stats: Any,
-    gw_stats: dict[str, StreamStatistics],
-    pipeline: Any,
-    previous: dict[str, int],
-    interval: float,
-) -> Table:
-    table = Table(title="headgate: per-stream flow (Ctrl-C stops early)")
-    for column in (
-        "stream",
-        "acked",
-        "ingest rec/s",
-        "log fill",
-        "guarantees",
-        "spark batches",
-        "rows written",
-        "dead letters",
-    ):
-        table.add_column(column, justify="right" if column != "stream" else "left")
-    for s in STREAMS:
-        st = stats.get(s)
-        acked = st.records_acked if st else 0
-        rate = (acked - previous.get(s, 0)) / max(interval, 1e-6)
-        g = gw_stats.get(s)
-        fill = f"{100 * (1 - g.free_capacity / g.capacity):.0f}%" if g else "-"
-        table.add_row(
-            s,
-            f"{acked:,}",
-            f"{rate:,.0f}",
-            fill,
-            f"{g.guarantees_outstanding:,}" if g else "-",
-            str(pipeline.batches[s]),
-            f"{pipeline.rows_written[s]:,}",
-            str(pipeline.dead_letters[s]),
-        )
-    return table
-
-
-def _print_summary(
-    console: Console, summaries: list[StreamSummary], data_dir: Path, spark: Any
-) -> None:
-    table = Table(title="summary")
+def _print_summary(console: Console, result: DemoResult, data_dir: Path, spark: Any | None) -> None:
+    """The counts per stream; once complete, also a query over the Parquet output."""
+    summaries = result.summaries
+    title = "summary" if result.completed else "summary so far (the run did not finish)"
+    table = Table(title=title)
     for column in ("stream", "sent", "acked", "written", "dead letters", "rec/s under load"):
         table.add_column(column, justify="right" if column != "stream" else "left")
     for s in summaries:
@@ -306,6 +587,11 @@ def _print_summary(
             f"{s.acked_per_second:,.0f}",
         )
     console.print(table)
+    if not result.completed:
+        console.print(
+            "Acknowledged records not yet written stay in the logs; the next run writes them first."
+        )
+        return
     fastest = max(s.acked_per_second for s in summaries if s.stream != "audit")
     audit = next(s for s in summaries if s.stream == "audit")
     console.print(
@@ -313,7 +599,15 @@ def _print_summary(
         f"{audit.acked_per_second / max(fastest, 1):.2f}x the fastest stream: "
         "credit throttled only that stream."
     )
+    after = sum(s.acked_after_load for s in summaries)
+    console.print(
+        f"After the load stopped, the producer flushed the {after:,} records it still "
+        "held (at most 512 KiB per stream: max_buffered_bytes)."
+    )
     console.print(f"Parquet output: {data_dir / 'parquet'} (dead letters under _dead_letters/)")
+    console.print(f"Query it: .venv/bin/headgate query --data-dir {data_dir} \"SELECT ...\"")
+    if spark is None:
+        return
     query = (
         "SELECT symbol, count(*) AS ticks, round(avg(price), 2) AS avg_price "
         "FROM ticks GROUP BY symbol ORDER BY symbol"
@@ -321,9 +615,9 @@ def _print_summary(
     spark.read.parquet(str(data_dir / "parquet" / "ticks")).createOrReplaceTempView("ticks")
     console.print(f"query: {query}")
     rows = spark.sql(query).collect()
-    result = Table()
+    result_table = Table()
     for column in ("symbol", "ticks", "avg_price"):
-        result.add_column(column)
+        result_table.add_column(column)
     for row in rows:
-        result.add_row(str(row["symbol"]), f"{row['ticks']:,}", str(row["avg_price"]))
-    console.print(result)
+        result_table.add_row(str(row["symbol"]), f"{row['ticks']:,}", str(row["avg_price"]))
+    console.print(result_table)

@@ -325,6 +325,9 @@ class StreamStatistics:
     storage_problem: str | None = None
     #: Batches received while held, waiting to be stored.
     held_batches: int = 0
+    #: Free capacity kept back for term rotations: the log is full for
+    #: writers once ``free_capacity`` is down to about this.
+    reserve: int = 0
 
 
 class Stream:
@@ -941,6 +944,7 @@ class Stream:
             duplicate_batches=self.duplicate_batches,
             storage_problem=None if self.storage_error is None else str(self.storage_error),
             held_batches=len(self._held),
+            reserve=self.reserve,
         )
 
     def close(self) -> None:

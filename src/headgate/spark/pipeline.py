@@ -42,6 +42,7 @@ the key.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -50,7 +51,7 @@ import shutil
 import sys
 import threading
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -477,6 +478,33 @@ def error_text(exc: BaseException) -> str:
     return first.split(" SQLSTATE:")[0]
 
 
+class BatchError(Exception):
+    """A micro-batch's JVM call failed; the message is the Java error's first line."""
+
+
+@contextlib.contextmanager
+def _short_jvm_errors() -> Iterator[None]:
+    """Re-raise a JVM error inside ``foreachBatch`` with its first lines only.
+
+    Spark decides whether a failed Python batch was interrupted by its own
+    ``stop()`` by matching the error's text against a regular expression
+    (``StreamExecution.isInterruptionException``) that recurses once per
+    character: on a Java stack trace of a few hundred lines it throws
+    StackOverflowError in the stream thread, which prints its own trace. The
+    short message keeps what the expression looks for (the Py4J line and the
+    Java exception) and what a person needs.
+    """
+    from py4j.protocol import Py4JJavaError  # type: ignore[import-untyped]
+
+    try:
+        yield
+    except Py4JJavaError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()][:2]
+        called = lines[0].rstrip(".") if lines else "An error occurred while calling the JVM"
+        java = lines[1].lstrip(": ") if len(lines) > 1 else type(exc).__name__
+        raise BatchError(f"py4j.protocol.Py4JJavaError: {called}: {java}") from None
+
+
 def _quiet_spark_errors() -> Callable[[], None]:
     """Silence the loggers with which PySpark prints each analysis error and its JVM trace.
 
@@ -668,6 +696,10 @@ class Pipeline:
 
         plans = check_pipeline(self.spark, self.config)
         pipeline = self
+        # Py4J logs every error raised in a foreachBatch callback with its
+        # whole traceback; the same error ends the query, whose exception
+        # says it in one line (error_text), so the log is only noise.
+        logging.getLogger("py4j.clientserver").setLevel(logging.CRITICAL)
 
         class _Progress(StreamingQueryListener):
             def onQueryStarted(self, event: Any) -> None:
@@ -726,6 +758,10 @@ class Pipeline:
         pipeline = self
 
         def write_batch(batch: Any, batch_id: int) -> None:
+            with _short_jvm_errors():
+                write(batch, batch_id)
+
+        def write(batch: Any, batch_id: int) -> None:
             good, bad = _parse(plan, batch)
             good = _transform(plan, good).persist()
             rows = good.count()
