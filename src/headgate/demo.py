@@ -605,7 +605,7 @@ def _print_summary(console: Console, result: DemoResult, data_dir: Path, spark: 
         "held (at most 512 KiB per stream: max_buffered_bytes)."
     )
     console.print(f"Parquet output: {data_dir / 'parquet'} (dead letters under _dead_letters/)")
-    console.print(f"Query it: .venv/bin/headgate query --data-dir {data_dir} \"SELECT ...\"")
+    console.print(f'Query it: .venv/bin/headgate query --data-dir {data_dir} "SELECT ..."')
     if spark is None:
         return
     query = (
