@@ -173,6 +173,14 @@ def test_options_are_checked_when_the_source_is_created(data_dir: Path) -> None:
     refused(options(data_dir, startingOffsets="newest"), "startingOffsets")
     refused(options(data_dir, startingOffsets='{"a": -1}'), "startingOffsets")
     refused(options(data_dir, endingOffsets="earliest"), "endingOffsets")
+    # Kafka's options, or a misspelt one, are refused rather than ignored,
+    # and the message lists what the source does take.
+    refused(options(data_dir, maxOffsetsPerTrigger="10"), "unknown option 'maxOffsetsPerTrigger'")
+    refused(options(data_dir, failOnDataLoss="false"), "takes .*startingOffsets")
+    refused(
+        options(data_dir, includeHeaders="true", stream="a"),
+        "unknown options 'includeHeaders', 'stream'",
+    )
     refused(options(data_dir, maxRecordsPerTrigger="0"), "must be positive")
     refused(options(data_dir, maxBytesPerTrigger="lots"), "must be an integer")
 

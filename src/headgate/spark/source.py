@@ -57,6 +57,10 @@ Options:
     another name than the host of ``gateway``. The files must exist on the
     driver and the executors.
 
+Any other option is refused with an error that lists these (Kafka's
+``maxOffsetsPerTrigger`` or ``failOnDataLoss`` would otherwise be ignored
+without a word).
+
 Offsets are JSON objects from stream name to log position, keys sorted.
 """
 
@@ -172,6 +176,13 @@ class SourceOptions:
     def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
         """Check Spark's (case-insensitive) options; ``ValueError`` names the bad one."""
         options = {str(k).lower(): str(v) for k, v in raw.items()}
+        unknown = sorted(str(k) for k in raw if str(k).lower() not in _KNOWN_OPTIONS)
+        if unknown:
+            raise ValueError(
+                f"headgate: unknown option{'s' if len(unknown) > 1 else ''} "
+                f"{', '.join(map(repr, unknown))}; the source takes "
+                f"{', '.join(sorted(_KNOWN_OPTIONS.values(), key=str.lower))}"
+            )
         data_dir, gateway = options.get("path"), options.get("gateway")
         if (data_dir is None) == (gateway is None):
             raise ValueError(
@@ -232,6 +243,23 @@ _SECURITY_OPTIONS = {
     "tlskeyfile": "tlsKeyFile",
     "tlsservername": "tlsServerName",
 }
+
+#: Every option the source takes (lower case -> its spelling); any other is
+#: refused, so that a misspelt or a Kafka-only option is not silently ignored.
+_KNOWN_OPTIONS = {
+    name.lower(): name
+    for name in (
+        "path",
+        "gateway",
+        "streams",
+        "streamPattern",
+        "startingOffsets",
+        "endingOffsets",
+        "maxRecordsPerTrigger",
+        "maxBytesPerTrigger",
+        "bytesPerPartition",
+    )
+} | _SECURITY_OPTIONS
 
 
 def security_options(security: ClientSecurity) -> dict[str, str]:
