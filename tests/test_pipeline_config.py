@@ -10,7 +10,7 @@ from click.testing import CliRunner
 import headgate.spark.command
 from headgate.cli import main
 from headgate.config import ConfigError
-from headgate.spark.pipeline import load_pipeline_config
+from headgate.spark.pipeline import PipelineConfig, load_pipeline_config
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipeline.toml"
 
@@ -131,3 +131,41 @@ def test_spark_errors_are_cut_to_the_line_that_says_what_went_wrong() -> None:
     parse = Exception("\n[PARSE_SYNTAX_ERROR] Syntax error at or near 'b'. SQLSTATE: 42601")
     assert error_text(parse) == "[PARSE_SYNTAX_ERROR] Syntax error at or near 'b'."
     assert error_text(Exception("")) == "Exception"
+
+
+def test_a_checkpoint_is_refused_for_another_definition_of_its_query(tmp_path: Path) -> None:
+    from headgate.spark.pipeline import (
+        DEFINITION_FILE,
+        check_definitions,
+        pipeline_config_from_dict,
+    )
+
+    def config(**audit: object) -> PipelineConfig:
+        stream = {"format": "json", "schema": "user STRING, action STRING", **audit}
+        return pipeline_config_from_dict(
+            {"data_dir": str(tmp_path), "streams": {"audit": stream}}, where="p.toml"
+        )
+
+    first = config(max_records_per_trigger=10)
+    check_definitions(first)
+    record = first.checkpoint("audit") / DEFINITION_FILE
+    assert record.exists()
+    # The same definition resumes; so do new read limits and a new trigger.
+    check_definitions(config(max_records_per_trigger=99, trigger_seconds=5.0))
+    # Another format or schema would write rows of another shape into the dataset.
+    with pytest.raises(ConfigError) as refused:
+        check_definitions(config(format="csv", schema="user STRING"))
+    text = str(refused.value)
+    assert text.startswith("p.toml: stream 'audit'")
+    assert "format, schema changed" in text
+    assert f"delete {first.checkpoint('audit')} and {first.output('audit')}" in text
+    with pytest.raises(ConfigError, match="transform changed"):
+        check_definitions(config(transform="SELECT user FROM audit"))
+    with pytest.raises(ConfigError, match="output changed"):
+        check_definitions(config(output=str(tmp_path / "elsewhere")))
+    # Refusing changed nothing: the original definition still resumes.
+    check_definitions(first)
+    # A record that is not JSON is named, not a traceback.
+    record.write_text("{not json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        check_definitions(first)

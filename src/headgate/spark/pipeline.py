@@ -202,6 +202,70 @@ class PipelineConfig:
         return self.output_dir / "_dead_letters" / stream
 
 
+#: The file in each stream's checkpoint that records what the query was made for.
+DEFINITION_FILE = "headgate-definition.json"
+
+
+def query_definition(config: PipelineConfig, stream: str) -> dict[str, Any]:
+    """What a checkpoint is only valid for: how records are read, shaped and where they go.
+
+    Read limits and the trigger interval are not part of it: Spark resumes a
+    checkpoint under new ones.
+    """
+    spec = config.stream(stream)
+    return {
+        "stream": spec.name,
+        "format": spec.format,
+        "schema": spec.schema,
+        "options": [list(pair) for pair in spec.options],
+        "transform": spec.transform,
+        "partition_by": list(spec.partition_by),
+        "output": str(config.output(stream).resolve()),
+        "dead_letters": str(config.dead_letters(stream).resolve()),
+    }
+
+
+def check_definitions(config: PipelineConfig) -> None:
+    """Refuse a checkpoint made for another definition of its query; record new ones.
+
+    Resuming a checkpoint under a new format, schema or transform would write
+    rows of two shapes into one dataset (or into another one), which a reader
+    then miscounts without a word.
+
+    Raises:
+        ConfigError: a stream's checkpoint belongs to another definition; the
+            message names what changed and how to start over.
+    """
+    for spec in config.streams:
+        checkpoint = config.checkpoint(spec.name)
+        record = checkpoint / DEFINITION_FILE
+        wanted = query_definition(config, spec.name)
+        if record.exists():
+            try:
+                stored = json.loads(record.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(
+                    f"{config.origin}: stream {spec.name!r}: cannot read {record}: {exc}"
+                ) from None
+            if not isinstance(stored, dict):
+                stored = {}
+            changed = [key for key in wanted if stored.get(key) != wanted[key]]
+            if changed:
+                raise ConfigError(
+                    f"{config.origin}: stream {spec.name!r}: its checkpoint {checkpoint} "
+                    f"was made for another definition ({', '.join(changed)} changed). "
+                    f"To start over, delete {checkpoint} and {config.output(spec.name)}, "
+                    "or give the stream a new checkpoint and output directory"
+                )
+            continue
+        # A new checkpoint, or one from before definitions were recorded
+        # (adopted as it is): record what it is for.
+        checkpoint.mkdir(parents=True, exist_ok=True)
+        partial = record.with_suffix(".tmp")
+        partial.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
+        os.replace(partial, record)
+
+
 def load_pipeline_config(path: Path) -> PipelineConfig:
     """Read a pipeline TOML file; every mistake is a ConfigError naming it."""
     try:
@@ -690,11 +754,13 @@ class Pipeline:
         ``available_now``: read what is there, then stop.
 
         Raises:
-            ConfigError: a stream's schema, transform or partitioning is wrong.
+            ConfigError: a stream's schema, transform or partitioning is wrong,
+                or its checkpoint was made for another definition.
         """
         from pyspark.sql.streaming.listener import StreamingQueryListener
 
         plans = check_pipeline(self.spark, self.config)
+        check_definitions(self.config)
         pipeline = self
         # Py4J logs every error raised in a foreachBatch callback with its
         # whole traceback; the same error ends the query, whose exception
