@@ -196,3 +196,73 @@ def test_send_resumes_a_producer_id_only_with_its_secret(
     assert [v for _, _, vs in stored for v in vs] == [b"a", b"b", b"a", b"b"]
     assert {p for p, _, _ in stored} == {77}
     assert [first for _, first, _ in stored] == [0, 2]
+
+
+def serve_on(data: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_second_serve_on_the_same_data_directory_exits_at_once_naming_the_first(
+    served: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    # Issue 14: a second gateway once started on the same directory and
+    # refused each send with STORAGE_UNAVAILABLE.
+    _, data, first = served
+    second = subprocess.run(
+        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert second.stdout == ""
+    assert second.stderr.splitlines() == [
+        f"headgate serve: the data directory {data} is in use by another gateway "
+        f"(pid {first.pid}); stop it or choose another --data-dir"
+    ]
+    os.kill(first.pid, signal.SIGTERM)
+    _, err = first.communicate(timeout=30)
+    assert first.returncode == 0, err
+    after = serve_on(data)
+    try:
+        assert after.stdout is not None
+        assert after.stdout.readline().startswith("listening on ")
+    finally:
+        after.kill()
+        after.wait(10)
+
+
+def test_a_gateway_killed_with_sigkill_leaves_no_lock_behind(
+    served: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    _, data, first = served
+    assert (data / "gateway.lock").read_text().strip() == str(first.pid)
+    first.kill()  # SIGKILL: no handler runs, the kernel drops the lock
+    first.wait(10)
+    after = serve_on(data)
+    try:
+        assert after.stdout is not None
+        line = after.stdout.readline()
+        assert line.startswith("listening on "), after.stderr.read() if after.stderr else line
+        assert (data / "gateway.lock").read_text().strip() == str(after.pid)
+    finally:
+        after.kill()
+        after.wait(10)
+
+
+def test_the_directory_lock_refuses_a_second_holder_in_the_same_process(tmp_path: Path) -> None:
+    from headgate.log.lock import DirectoryInUse, DirectoryLock
+
+    lock = DirectoryLock.acquire(tmp_path / "d", "gateway.lock")
+    with pytest.raises(DirectoryInUse) as refused:
+        DirectoryLock.acquire(tmp_path / "d", "gateway.lock")
+    assert refused.value.pid == os.getpid()
+    assert refused.value.directory == tmp_path / "d"
+    lock.release()
+    lock.release()  # a second release does nothing
+    DirectoryLock.acquire(tmp_path / "d", "gateway.lock").release()

@@ -27,6 +27,7 @@ from headgate.protocol.messages import MAX_SECRET_BYTES, is_valid_name
 
 if TYPE_CHECKING:
     from headgate.client.security import ClientSecurity
+    from headgate.log.lock import DirectoryInUse
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -245,10 +246,20 @@ def _reload(gateway: object, load: Callable[[], object]) -> None:
     click.echo("configuration reloaded", err=True)
 
 
+def _in_use(exc: DirectoryInUse) -> str:
+    """The one line that says a data directory has its gateway already, and what to do."""
+    holder = "another gateway" if exc.pid is None else f"another gateway (pid {exc.pid})"
+    return (
+        f"the data directory {exc.directory} is in use by {holder}; "
+        "stop it or choose another --data-dir"
+    )
+
+
 async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     from headgate.config import GatewayConfig
     from headgate.gateway import Gateway
     from headgate.log import LogError
+    from headgate.log.lock import DirectoryInUse
 
     assert isinstance(cfg, GatewayConfig)
     try:
@@ -258,6 +269,9 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
         sys.exit(2)
     try:
         await gateway.start()
+    except DirectoryInUse as exc:
+        click.echo(f"headgate serve: {_in_use(exc)}", err=True)
+        sys.exit(1)
     except (LogError, OSError) as exc:
         click.echo(f"headgate serve: cannot start: {exc}", err=True)
         sys.exit(1)
@@ -588,10 +602,15 @@ def run(data_dir: Path, seconds: float) -> None:
     from rich.console import Console
 
     from headgate.demo import run_demo
+    from headgate.log.lock import DirectoryInUse
 
     if seconds <= 0:
         raise click.UsageError("--seconds must be positive")
-    summaries = run_demo(data_dir, seconds, Console())
+    try:
+        summaries = run_demo(data_dir, seconds, Console())
+    except DirectoryInUse as exc:
+        click.echo(f"headgate run: {_in_use(exc)}", err=True)
+        sys.exit(1)
     lost = [s.stream for s in summaries if s.acked != s.written + s.dead_letters]
     if lost:
         click.echo(f"records acknowledged but not written: {', '.join(lost)}", err=True)
