@@ -266,3 +266,28 @@ def test_the_directory_lock_refuses_a_second_holder_in_the_same_process(tmp_path
     lock.release()
     lock.release()  # a second release does nothing
     DirectoryLock.acquire(tmp_path / "d", "gateway.lock").release()
+
+
+def test_version_is_the_installed_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import importlib.metadata
+
+    import headgate
+
+    assert headgate.__version__ == importlib.metadata.version("headgate")
+    for flag in ("--version", "-V"):
+        result = CliRunner().invoke(main, [flag])
+        assert result.exit_code == 0
+        assert result.output == f"headgate {headgate.__version__}\n"
+
+    def absent(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    # A source tree that was never installed still has a version to show.
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    try:
+        assert importlib.reload(headgate).__version__ == "0+unknown"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(headgate)
+    assert headgate.__version__ == importlib.metadata.version("headgate")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from headgate import __version__
 from headgate.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -103,6 +104,9 @@ def _size(value: str | None, what: str) -> int | None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(
+    __version__, "-V", "--version", prog_name="headgate", message="%(prog)s %(version)s"
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def main(verbose: int) -> None:
     """headgate: flow-controlled ingestion into Spark.
