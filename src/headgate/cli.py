@@ -423,7 +423,7 @@ def tail(
     {"missed_batches": N} lines with --format json).
     """
     from headgate.client.reader import ReaderError
-    from headgate.tail import TailOptions, parse_start, run_tail
+    from headgate.tail import TailOptions, explain, parse_start, run_tail
 
     if not is_valid_name(stream):
         raise click.UsageError(f"{stream!r} is not a stream name")
@@ -437,7 +437,7 @@ def tail(
     try:
         asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
-        click.echo(f"headgate tail: {exc}", err=True)
+        click.echo(f"headgate tail: {explain(exc, tail_options)}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         pass
