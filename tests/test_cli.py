@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,8 +55,14 @@ def test_send_stores_every_valid_line_and_serve_stops_cleanly_on_sigterm(
         timeout=60,
     )
     assert result.returncode == 2, result.stderr  # some lines were not JSON
-    assert "499 records" in result.stdout
-    assert "1 lines were not valid JSON" in result.stderr
+    # Issue 14: the summary came after a blank line, and the bad lines were
+    # only counted.
+    assert result.stdout.startswith("499 records ("), result.stdout
+    assert result.stdout.count("\n") == 1
+    assert (
+        "headgate send: 1 line was not valid JSON and not sent: line 8 "
+        "(line 8: column 2: Expecting property name enclosed in double quotes)\n"
+    ) in result.stderr
     reader = LogReader.open(data / "streams" / "events")
     values: list[bytes] = []
     for frame in reader.read(reader.start_position()):
@@ -291,3 +298,65 @@ def test_version_is_the_installed_distributions(monkeypatch: pytest.MonkeyPatch)
         monkeypatch.undo()
         importlib.reload(headgate)
     assert headgate.__version__ == importlib.metadata.version("headgate")
+
+
+def test_ctrl_c_reports_what_was_acknowledged_and_how_to_resume(
+    served: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    address, data, _ = served
+    sender = subprocess.Popen(
+        [*HEADGATE, "send", "events", "-", "--gateway", address, "--format", "jsonl"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert sender.stdin is not None
+        sender.stdin.write(b'{"n": 1}\nnot json\n{"n": 2}\n{"n": 3}\n')
+        sender.stdin.flush()  # and left open: the read waits for more
+        deadline = time.monotonic() + 30
+        stored: list[bytes] = []
+        while len(stored) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            if (data / "streams" / "events").exists():
+                reader = LogReader.open(data / "streams" / "events")
+                stored = [
+                    v
+                    for f in reader.read(reader.start_position())
+                    for v in decode_records(f.payload).to_lists()[0]
+                ]
+                reader.close()
+        assert len(stored) == 3
+        time.sleep(0.5)  # the acknowledgement reaches the sender
+        sender.send_signal(signal.SIGINT)
+        out, err = sender.communicate(timeout=30)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+    lines = err.decode().splitlines()
+    assert sender.returncode == 130, lines
+    assert out == b""
+    assert lines[0] == (
+        "headgate send: interrupted: 3 of 3 records acknowledged durable on events "
+        "(input lines 1 to 4 are stored; go on from line 5)"
+    )
+    assert lines[1].startswith("headgate send: 1 line was not valid JSON and not sent: line 2 ")
+    assert lines[2].startswith("to resume this producer: --producer-id ")
+    assert "--producer-secret " in lines[2]
+    assert len(lines) == 3
+
+
+def test_the_line_of_a_record_skips_the_bad_lines() -> None:
+    from headgate.send import SendReport
+
+    report = SendReport("s")
+    report.bad_lines.extend([1, 2, 5, 9])
+    # Lines 3, 4, 6, 7, 8, 10 hold records 1 to 6.
+    assert [report.line_of_record(k) for k in range(1, 7)] == [3, 4, 6, 7, 8, 10]
+    report.bad_lines.extend(range(10, 30))
+    report.first_bad_reason = "why"
+    assert report.bad_lines_message() == (
+        "24 lines were not valid JSON and not sent: lines 1, 2, 5, 9, 10, 11, 12, 13, 14, 15 "
+        "and 14 more (line 1: why)"
+    )

@@ -349,6 +349,7 @@ def send(
     sends and reports the records and bytes the gateway acknowledged durable.
     """
     from headgate.client import GatewayAddress, ProducerError
+    from headgate.send import SendOptions, run_send
 
     try:
         GatewayAddress.parse(gateway, what="--gateway")
@@ -370,19 +371,35 @@ def send(
         if not 1 <= len(secret) <= MAX_SECRET_BYTES:
             raise click.UsageError(f"--producer-secret must be 1 to {MAX_SECRET_BYTES} bytes")
     security = _security(options)
+    send_options = SendOptions(
+        gateway, stream, fmt, policy, producer_id, secret, timeout, security=security
+    )
     try:
-        sent, acked, nbytes, bad = asyncio.run(
-            _send(stream, source, gateway, fmt, policy, (producer_id, secret), timeout, security)
-        )
+        report = asyncio.run(run_send(send_options, source))
     except ProducerError as exc:
         click.echo(f"headgate send: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"{acked:,} records ({nbytes:,} bytes) acknowledged durable on {stream}")
-    if acked != sent:
-        click.echo(f"only {acked:,} of {sent:,} records were acknowledged", err=True)
+    if report.interrupted:
+        click.echo(f"headgate send: {report.interrupted_message()}", err=True)
+    else:
+        click.echo(
+            f"{report.acked:,} records ({report.bytes_acked:,} bytes) "
+            f"acknowledged durable on {stream}"
+        )
+    if bad_lines := report.bad_lines_message():
+        click.echo(f"headgate send: {bad_lines}", err=True)
+    if report.producer_secret is not None or report.interrupted:
+        # Without tokens the id is its secret's: what resuming it takes.
+        click.echo(report.resume_hint(), err=True)
+    if report.interrupted:
+        sys.exit(130)
+    if report.acked != report.sent:
+        click.echo(
+            f"headgate send: only {report.acked:,} of {report.sent:,} records were acknowledged",
+            err=True,
+        )
         sys.exit(1)
-    if bad:
-        click.echo(f"{bad:,} lines were not valid JSON and were not sent", err=True)
+    if report.bad_lines:
         sys.exit(2)
 
 
@@ -445,65 +462,6 @@ def tail(
         # The reader of our output went away (| head): stop quietly, and keep
         # Python from failing again when it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-async def _send(
-    stream: str,
-    source: Any,
-    gateway: str,
-    fmt: str,
-    policy: str,
-    identity: tuple[int | None, bytes | None],
-    timeout: float,
-    security: ClientSecurity,
-) -> tuple[int, int, int, int]:
-    import json
-
-    from rich.progress import Progress
-
-    from headgate.client import Producer
-
-    sent = bad = 0
-    async with Producer(
-        gateway,
-        policy="optimistic"
-        if policy == "optimistic"
-        else "window"
-        if policy == "window"
-        else "wait",
-        producer_id=identity[0],
-        producer_secret=identity[1],
-        client_name="headgate-send",
-        reconnect_timeout=timeout,
-        security=security,
-    ) as producer:
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"sending to {stream}", total=None)
-            for line in source:
-                value = line.rstrip(b"\r\n")
-                if fmt == "jsonl":
-                    try:
-                        json.loads(value)
-                    except ValueError:
-                        bad += 1
-                        continue
-                await producer.send(stream, value)
-                sent += 1
-                if sent % 10_000 == 0:
-                    progress.update(task, completed=sent)
-            progress.update(task, description="waiting for durable acks")
-            await producer.flush()
-        stats = producer.statistics().streams.get(stream)
-        acked = stats.records_acked if stats is not None else 0
-        nbytes = stats.bytes_acked if stats is not None else 0
-        if producer.producer_secret is not None:
-            # Without tokens the id is this secret's: what resuming it takes.
-            click.echo(
-                f"to resume this producer: --producer-id {producer.producer_id} "
-                f"--producer-secret {producer.producer_secret.hex()}",
-                err=True,
-            )
-    return sent, acked, nbytes, bad
 
 
 @main.command()
