@@ -637,21 +637,21 @@ def pipeline_command(config: Path, available_now: bool) -> None:
 )
 def query(sql: str, data_dir: Path) -> None:
     """Run SQL over the Parquet output; each stream is a table of its name."""
+    from headgate.spark.query import QueryError, parquet_tables, run_query
+
+    try:
+        parquet_tables(data_dir)  # before Spark starts: a wrong --data-dir is said at once
+    except QueryError as exc:
+        click.echo(f"headgate query: {exc}", err=True)
+        sys.exit(2)
     from headgate.spark.pipeline import spark_session
 
-    root = data_dir / "parquet"
-    tables = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
-    if not tables:
-        raise click.UsageError(f"no Parquet datasets under {root}; run the pipeline first")
     spark = spark_session("headgate-query")
     try:
-        for table in tables:
-            spark.read.parquet(str(table)).createOrReplaceTempView(table.name)
-        try:
-            frame = spark.sql(sql)
-        except Exception as exc:  # Spark's analysis errors: show them plainly
-            raise click.UsageError(f"query failed: {str(exc).splitlines()[0]}") from None
-        frame.show(50, truncate=False)
+        run_query(spark, sql, data_dir)
+    except QueryError as exc:
+        click.echo(f"headgate query: {exc}", err=True)
+        sys.exit(2)
     finally:
         spark.stop()
 
