@@ -83,6 +83,16 @@ def test_serve_refuses_a_bad_config_with_a_clear_message(tmp_path: Path) -> None
     assert result.exit_code == 2
     assert "power of two" in result.output
     assert "Traceback" not in result.output
+    # One line that names the file (issue 14), not a usage message.
+    assert result.output.startswith(f"headgate serve: {config}: term_length must be a power")
+    assert result.output.count("\n") == 1
+    config.write_text('[streams.ticks]\ncapacity = "8MiB"\n')
+    result = CliRunner().invoke(main, ["serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert result.output == (
+        f"headgate serve: {config}: streams.ticks.capacity (8MiB) must be at least two terms "
+        "of term_length 16MiB: raise it to at least 32MiB, or lower term_length to 4MiB or less\n"
+    )
 
 
 def test_send_refuses_a_bad_stream_name_and_an_absent_gateway(tmp_path: Path) -> None:

@@ -226,7 +226,9 @@ def serve(
     try:
         cfg = load()
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        # One line: the file (or flag), the key, and how to fix it.
+        click.echo(f"headgate serve: {exc}", err=True)
+        sys.exit(2)
     asyncio.run(_serve(cfg, load))
 
 
@@ -622,7 +624,8 @@ def pipeline_command(config: Path, available_now: bool) -> None:
     try:
         status = run_pipeline_file(config, available_now=available_now, echo=click.echo)
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        click.echo(f"headgate pipeline: {exc}", err=True)
+        sys.exit(2)
     sys.exit(status)
 
 
