@@ -508,18 +508,29 @@ def token(name: str, write: tuple[str, ...], read: tuple[str, ...], admin: bool)
 )
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
-def top(address: str, interval: float, once: bool) -> None:
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="json: one JSON object per snapshot, one per line (every metric; for scripts).",
+)
+def top(address: str, interval: float, once: bool, fmt: str) -> None:
     """Watch a running gateway: streams and connections, live.
 
-    Per stream: log fill, positions, guarantees, records/s, drops, fsync
-    latency. Per connection: debt against its threshold, and whether its
-    reads are paused. Read from the gateway's Prometheus endpoint, which
-    `headgate serve --metrics HOST:PORT` turns on.
+    Per stream: log fill, guarantees, writers, records/s, drops, fsync
+    latency (and positions, where the terminal is wide enough). Per
+    connection: debt against its threshold, and whether its reads are
+    paused. Read from the gateway's Prometheus endpoint, which `headgate
+    serve --metrics HOST:PORT` turns on.
     """
+    import json
+
     from rich.console import Console
     from rich.live import Live
 
-    from headgate.top import MetricsUnavailable, fetch, render
+    from headgate.top import MetricsUnavailable, as_json, fetch, render_to_fit
 
     if interval <= 0:
         raise click.UsageError("--interval must be positive")
@@ -528,16 +539,25 @@ def top(address: str, interval: float, once: bool) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     hint = "is the gateway running with --metrics {}:{}?".format(*where)
+    console = Console()
     try:
         previous = fetch(where)
-        if once:
-            Console().print(render(previous))
+        if fmt == "json":
+            click.echo(json.dumps(as_json(previous)))
+            while not once:
+                time.sleep(interval)
+                snap = fetch(where)
+                click.echo(json.dumps(as_json(snap, previous)))
+                previous = snap
             return
-        with Live(render(previous), auto_refresh=False) as live:
+        if once:
+            console.print(render_to_fit(console, previous))
+            return
+        with Live(render_to_fit(console, previous), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
                 snap = fetch(where)
-                live.update(render(snap, previous), refresh=True)
+                live.update(render_to_fit(console, snap, previous), refresh=True)
                 previous = snap
     except MetricsUnavailable as exc:
         click.echo(f"headgate top: {exc}; {hint}", err=True)
