@@ -349,7 +349,7 @@ def test_ctrl_c_reports_what_was_acknowledged_and_how_to_resume(
     assert out == b""
     assert lines[0] == (
         "headgate send: interrupted: 3 of 3 records acknowledged durable on events "
-        "(input lines 1 to 4 are stored; go on from line 5)"
+        "(input up to line 4 is done; go on from line 5)"
     )
     assert lines[1].startswith("headgate send: 1 line was not valid JSON and not sent: line 2 ")
     assert lines[2].startswith("to resume this producer: --producer-id ")
@@ -369,4 +369,20 @@ def test_the_line_of_a_record_skips_the_bad_lines() -> None:
     assert report.bad_lines_message() == (
         "24 lines were not valid JSON and not sent: lines 1, 2, 5, 9, 10, 11, 12, 13, 14, 15 "
         "and 14 more (line 1: why)"
+    )
+
+
+def test_an_interrupted_report_tells_stored_from_unknown() -> None:
+    from headgate.send import SendReport
+
+    report = SendReport("s", sent=10, transmitted=7, acked=4, interrupted=True)
+    report.bad_lines.append(2)
+    assert report.interrupted_message() == (
+        "interrupted: 4 of 10 records acknowledged durable on s (input up to line 5 is "
+        "done; go on from line 6); 3 more reached the gateway without an acknowledgement "
+        "(they may be stored)"
+    )
+    nothing = SendReport("s", sent=3, interrupted=True)
+    assert nothing.interrupted_message() == (
+        "interrupted: 0 of 3 records acknowledged durable on s (go on from line 1)"
     )

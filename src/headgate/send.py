@@ -68,6 +68,8 @@ class SendReport:
     stream: str
     #: Records handed to the producer.
     sent: int = 0
+    #: Records that went to the gateway at least once.
+    transmitted: int = 0
     #: Records (and their bytes) the gateway acknowledged durable.
     acked: int = 0
     bytes_acked: int = 0
@@ -119,17 +121,17 @@ class SendReport:
 
     def interrupted_message(self) -> str:
         """What an interrupted send stored, and where its input should go on from."""
-        if self.acked:
-            stored = (
-                f"input lines 1 to {self.line_of_record(self.acked):,} are stored; "
-                f"go on from line {self.line_of_record(self.acked) + 1:,}"
-            )
-        else:
-            stored = "nothing was stored"
-        unknown = self.sent - self.acked
+        done = self.line_of_record(self.acked) if self.acked else 0
+        stored = f"go on from line {done + 1:,}"
+        if done:
+            stored = f"input up to line {done:,} is done; {stored}"
+        # Those the gateway received and did not acknowledge yet may be stored
+        # or not; the others never left this process.
+        unknown = self.transmitted - self.acked
         pending = (
-            f"; {unknown:,} more were sent without an acknowledgement (they may be stored)"
-            if unknown
+            f"; {unknown:,} more reached the gateway without an acknowledgement "
+            "(they may be stored)"
+            if unknown > 0
             else ""
         )
         return (
@@ -299,5 +301,6 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
     stats = producer.statistics().streams.get(options.stream)
     if stats is not None:
         report.acked, report.bytes_acked = stats.records_acked, stats.bytes_acked
+        report.transmitted = stats.records_sent
     report.producer_secret = producer.producer_secret
     return report
