@@ -207,3 +207,14 @@ def test_other_limits_name_their_fixes(tmp_path: Path) -> None:
         "stream_capacity (3MiB) must be at least two terms of term_length 16MiB: "
         "raise it to at least 32MiB, or lower term_length to 1MiB or less"
     )
+
+
+def test_the_readme_names_every_config_key() -> None:
+    import dataclasses
+
+    from headgate.config import StreamSettings
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    keys = [f.name for f in dataclasses.fields(GatewayConfig) if f.name != "streams"]
+    keys += [f.name for f in dataclasses.fields(StreamSettings)]
+    assert [key for key in keys if f"`{key}`" not in readme] == []
