@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -386,3 +388,43 @@ def test_an_interrupted_report_tells_stored_from_unknown() -> None:
     assert nothing.interrupted_message() == (
         "interrupted: 0 of 3 records acknowledged durable on s (go on from line 1)"
     )
+
+
+def readme_shell_lines() -> list[str]:
+    """The command lines of README.md's ```sh blocks, continuations joined."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```sh\n(.*?)^```$", readme, re.MULTILINE | re.DOTALL)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+
+
+def test_every_shell_example_of_the_readme_parses_and_names_real_options() -> None:
+    import click
+
+    lines = readme_shell_lines()
+    syntax = subprocess.run(
+        ["bash", "-n"], input="\n".join(lines), capture_output=True, text=True, timeout=30
+    )
+    assert syntax.returncode == 0, syntax.stderr
+    checked = 0
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        while words and "=" in words[0]:  # VAR=value before the command
+            words.pop(0)
+        for cut in ("|", ">>", ">"):
+            words = words[: words.index(cut)] if cut in words else words
+        if not words or not words[0].endswith("headgate"):
+            continue
+        args = words[1:]
+        command: click.Command = main
+        if args and not args[0].startswith("-"):
+            sub = main.get_command(click.Context(main), args[0])
+            assert sub is not None, f"no command headgate {args[0]}: {line}"
+            command, args = sub, args[1:]
+        known = {name for param in command.params for name in param.opts + param.secondary_opts}
+        known |= {"-h", "--help"}
+        unknown = [
+            a.split("=")[0] for a in args if a.startswith("-") and a.split("=")[0] not in known
+        ]
+        assert unknown == [], f"headgate {command.name}: no option {unknown}: {line}"
+        checked += 1
+    assert checked >= 20, checked
