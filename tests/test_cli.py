@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -377,14 +378,14 @@ def test_the_line_of_a_record_skips_the_bad_lines() -> None:
 def test_an_interrupted_report_tells_stored_from_unknown() -> None:
     from headgate.send import SendReport
 
-    report = SendReport("s", sent=10, transmitted=7, acked=4, interrupted=True)
+    report = SendReport("s", sent=10, transmitted=7, acked=4, interrupted=True, connected=True)
     report.bad_lines.append(2)
     assert report.interrupted_message() == (
         "interrupted: 4 of 10 records acknowledged durable on s (input up to line 5 is "
         "done; go on from line 6); 3 more reached the gateway without an acknowledgement "
         "(they may be stored)"
     )
-    nothing = SendReport("s", sent=3, interrupted=True)
+    nothing = SendReport("s", sent=3, interrupted=True, connected=True)
     assert nothing.interrupted_message() == (
         "interrupted: 0 of 3 records acknowledged durable on s (go on from line 1)"
     )
@@ -428,3 +429,29 @@ def test_every_shell_example_of_the_readme_parses_and_names_real_options() -> No
         assert unknown == [], f"headgate {command.name}: no option {unknown}: {line}"
         checked += 1
     assert checked >= 20, checked
+
+
+def test_ctrl_c_while_the_gateway_does_not_answer_says_nothing_was_sent(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    sender = subprocess.Popen(
+        [*HEADGATE, "send", "s", "-", "--gateway", address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(2.0)  # retrying its connection
+        sender.send_signal(signal.SIGINT)
+        out, err = sender.communicate(timeout=30)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+    assert sender.returncode == 130
+    assert (out, err) == (
+        "",
+        f"headgate send: interrupted before gateway {address} answered; nothing was sent\n",
+    )

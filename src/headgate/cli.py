@@ -390,7 +390,7 @@ def send(
         )
     if bad_lines := report.bad_lines_message():
         click.echo(f"headgate send: {bad_lines}", err=True)
-    if report.producer_secret is not None or report.interrupted:
+    if report.producer_secret is not None or (report.interrupted and report.transmitted):
         # Without tokens the id is its secret's: what resuming it takes.
         click.echo(report.resume_hint(), err=True)
     if report.interrupted:

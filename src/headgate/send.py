@@ -66,6 +66,7 @@ class SendReport:
     """What a send did; the command turns it into its last lines of output."""
 
     stream: str
+    gateway: str = ""
     #: Records handed to the producer.
     sent: int = 0
     #: Records that went to the gateway at least once.
@@ -77,8 +78,9 @@ class SendReport:
     bad_lines: array[int] = field(default_factory=lambda: array("q"))
     #: Why the first bad line is not JSON.
     first_bad_reason: str = ""
-    #: Whether Ctrl-C cut the send short.
+    #: Whether Ctrl-C cut the send short, and whether the gateway had answered by then.
     interrupted: bool = False
+    connected: bool = False
     #: The producer's id, and the secret that proves it (None with a token).
     producer_id: int | None = None
     producer_secret: bytes | None = None
@@ -121,6 +123,8 @@ class SendReport:
 
     def interrupted_message(self) -> str:
         """What an interrupted send stored, and where its input should go on from."""
+        if not self.connected:
+            return f"interrupted before gateway {self.gateway} answered; nothing was sent"
         done = self.line_of_record(self.acked) if self.acked else 0
         stored = f"go on from line {done + 1:,}"
         if done:
@@ -280,6 +284,7 @@ async def _send_all(
     if not await ctrl_c.run(producer.connect()) or ctrl_c.pressed:
         report.interrupted = True
         return
+    report.connected = True
     with progress:
         fed = await ctrl_c.run(_feed(producer, source, options, report, progress))
         if fed and not ctrl_c.pressed:
@@ -299,7 +304,7 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
     Raises :class:`~headgate.client.ProducerError` when the gateway cannot
     be reached or refuses the stream.
     """
-    report = SendReport(options.stream)
+    report = SendReport(options.stream, options.gateway)
     console = Console(stderr=True)
     progress = Progress(
         TextColumn("{task.description}"),
