@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -54,8 +58,14 @@ def test_send_stores_every_valid_line_and_serve_stops_cleanly_on_sigterm(
         timeout=60,
     )
     assert result.returncode == 2, result.stderr  # some lines were not JSON
-    assert "499 records" in result.stdout
-    assert "1 lines were not valid JSON" in result.stderr
+    # Issue 14: the summary came after a blank line, and the bad lines were
+    # only counted.
+    assert result.stdout.startswith("499 records ("), result.stdout
+    assert result.stdout.count("\n") == 1
+    assert (
+        "headgate send: 1 line was not valid JSON and not sent: line 8 "
+        "(line 8: column 2: Expecting property name enclosed in double quotes)\n"
+    ) in result.stderr
     reader = LogReader.open(data / "streams" / "events")
     values: list[bytes] = []
     for frame in reader.read(reader.start_position()):
@@ -76,6 +86,16 @@ def test_serve_refuses_a_bad_config_with_a_clear_message(tmp_path: Path) -> None
     assert result.exit_code == 2
     assert "power of two" in result.output
     assert "Traceback" not in result.output
+    # One line that names the file (issue 14), not a usage message.
+    assert result.output.startswith(f"headgate serve: {config}: term_length must be a power")
+    assert result.output.count("\n") == 1
+    config.write_text('[streams.ticks]\ncapacity = "8MiB"\n')
+    result = CliRunner().invoke(main, ["serve", "--config", str(config)])
+    assert result.exit_code == 2
+    assert result.output == (
+        f"headgate serve: {config}: streams.ticks.capacity (8MiB) must be at least two terms "
+        "of term_length 16MiB: raise it to at least 32MiB, or lower term_length to 4MiB or less\n"
+    )
 
 
 def test_send_refuses_a_bad_stream_name_and_an_absent_gateway(tmp_path: Path) -> None:
@@ -196,3 +216,242 @@ def test_send_resumes_a_producer_id_only_with_its_secret(
     assert [v for _, _, vs in stored for v in vs] == [b"a", b"b", b"a", b"b"]
     assert {p for p, _, _ in stored} == {77}
     assert [first for _, first, _ in stored] == [0, 2]
+
+
+def serve_on(data: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_second_serve_on_the_same_data_directory_exits_at_once_naming_the_first(
+    served: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    # Issue 14: a second gateway once started on the same directory and
+    # refused each send with STORAGE_UNAVAILABLE.
+    _, data, first = served
+    second = subprocess.run(
+        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 1
+    assert second.stdout == ""
+    assert second.stderr.splitlines() == [
+        f"headgate serve: the data directory {data} is in use by another gateway "
+        f"(pid {first.pid}); stop it or choose another --data-dir"
+    ]
+    os.kill(first.pid, signal.SIGTERM)
+    _, err = first.communicate(timeout=30)
+    assert first.returncode == 0, err
+    after = serve_on(data)
+    try:
+        assert after.stdout is not None
+        assert after.stdout.readline().startswith("listening on ")
+    finally:
+        after.kill()
+        after.wait(10)
+
+
+def test_a_gateway_killed_with_sigkill_leaves_no_lock_behind(
+    served: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    _, data, first = served
+    assert (data / "gateway.lock").read_text().strip() == str(first.pid)
+    first.kill()  # SIGKILL: no handler runs, the kernel drops the lock
+    first.wait(10)
+    after = serve_on(data)
+    try:
+        assert after.stdout is not None
+        line = after.stdout.readline()
+        assert line.startswith("listening on "), after.stderr.read() if after.stderr else line
+        assert (data / "gateway.lock").read_text().strip() == str(after.pid)
+    finally:
+        after.kill()
+        after.wait(10)
+
+
+def test_the_directory_lock_refuses_a_second_holder_in_the_same_process(tmp_path: Path) -> None:
+    from headgate.log.lock import DirectoryInUse, DirectoryLock
+
+    lock = DirectoryLock.acquire(tmp_path / "d", "gateway.lock")
+    with pytest.raises(DirectoryInUse) as refused:
+        DirectoryLock.acquire(tmp_path / "d", "gateway.lock")
+    assert refused.value.pid == os.getpid()
+    assert refused.value.directory == tmp_path / "d"
+    lock.release()
+    lock.release()  # a second release does nothing
+    DirectoryLock.acquire(tmp_path / "d", "gateway.lock").release()
+
+
+def test_version_is_the_installed_distributions(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+    import importlib.metadata
+
+    import headgate
+
+    assert headgate.__version__ == importlib.metadata.version("headgate")
+    for flag in ("--version", "-V"):
+        result = CliRunner().invoke(main, [flag])
+        assert result.exit_code == 0
+        assert result.output == f"headgate {headgate.__version__}\n"
+
+    def absent(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    # A source tree that was never installed still has a version to show.
+    monkeypatch.setattr(importlib.metadata, "version", absent)
+    try:
+        assert importlib.reload(headgate).__version__ == "0+unknown"
+    finally:
+        monkeypatch.undo()
+        importlib.reload(headgate)
+    assert headgate.__version__ == importlib.metadata.version("headgate")
+
+
+def test_ctrl_c_reports_what_was_acknowledged_and_how_to_resume(
+    served: tuple[str, Path, subprocess.Popen[str]],
+) -> None:
+    address, data, _ = served
+    sender = subprocess.Popen(
+        [*HEADGATE, "send", "events", "-", "--gateway", address, "--format", "jsonl"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert sender.stdin is not None
+        sender.stdin.write(b'{"n": 1}\nnot json\n{"n": 2}\n{"n": 3}\n')
+        sender.stdin.flush()  # and left open: the read waits for more
+        deadline = time.monotonic() + 30
+        stored: list[bytes] = []
+        while len(stored) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            if (data / "streams" / "events").exists():
+                reader = LogReader.open(data / "streams" / "events")
+                stored = [
+                    v
+                    for f in reader.read(reader.start_position())
+                    for v in decode_records(f.payload).to_lists()[0]
+                ]
+                reader.close()
+        assert len(stored) == 3
+        time.sleep(0.5)  # the acknowledgement reaches the sender
+        sender.send_signal(signal.SIGINT)
+        out, err = sender.communicate(timeout=30)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+    lines = err.decode().splitlines()
+    assert sender.returncode == 130, lines
+    assert out == b""
+    assert lines[0] == (
+        "headgate send: interrupted: 3 of 3 records acknowledged durable on events "
+        "(input up to line 4 is done; go on from line 5)"
+    )
+    assert lines[1].startswith("headgate send: 1 line was not valid JSON and not sent: line 2 ")
+    assert lines[2].startswith("to resume this producer: --producer-id ")
+    assert "--producer-secret " in lines[2]
+    assert len(lines) == 3
+
+
+def test_the_line_of_a_record_skips_the_bad_lines() -> None:
+    from headgate.send import SendReport
+
+    report = SendReport("s")
+    report.bad_lines.extend([1, 2, 5, 9])
+    # Lines 3, 4, 6, 7, 8, 10 hold records 1 to 6.
+    assert [report.line_of_record(k) for k in range(1, 7)] == [3, 4, 6, 7, 8, 10]
+    report.bad_lines.extend(range(10, 30))
+    report.first_bad_reason = "why"
+    assert report.bad_lines_message() == (
+        "24 lines were not valid JSON and not sent: lines 1, 2, 5, 9, 10, 11, 12, 13, 14, 15 "
+        "and 14 more (line 1: why)"
+    )
+
+
+def test_an_interrupted_report_tells_stored_from_unknown() -> None:
+    from headgate.send import SendReport
+
+    report = SendReport("s", sent=10, transmitted=7, acked=4, interrupted=True, connected=True)
+    report.bad_lines.append(2)
+    assert report.interrupted_message() == (
+        "interrupted: 4 of 10 records acknowledged durable on s (input up to line 5 is "
+        "done; go on from line 6); 3 more reached the gateway without an acknowledgement "
+        "(they may be stored)"
+    )
+    nothing = SendReport("s", sent=3, interrupted=True, connected=True)
+    assert nothing.interrupted_message() == (
+        "interrupted: 0 of 3 records acknowledged durable on s (go on from line 1)"
+    )
+
+
+def readme_shell_lines() -> list[str]:
+    """The command lines of README.md's ```sh blocks, continuations joined."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```sh\n(.*?)^```$", readme, re.MULTILINE | re.DOTALL)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+
+
+def test_every_shell_example_of_the_readme_parses_and_names_real_options() -> None:
+    import click
+
+    lines = readme_shell_lines()
+    syntax = subprocess.run(
+        ["bash", "-n"], input="\n".join(lines), capture_output=True, text=True, timeout=30
+    )
+    assert syntax.returncode == 0, syntax.stderr
+    checked = 0
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        while words and "=" in words[0]:  # VAR=value before the command
+            words.pop(0)
+        for cut in ("|", ">>", ">"):
+            words = words[: words.index(cut)] if cut in words else words
+        if not words or not words[0].endswith("headgate"):
+            continue
+        args = words[1:]
+        command: click.Command = main
+        if args and not args[0].startswith("-"):
+            sub = main.get_command(click.Context(main), args[0])
+            assert sub is not None, f"no command headgate {args[0]}: {line}"
+            command, args = sub, args[1:]
+        known = {name for param in command.params for name in param.opts + param.secondary_opts}
+        known |= {"-h", "--help"}
+        unknown = [
+            a.split("=")[0] for a in args if a.startswith("-") and a.split("=")[0] not in known
+        ]
+        assert unknown == [], f"headgate {command.name}: no option {unknown}: {line}"
+        checked += 1
+    assert checked >= 20, checked
+
+
+def test_ctrl_c_while_the_gateway_does_not_answer_says_nothing_was_sent(tmp_path: Path) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    sender = subprocess.Popen(
+        [*HEADGATE, "send", "s", "-", "--gateway", address],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(2.0)  # retrying its connection
+        sender.send_signal(signal.SIGINT)
+        out, err = sender.communicate(timeout=30)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+    assert sender.returncode == 130
+    assert (out, err) == (
+        "",
+        f"headgate send: interrupted before gateway {address} answered; nothing was sent\n",
+    )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import tempfile
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,10 +15,12 @@ from headgate.config import (
     DEFAULT_PORT,
     ConfigError,
     GatewayConfig,
+    format_size,
     load_gateway_config,
     parse_address,
     parse_size,
 )
+from headgate.gateway.auth import load_tokens
 
 
 def test_embedded_defaults_are_valid() -> None:
@@ -106,3 +110,111 @@ def test_arbitrary_file_contents_give_a_config_or_a_config_error(content: bytes)
             assert str(exc), "a refusal must say why"
         else:
             assert config.validate() is config
+
+
+# -- the examples people copy -----------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[1]
+#: A ```toml block of README.md; its tag says what reads it.
+_TOML_BLOCK = re.compile(r"^```toml(?P<tag>[^\n]*)\n(?P<text>.*?)^```$", re.MULTILINE | re.DOTALL)
+#: The README elides the digest of its tokens-file example.
+_ELIDED_DIGEST = '"5d1c...64 hex"'
+
+
+def readme_toml_blocks() -> list[tuple[str, str]]:
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    return [(m["tag"].strip(), m["text"]) for m in _TOML_BLOCK.finditer(text)]
+
+
+def load_example(tag: str, text: str, path: Path) -> object:
+    """Read ``text`` as the file that ``tag`` names, with the loader headgate uses for it."""
+    from headgate.gateway.auth import hash_token
+    from headgate.spark.pipeline import load_pipeline_config
+
+    if tag == "tokens":
+        # The one thing the example leaves out; everything else as written.
+        assert text.count(_ELIDED_DIGEST) == 1
+        text = text.replace(_ELIDED_DIGEST, f'"{hash_token(b"a token")}"')
+    path.write_text(text, encoding="utf-8")
+    if tag == "gateway":
+        return load_gateway_config(path)
+    if tag == "pipeline":
+        return load_pipeline_config(path)
+    if tag == "tokens":
+        return load_tokens(path)
+    raise AssertionError(f"a ```toml block of README.md says it is {tag!r}")
+
+
+def test_every_toml_block_of_the_readme_says_what_reads_it() -> None:
+    blocks = readme_toml_blocks()
+    assert len(blocks) >= 3
+    assert {tag for tag, _ in blocks} <= {"gateway", "pipeline", "tokens"}, [t for t, _ in blocks]
+
+
+@pytest.mark.parametrize(("tag", "text"), readme_toml_blocks())
+def test_each_toml_block_of_the_readme_is_accepted_as_written(
+    tag: str, text: str, tmp_path: Path
+) -> None:
+    # Issue 14: the README's flow-control example was refused by the gateway.
+    load_example(tag, text, tmp_path / f"{tag}.toml")
+
+
+def test_the_example_in_the_config_modules_docstring_is_accepted(tmp_path: Path) -> None:
+    import headgate.config
+
+    doc = headgate.config.__doc__ or ""
+    example = doc.split("Example ``headgate.toml``::\n", 1)[1].split("\n\n``headgate serve``")[0]
+    assert "[gateway]" in example and "[streams.ticks]" in example
+    config = load_example("gateway", textwrap.dedent(example), tmp_path / "headgate.toml")
+    assert isinstance(config, GatewayConfig)
+    assert config.streams["ticks"].capacity == 32 * 1024**2
+
+
+def test_a_capacity_below_two_terms_names_the_file_and_both_fixes(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text('[streams.ticks]\ncapacity = "8MiB"\n')
+    with pytest.raises(ConfigError) as refused:
+        load_gateway_config(path)
+    assert str(refused.value) == (
+        f"{path}: streams.ticks.capacity (8MiB) must be at least two terms of term_length "
+        "16MiB: raise it to at least 32MiB, or lower term_length to 4MiB or less"
+    )
+    # Both fixes work.
+    path.write_text('[streams.ticks]\ncapacity = "32MiB"\n')
+    assert load_gateway_config(path).streams["ticks"].capacity == 32 * 1024**2
+    path.write_text('[gateway]\nterm_length = "4MiB"\n[streams.ticks]\ncapacity = "8MiB"\n')
+    assert load_gateway_config(path).term_length == 4 * 1024**2
+
+
+def test_sizes_in_errors_read_back_as_the_same_size() -> None:
+    for size in (4096, 8191, 3 * 1024**2, 16 * 1024**2, 5 * 1024**3, 1000):
+        assert parse_size(format_size(size), what="x") == size
+    assert format_size(16 * 1024**2) == "16MiB"
+
+
+def test_other_limits_name_their_fixes(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text('[gateway]\nmax_message_size = "12MiB"\n')
+    with pytest.raises(ConfigError) as too_large:
+        load_gateway_config(path)
+    assert str(too_large.value) == (
+        f"{path}: max_message_size (12MiB) must be at most half of term_length (16MiB): "
+        "lower it to 8MiB, or raise term_length to 32MiB or more"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_gateway_config(None, stream_capacity=3 * 1024**2)
+    assert str(refused.value) == (
+        "stream_capacity (3MiB) must be at least two terms of term_length 16MiB: "
+        "raise it to at least 32MiB, or lower term_length to 1MiB or less"
+    )
+
+
+def test_the_readme_names_every_config_key() -> None:
+    import dataclasses
+
+    from headgate.config import StreamSettings
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    keys = [f.name for f in dataclasses.fields(GatewayConfig) if f.name != "streams"]
+    keys += [f.name for f in dataclasses.fields(StreamSettings)]
+    assert [key for key in keys if f"`{key}`" not in readme] == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -106,11 +107,25 @@ def test_tail_errors_are_clear(served: str, tmp_path: Path) -> None:
     assert "--from must be now, earliest or a log position" in bad_from.stderr
     unknown = tail(served, "ghost")
     assert unknown.returncode == 1
-    assert f"gateway {served} refused" in unknown.stderr and "ghost" in unknown.stderr
-    assert "Traceback" not in unknown.stderr
+    assert unknown.stderr.splitlines() == [
+        f"headgate tail: gateway {served} has no stream called 'ghost'"
+    ]
     send(served, "s", ["x"], tmp_path)
     beyond = tail(served, "s", "--from", "99999999")
-    assert beyond.returncode == 1 and "cannot read" in beyond.stderr
+    assert beyond.returncode == 1
+    assert re.fullmatch(
+        r"headgate tail: position 99999999 is not in stream 's', which holds positions "
+        r"0 to [1-9]\d*; use --from earliest or now\n",
+        beyond.stderr,
+    ), beyond.stderr
+    # Issue 14: inside a batch, the answer was UNEXPECTED_FRAME and the
+    # gateway's term file path.
+    inside = tail(served, "s", "--from", "3")
+    assert inside.returncode == 1
+    assert inside.stderr.splitlines() == [
+        "headgate tail: position 3 is not where a batch of 's' starts; use --from "
+        "earliest, now, or a position that `headgate tail --format json` printed"
+    ]
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
+from headgate import __version__
 from headgate.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -27,6 +28,7 @@ from headgate.protocol.messages import MAX_SECRET_BYTES, is_valid_name
 
 if TYPE_CHECKING:
     from headgate.client.security import ClientSecurity
+    from headgate.log.lock import DirectoryInUse
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -102,6 +104,9 @@ def _size(value: str | None, what: str) -> int | None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(
+    __version__, "-V", "--version", prog_name="headgate", message="%(prog)s %(version)s"
+)
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def main(verbose: int) -> None:
     """headgate: flow-controlled ingestion into Spark.
@@ -221,7 +226,9 @@ def serve(
     try:
         cfg = load()
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        # One line: the file (or flag), the key, and how to fix it.
+        click.echo(f"headgate serve: {exc}", err=True)
+        sys.exit(2)
     asyncio.run(_serve(cfg, load))
 
 
@@ -245,10 +252,20 @@ def _reload(gateway: object, load: Callable[[], object]) -> None:
     click.echo("configuration reloaded", err=True)
 
 
+def _in_use(exc: DirectoryInUse) -> str:
+    """The one line that says a data directory has its gateway already, and what to do."""
+    holder = "another gateway" if exc.pid is None else f"another gateway (pid {exc.pid})"
+    return (
+        f"the data directory {exc.directory} is in use by {holder}; "
+        "stop it or choose another --data-dir"
+    )
+
+
 async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     from headgate.config import GatewayConfig
     from headgate.gateway import Gateway
     from headgate.log import LogError
+    from headgate.log.lock import DirectoryInUse
 
     assert isinstance(cfg, GatewayConfig)
     try:
@@ -258,6 +275,9 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
         sys.exit(2)
     try:
         await gateway.start()
+    except DirectoryInUse as exc:
+        click.echo(f"headgate serve: {_in_use(exc)}", err=True)
+        sys.exit(1)
     except (LogError, OSError) as exc:
         click.echo(f"headgate serve: cannot start: {exc}", err=True)
         sys.exit(1)
@@ -329,8 +349,11 @@ def send(
 
     Each line (without its newline) is one record. Shows progress while it
     sends and reports the records and bytes the gateway acknowledged durable.
+    On Ctrl-C it reports what was acknowledged, the input line to go on
+    from, and the producer id to go on with (exit status 130).
     """
     from headgate.client import GatewayAddress, ProducerError
+    from headgate.send import SendOptions, run_send
 
     try:
         GatewayAddress.parse(gateway, what="--gateway")
@@ -352,19 +375,35 @@ def send(
         if not 1 <= len(secret) <= MAX_SECRET_BYTES:
             raise click.UsageError(f"--producer-secret must be 1 to {MAX_SECRET_BYTES} bytes")
     security = _security(options)
+    send_options = SendOptions(
+        gateway, stream, fmt, policy, producer_id, secret, timeout, security=security
+    )
     try:
-        sent, acked, nbytes, bad = asyncio.run(
-            _send(stream, source, gateway, fmt, policy, (producer_id, secret), timeout, security)
-        )
+        report = asyncio.run(run_send(send_options, source))
     except ProducerError as exc:
         click.echo(f"headgate send: {exc}", err=True)
         sys.exit(1)
-    click.echo(f"{acked:,} records ({nbytes:,} bytes) acknowledged durable on {stream}")
-    if acked != sent:
-        click.echo(f"only {acked:,} of {sent:,} records were acknowledged", err=True)
+    if report.interrupted:
+        click.echo(f"headgate send: {report.interrupted_message()}", err=True)
+    else:
+        click.echo(
+            f"{report.acked:,} records ({report.bytes_acked:,} bytes) "
+            f"acknowledged durable on {stream}"
+        )
+    if bad_lines := report.bad_lines_message():
+        click.echo(f"headgate send: {bad_lines}", err=True)
+    if report.producer_secret is not None or (report.interrupted and report.transmitted):
+        # Without tokens the id is its secret's: what resuming it takes.
+        click.echo(report.resume_hint(), err=True)
+    if report.interrupted:
+        sys.exit(130)
+    if report.acked != report.sent:
+        click.echo(
+            f"headgate send: only {report.acked:,} of {report.sent:,} records were acknowledged",
+            err=True,
+        )
         sys.exit(1)
-    if bad:
-        click.echo(f"{bad:,} lines were not valid JSON and were not sent", err=True)
+    if report.bad_lines:
         sys.exit(2)
 
 
@@ -405,7 +444,7 @@ def tail(
     {"missed_batches": N} lines with --format json).
     """
     from headgate.client.reader import ReaderError
-    from headgate.tail import TailOptions, parse_start, run_tail
+    from headgate.tail import TailOptions, explain, parse_start, run_tail
 
     if not is_valid_name(stream):
         raise click.UsageError(f"{stream!r} is not a stream name")
@@ -419,7 +458,7 @@ def tail(
     try:
         asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
-        click.echo(f"headgate tail: {exc}", err=True)
+        click.echo(f"headgate tail: {explain(exc, tail_options)}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         pass
@@ -427,65 +466,6 @@ def tail(
         # The reader of our output went away (| head): stop quietly, and keep
         # Python from failing again when it flushes stdout at exit.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-async def _send(
-    stream: str,
-    source: Any,
-    gateway: str,
-    fmt: str,
-    policy: str,
-    identity: tuple[int | None, bytes | None],
-    timeout: float,
-    security: ClientSecurity,
-) -> tuple[int, int, int, int]:
-    import json
-
-    from rich.progress import Progress
-
-    from headgate.client import Producer
-
-    sent = bad = 0
-    async with Producer(
-        gateway,
-        policy="optimistic"
-        if policy == "optimistic"
-        else "window"
-        if policy == "window"
-        else "wait",
-        producer_id=identity[0],
-        producer_secret=identity[1],
-        client_name="headgate-send",
-        reconnect_timeout=timeout,
-        security=security,
-    ) as producer:
-        with Progress(transient=True) as progress:
-            task = progress.add_task(f"sending to {stream}", total=None)
-            for line in source:
-                value = line.rstrip(b"\r\n")
-                if fmt == "jsonl":
-                    try:
-                        json.loads(value)
-                    except ValueError:
-                        bad += 1
-                        continue
-                await producer.send(stream, value)
-                sent += 1
-                if sent % 10_000 == 0:
-                    progress.update(task, completed=sent)
-            progress.update(task, description="waiting for durable acks")
-            await producer.flush()
-        stats = producer.statistics().streams.get(stream)
-        acked = stats.records_acked if stats is not None else 0
-        nbytes = stats.bytes_acked if stats is not None else 0
-        if producer.producer_secret is not None:
-            # Without tokens the id is this secret's: what resuming it takes.
-            click.echo(
-                f"to resume this producer: --producer-id {producer.producer_id} "
-                f"--producer-secret {producer.producer_secret.hex()}",
-                err=True,
-            )
-    return sent, acked, nbytes, bad
 
 
 @main.command()
@@ -530,18 +510,29 @@ def token(name: str, write: tuple[str, ...], read: tuple[str, ...], admin: bool)
 )
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
-def top(address: str, interval: float, once: bool) -> None:
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="json: one JSON object per snapshot, one per line (every metric; for scripts).",
+)
+def top(address: str, interval: float, once: bool, fmt: str) -> None:
     """Watch a running gateway: streams and connections, live.
 
-    Per stream: log fill, positions, guarantees, records/s, drops, fsync
-    latency. Per connection: debt against its threshold, and whether its
-    reads are paused. Read from the gateway's Prometheus endpoint, which
-    `headgate serve --metrics HOST:PORT` turns on.
+    Per stream: log fill, guarantees, writers, records/s, drops, fsync
+    latency (and positions, where the terminal is wide enough). Per
+    connection: debt against its threshold, and whether its reads are
+    paused. Read from the gateway's Prometheus endpoint, which `headgate
+    serve --metrics HOST:PORT` turns on.
     """
+    import json
+
     from rich.console import Console
     from rich.live import Live
 
-    from headgate.top import MetricsUnavailable, fetch, render
+    from headgate.top import MetricsUnavailable, as_json, fetch, render_to_fit
 
     if interval <= 0:
         raise click.UsageError("--interval must be positive")
@@ -550,16 +541,25 @@ def top(address: str, interval: float, once: bool) -> None:
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     hint = "is the gateway running with --metrics {}:{}?".format(*where)
+    console = Console()
     try:
         previous = fetch(where)
-        if once:
-            Console().print(render(previous))
+        if fmt == "json":
+            click.echo(json.dumps(as_json(previous)))
+            while not once:
+                time.sleep(interval)
+                snap = fetch(where)
+                click.echo(json.dumps(as_json(snap, previous)))
+                previous = snap
             return
-        with Live(render(previous), auto_refresh=False) as live:
+        if once:
+            console.print(render_to_fit(console, previous))
+            return
+        with Live(render_to_fit(console, previous), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
                 snap = fetch(where)
-                live.update(render(snap, previous), refresh=True)
+                live.update(render_to_fit(console, snap, previous), refresh=True)
                 previous = snap
     except MetricsUnavailable as exc:
         click.echo(f"headgate top: {exc}; {hint}", err=True)
@@ -588,11 +588,15 @@ def run(data_dir: Path, seconds: float) -> None:
     from rich.console import Console
 
     from headgate.demo import run_demo
+    from headgate.log.lock import DirectoryInUse
 
     if seconds <= 0:
         raise click.UsageError("--seconds must be positive")
     try:
         result = run_demo(data_dir, seconds, Console())
+    except DirectoryInUse as exc:
+        click.echo(f"headgate run: {_in_use(exc)}", err=True)
+        sys.exit(1)
     except KeyboardInterrupt:  # a second Ctrl-C, while stopping
         click.echo("headgate run: interrupted", err=True)
         sys.exit(130)
@@ -652,7 +656,8 @@ def pipeline_command(config: Path, available_now: bool) -> None:
     try:
         status = run_pipeline_file(config, available_now=available_now, echo=click.echo)
     except ConfigError as exc:
-        raise click.UsageError(str(exc)) from None
+        click.echo(f"headgate pipeline: {exc}", err=True)
+        sys.exit(2)
     sys.exit(status)
 
 
@@ -667,21 +672,21 @@ def pipeline_command(config: Path, available_now: bool) -> None:
 )
 def query(sql: str, data_dir: Path) -> None:
     """Run SQL over the Parquet output; each stream is a table of its name."""
+    from headgate.spark.query import QueryError, parquet_tables, run_query
+
+    try:
+        parquet_tables(data_dir)  # before Spark starts: a wrong --data-dir is said at once
+    except QueryError as exc:
+        click.echo(f"headgate query: {exc}", err=True)
+        sys.exit(2)
     from headgate.spark.pipeline import spark_session
 
-    root = data_dir / "parquet"
-    tables = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")))
-    if not tables:
-        raise click.UsageError(f"no Parquet datasets under {root}; run the pipeline first")
     spark = spark_session("headgate-query")
     try:
-        for table in tables:
-            spark.read.parquet(str(table)).createOrReplaceTempView(table.name)
-        try:
-            frame = spark.sql(sql)
-        except Exception as exc:  # Spark's analysis errors: show them plainly
-            raise click.UsageError(f"query failed: {str(exc).splitlines()[0]}") from None
-        frame.show(50, truncate=False)
+        run_query(spark, sql, data_dir)
+    except QueryError as exc:
+        click.echo(f"headgate query: {exc}", err=True)
+        sys.exit(2)
     finally:
         spark.stop()
 

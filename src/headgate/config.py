@@ -41,7 +41,7 @@ Example ``headgate.toml``::
     max_pending_handshakes = 64
 
     [streams.ticks]
-    capacity = "8MiB"
+    capacity = "32MiB"       # at least two terms (term_length)
     policy = "window"        # credit (default), window or xonxoff
     window = 8               # window: batches in flight per writer
     # xonxoff: pause the writers' connections at `xoff` unreleased bytes,
@@ -101,6 +101,32 @@ def parse_size(value: object, *, what: str) -> int:
             number, unit = match.groups()
             return int(number) * _UNITS[(unit or "").lower()]
     raise ConfigError(f"{what}: expected a size such as 4096 or 64MiB, got {value!r}")
+
+
+def format_size(size: int) -> str:
+    """``size`` in the largest binary unit that holds it exactly (``"16MiB"``)."""
+    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if size and size % factor == 0:
+            return f"{size // factor}{unit}"
+    return str(size)
+
+
+def _two_terms(what: str, capacity: int, term_length: int) -> ConfigError:
+    """The error for a capacity below two terms, with both ways to fix it.
+
+    Below two terms, a frame that meets the end of a term could wait forever
+    for room that its consumer can never release (LOG.md, "Frames"). The
+    largest term that fits twice is the
+    largest power of two of at least 4096 within half the capacity.
+    """
+    fixes = f"raise it to at least {format_size(2 * term_length)}"
+    if capacity >= 2 * 4096:
+        largest = 1 << ((capacity // 2).bit_length() - 1)
+        fixes += f", or lower term_length to {format_size(largest)} or less"
+    return ConfigError(
+        f"{what} ({format_size(capacity)}) must be at least two terms of term_length "
+        f"{format_size(term_length)}: {fixes}"
+    )
 
 
 def parse_address(
@@ -311,10 +337,7 @@ class GatewayConfig:
             if over.window is not None and over.window < 1:
                 raise ConfigError(f"streams.{name}.window must be at least 1, got {over.window}")
             if over.capacity is not None and over.capacity < 2 * self.term_length:
-                raise ConfigError(
-                    f"streams.{name}.capacity ({over.capacity}) must be at least two terms "
-                    f"({2 * self.term_length})"
-                )
+                raise _two_terms(f"streams.{name}.capacity", over.capacity, self.term_length)
             flow = self.flow_for(name)
             if not 0 <= flow.xon <= flow.xoff:
                 raise ConfigError(
@@ -324,14 +347,14 @@ class GatewayConfig:
         if tl < 4096 or tl & (tl - 1):
             raise ConfigError(f"term_length must be a power of two >= 4096, got {tl}")
         if self.max_message_size > tl // 2:
+            fitting_term = 1 << (2 * self.max_message_size - 1).bit_length()
             raise ConfigError(
-                f"max_message_size ({self.max_message_size}) must be at most half "
-                f"of term_length ({tl})"
+                f"max_message_size ({format_size(self.max_message_size)}) must be at most half "
+                f"of term_length ({format_size(tl)}): lower it to {format_size(tl // 2)}, or "
+                f"raise term_length to {format_size(fitting_term)} or more"
             )
         if self.stream_capacity < 2 * tl:
-            raise ConfigError(
-                f"stream_capacity ({self.stream_capacity}) must be at least two terms ({2 * tl})"
-            )
+            raise _two_terms("stream_capacity", self.stream_capacity, tl)
         if self.group_commit_interval_ms <= 0:
             raise ConfigError("group_commit_interval_ms must be positive")
         if self.max_connections < 1:
@@ -568,4 +591,10 @@ def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayCo
                 streams.get(name, StreamSettings()), policy=_policy(policy, f"policy of {name}")
             )
         config = replace(config, streams=streams)
-    return config.validate()
+    try:
+        return config.validate()
+    except ConfigError as exc:
+        if path is None:
+            raise
+        # The settings came from the file and the flags together: name the file.
+        raise ConfigError(f"{path}: {exc}") from None

@@ -34,6 +34,7 @@ from rich.table import Table
 
 from headgate.config import GatewayConfig, StreamSettings
 from headgate.gateway import Gateway, StreamStatistics
+from headgate.log.lock import DirectoryInUse
 
 STREAMS = ("ticks", "accounting", "audit")
 SYMBOLS = ("ACME", "GLOBX", "INITECH", "UMBRL", "WAYNE")
@@ -227,6 +228,9 @@ class _Demo:
         try:
             self.gateway = Gateway(demo_gateway_config(self.data_dir))
             self.gw_thread.run(self.gateway.start(), 30)
+        except DirectoryInUse:
+            self.gateway = None
+            raise  # the command says who holds it, in its own words
         except Exception as exc:
             self.gateway = None
             raise DemoFailed(f"the gateway did not start: {exc}") from None
@@ -537,10 +541,11 @@ def run_demo(
 ) -> DemoResult:
     """Run everything for ``seconds`` of load, then drain, stop and summarise.
 
-    Never raises for what goes wrong in the demo itself: the result says how
-    it ended, and the summary (of what was done so far) is printed in every
-    case. ``spark``: a session to use (and leave running); else one is made
-    and stopped at the end.
+    Never raises for what goes wrong in the demo itself (but for
+    :class:`DirectoryInUse`: another gateway has the directory): the result
+    says how it ended, and the summary (of what was done so far) is printed.
+    ``spark``: a session to use (and leave running); else one is made and
+    stopped at the end.
     """
     data_dir = data_dir.resolve()
     console.print(f"[bold]headgate run[/]: data in {data_dir}")

@@ -10,17 +10,18 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import BinaryIO
 
-from headgate.client.reader import Missed, Reader, TailBatch
+from headgate.client.reader import Missed, Reader, ReaderError, ReaderRefused, TailBatch
 from headgate.client.security import ClientSecurity
 from headgate.protocol.messages import StartAt
 from headgate.protocol.records import decode_records
 
-__all__ = ["TailOptions", "parse_start", "run_tail"]
+__all__ = ["TailOptions", "explain", "parse_start", "run_tail"]
 
 
 def parse_start(text: str) -> StartAt | int:
@@ -33,6 +34,37 @@ def parse_start(text: str) -> StartAt | int:
     if word.isdigit():
         return int(word)
     raise ValueError(f"--from must be now, earliest or a log position (a number), got {text!r}")
+
+
+#: The gateway's refusals of a subscription that a user causes by what they
+#: typed, as it words them (gateway/readers.py), with the plain line to show
+#: instead. Its text names files on the gateway's machine and an error code
+#: that means nothing to someone who mistyped a position.
+_NO_STREAM = re.compile(r"the gateway holds no stream called ")
+_NOT_A_BOUNDARY = re.compile(r"cannot read from position (\d+): no intact frame at position \d+")
+_OUTSIDE = re.compile(r"cannot read \[(\d+), \d+\); the log holds \[(\d+), (\d+)\)")
+
+
+def explain(error: ReaderError, options: TailOptions) -> str:
+    """The one line that says why the tail could not start, for the person who started it."""
+    if not isinstance(error, ReaderRefused):
+        return str(error)
+    stream = options.stream
+    if _NO_STREAM.search(error.text):
+        return f"gateway {options.gateway} has no stream called {stream!r}"
+    match = _NOT_A_BOUNDARY.search(error.text)
+    if match and int(match[1]) == options.start:  # later: damage, the gateway's to explain
+        return (
+            f"position {match[1]} is not where a batch of {stream!r} starts; use --from "
+            "earliest, now, or a position that `headgate tail --format json` printed"
+        )
+    if match := _OUTSIDE.search(error.text):
+        position, first, end = match.groups()
+        return (
+            f"position {position} is not in stream {stream!r}, which holds positions "
+            f"{first} to {end}; use --from earliest or now"
+        )
+    return str(error)
 
 
 @dataclass(frozen=True, slots=True)

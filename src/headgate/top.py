@@ -11,13 +11,16 @@ import math
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Group
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
-__all__ = ["MetricsUnavailable", "Snapshot", "fetch", "parse", "render"]
+__all__ = ["MetricsUnavailable", "Snapshot", "as_json", "fetch", "parse", "render", "render_to_fit"]
 
 #: The most of a response that is read; a metrics page is far smaller.
 MAX_RESPONSE_BYTES = 16 << 20
@@ -129,65 +132,111 @@ def _ms(seconds: float | None) -> str:
         return "-"
     if math.isinf(seconds):
         return "> 2 s"
-    return f"{seconds * 1000:.1f}"
+    return f"{seconds * 1000:.1f} ms"
 
 
-def render(snap: Snapshot, previous: Snapshot | None = None) -> Group:
-    """Two tables: streams, then connections (with rates against ``previous``)."""
-    streams = Table(title="streams", title_justify="left")
-    for column in (
-        "stream",
-        "fill",
-        "capacity",
-        "tail",
-        "durable",
-        "released",
-        "guarantees",
-        "writers",
-        "records",
-        "rec/s",
-        "drops",
-        "fsync mean ms",
-        "fsync p99 ms",
-    ):
-        streams.add_column(column, justify="left" if column == "stream" else "right")
+def _rate(snap: Snapshot, previous: Snapshot | None, stream: str) -> float | None:
+    """Records per second appended to ``stream`` between two scrapes, or None."""
+    if previous is None or stream not in previous.streams or snap.at <= previous.at:
+        return None
+    now = snap.streams[stream].get("stream_appended_records_total", 0.0)
+    before = previous.streams[stream].get("stream_appended_records_total", 0.0)
+    return (now - before) / (snap.at - previous.at)
+
+
+def _fsync_mean(row: dict[str, float]) -> float | None:
+    count = row.get("stream_fsync_seconds_count", 0.0)
+    return row.get("stream_fsync_seconds_sum", 0.0) / count if count else None
+
+
+#: A column: its header, and the width a name in it is cut to (None: a number,
+#: right-aligned and never cut).
+_Column = tuple[str, int | None]
+#: Name columns that are not cut, in the wide view.
+_WHOLE = 1_000
+
+
+def _table(title: str, columns: list[_Column]) -> Table:
+    """A table without borders, whose names are cut to their column's width."""
+    table = Table(
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        box=None,
+        padding=(0, 1),
+        pad_edge=False,
+        header_style="bold underline",
+    )
+    for header, width in columns:
+        table.add_column(
+            header,
+            justify="right" if width is None else "left",
+            no_wrap=True,
+            overflow="ellipsis",
+            max_width=None if width == _WHOLE else width,
+        )
+    return table
+
+
+def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = False) -> Group:
+    """A summary line and two tables: streams, then connections (rates against ``previous``).
+
+    Without ``wide`` the view fits 80 columns: a stream name or a peer that
+    does not fit is cut short, never a number.
+    """
+    stream_columns: list[_Column] = [
+        ("stream", _WHOLE if wide else 14),
+        ("fill", None),
+        ("capacity", None),
+        ("guarantees", None),
+        ("writers", None),
+        ("rec/s", None),
+        ("drops", None),
+        ("fsync p99", None),
+    ]
+    if wide:
+        stream_columns[5:5] = [("tail", None), ("durable", None), ("released", None)]
+        stream_columns.insert(-2, ("records", None))
+        stream_columns.insert(-1, ("fsync mean", None))
+    streams = _table("streams", stream_columns)
     for name in sorted(snap.streams):
         row = snap.streams[name]
-        records = row.get("stream_appended_records_total", 0.0)
-        rate = "-"
-        if previous is not None and name in previous.streams and snap.at > previous.at:
-            before = previous.streams[name].get("stream_appended_records_total", 0.0)
-            rate = f"{(records - before) / (snap.at - previous.at):,.0f}"
-        count = row.get("stream_fsync_seconds_count", 0.0)
-        mean = row.get("stream_fsync_seconds_sum", 0.0) / count if count else None
-        streams.add_row(
+        rate = _rate(snap, previous, name)
+        cells = [
             name,
             f"{100 * row.get('stream_fill_ratio', 0.0):.1f}%",
             _size(row.get("stream_capacity_bytes", 0.0)),
-            f"{row.get('stream_tail_position', 0.0):,.0f}",
-            f"{row.get('stream_durable_position', 0.0):,.0f}",
-            f"{row.get('stream_release_position', 0.0):,.0f}",
             _size(row.get("stream_guarantees_outstanding_bytes", 0.0)),
             f"{row.get('stream_writers', 0.0):.0f}",
-            f"{records:,.0f}",
-            rate,
+            "-" if rate is None else f"{rate:,.0f}",
             f"{row.get('stream_dropped_batches_total', 0.0):,.0f}",
-            _ms(mean),
             _ms(_quantile(snap.fsync_buckets.get(name, []), 0.99)),
-        )
-    connections = Table(title="connections", title_justify="left")
-    for column in (
-        "id",
-        "peer",
-        "producer",
-        "debt",
-        "threshold",
-        "peak",
-        "reads",
-        "pauses",
-        "ring",
-    ):
-        connections.add_column(column, justify="left" if column in ("peer", "reads") else "right")
+        ]
+        if wide:
+            cells[5:5] = [
+                f"{row.get(key, 0.0):,.0f}"
+                for key in (
+                    "stream_tail_position",
+                    "stream_durable_position",
+                    "stream_release_position",
+                )
+            ]
+            cells.insert(-2, f"{row.get('stream_appended_records_total', 0.0):,.0f}")
+            cells.insert(-1, _ms(_fsync_mean(row)))
+        streams.add_row(*cells)
+    connection_columns: list[_Column] = [
+        ("id", None),
+        ("peer", _WHOLE if wide else 20),
+        ("producer", None),
+        ("debt/threshold", None),
+        ("reads", _WHOLE),
+        ("ring", None),
+    ]
+    if wide:
+        connection_columns[4:4] = [("peak debt", None)]
+        connection_columns[-1:-1] = [("pauses", None)]
+        connection_columns.append(("ring size", None))
+    connections = _table("connections", connection_columns)
     for conn_id in sorted(snap.connections, key=lambda c: int(c) if c.isdigit() else 0):
         c = snap.connections[conn_id]
 
@@ -195,23 +244,62 @@ def render(snap: Snapshot, previous: Snapshot | None = None) -> Group:
             value = c.get(key, 0.0)
             return value if isinstance(value, float) else 0.0
 
-        connections.add_row(
+        cells = [
             conn_id,
             str(c["peer"]),
             str(c["producer"]),
-            f"{num('connection_debt'):,.0f}",
-            f"{num('connection_debt_threshold'):,.0f}",
-            f"{num('connection_peak_debt'):,.0f}",
+            f"{num('connection_debt'):,.0f}/{num('connection_debt_threshold'):,.0f}",
             "[red]paused[/red]" if num("connection_reads_paused") else "reading",
-            f"{num('connection_read_pauses_total'):,.0f}",
-            f"{_size(num('connection_ring_in_use_bytes'))} / {_size(num('connection_ring_bytes'))}",
-        )
+            _size(num("connection_ring_in_use_bytes")),
+        ]
+        if wide:
+            cells[4:4] = [f"{num('connection_peak_debt'):,.0f}"]
+            cells[-1:-1] = [f"{num('connection_read_pauses_total'):,.0f}"]
+            cells.append(_size(num("connection_ring_bytes")))
+        connections.add_row(*cells)
     queued = snap.gateway.get("writer_queue_messages", 0.0)
     waiting = snap.gateway.get("durability_loans", 0.0)
-    summary = Table.grid(padding=(0, 2))
-    summary.add_row(
-        f"connections: {snap.gateway.get('connections', 0.0):.0f}",
-        f"batches waiting for the writer: {queued:.0f}",
-        f"batches waiting for the disk: {waiting:.0f}",
+    summary = Text(
+        f"connections {snap.gateway.get('connections', 0.0):.0f}; batches waiting "
+        f"for the writer {queued:.0f}, for the disk {waiting:.0f}"
     )
     return Group(summary, streams, connections)
+
+
+def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, object]:
+    """The snapshot for scripts: every headgate metric, by its name without ``headgate_``.
+
+    Per stream, also ``records_per_second`` (null without ``previous``) and
+    ``fsync_p99_seconds`` (null before the first fsync). JSON has no
+    infinity: a value that is not finite (a p99 beyond the largest bucket)
+    is null.
+    """
+
+    def finite(value: float | str | None) -> float | str | None:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        return value
+
+    def plain(row: Mapping[str, float | str | None]) -> dict[str, float | str | None]:
+        return {key: finite(value) for key, value in row.items()}
+
+    streams: dict[str, object] = {}
+    for name in sorted(snap.streams):
+        row: dict[str, float | str | None] = dict(snap.streams[name])
+        row["records_per_second"] = _rate(snap, previous, name)
+        row["fsync_p99_seconds"] = _quantile(snap.fsync_buckets.get(name, []), 0.99)
+        streams[name] = plain(row)
+    return {
+        "gateway": plain(snap.gateway),
+        "streams": streams,
+        "connections": {c: plain(snap.connections[c]) for c in sorted(snap.connections)},
+    }
+
+
+def render_to_fit(console: Console, snap: Snapshot, previous: Snapshot | None = None) -> Group:
+    """Every column where the terminal is wide enough for them, else the 80-column view."""
+    wide = render(snap, previous, wide=True)
+    unbounded = console.options.update(max_width=1 << 16)  # its natural width, not the screen's
+    if Measurement.get(console, unbounded, wide).maximum <= console.width:
+        return wide
+    return render(snap, previous)

@@ -84,6 +84,7 @@ from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
 from headgate.gateway.turns import MIN_SLICE, TurnTaker
 from headgate.log import LogError
+from headgate.log.lock import DirectoryLock
 from headgate.protocol import messages as m
 from headgate.protocol.deadlines import ReceiveDeadlines
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -107,6 +108,8 @@ log = logging.getLogger("headgate.gateway")
 #: How long a closing connection may take to deliver its last bytes before
 #: it is aborted (a peer that does not read would otherwise hold it forever).
 CLOSE_GRACE_S = 2.0
+#: The file in the data directory whose lock says which gateway writes it.
+DATA_LOCK_FILE_NAME = "gateway.lock"
 #: How often idle writers are re-checked and credit re-shared.
 REBALANCE_INTERVAL_S = 0.1
 #: How long the gateway must have been reading a connection before a Plead
@@ -948,6 +951,8 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
         self._stopping = False
+        #: The lock on the data directory, from start() to stop().
+        self._data_lock: DirectoryLock | None = None
         self.address: tuple[str, int] = config.listen
         #: Batches received and not yet written to their log, oldest first.
         self.queue = MessageQueue(self._signal_writer)
@@ -990,6 +995,16 @@ class Gateway:
         # Not at the first batch, on the event loop, while producers wait.
         load_accelerator()
         data = Path(self.config.data_dir)
+        # One gateway per data directory: a second one would open the same
+        # logs. Held until stop(), or until this process dies.
+        self._data_lock = DirectoryLock.acquire(data, DATA_LOCK_FILE_NAME)
+        try:
+            await self._open_and_listen(data)
+        except BaseException:
+            self._data_lock.release()
+            raise
+
+    async def _open_and_listen(self, data: Path) -> None:
         (data / "streams").mkdir(parents=True, exist_ok=True)
         self.owners = ProducerOwners.open(
             data / "state" / "producers.log", limit=self.config.max_producer_ids
@@ -1100,6 +1115,8 @@ class Gateway:
         if self.config.unix_socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.unix_socket)
+        if self._data_lock is not None:
+            self._data_lock.release()
 
     # -- streams -------------------------------------------------------------------
 

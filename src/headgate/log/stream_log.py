@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import mmap
 import os
 import struct
@@ -63,6 +62,7 @@ from headgate.log.frame import (
     padding_body,
     padding_checksum,
 )
+from headgate.log.lock import try_lock
 from headgate.log.metadata import (
     META_FILE_NAME,
     PUBLISHED_POSITION_OFFSET,
@@ -1172,14 +1172,9 @@ def _problem_error(problem: FrameProblem, start: int) -> LogError:
 
 
 def _lock_directory(path: Path) -> int:
-    fd = os.open(path / LOCK_FILE_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise LogError(f"the stream log at {path} is already open by another writer") from None
-        raise
+    fd = try_lock(path / LOCK_FILE_NAME)
+    if fd is None:
+        raise LogError(f"the stream log at {path} is already open by another writer")
     return fd
 
 

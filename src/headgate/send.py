@@ -1,0 +1,346 @@
+"""``headgate send STREAM FILE``: the lines of a file (or stdin) as records of a stream.
+
+Lines are read in a thread, so that a pipe that is quiet (``tail -f log |
+headgate send``) never stalls the event loop that receives the gateway's
+acknowledgements, and so that Ctrl-C is heard while the read waits. Ctrl-C
+stops the reading, gives what was sent a few seconds to become durable (a
+second Ctrl-C stops that too), and then reports what the gateway
+acknowledged: a run that was cut short says where to pick it up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import threading
+from array import array
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Final
+
+from rich.console import Console
+from rich.progress import Progress, ProgressColumn, Task, TextColumn
+from rich.text import Text
+
+from headgate.client import Producer
+from headgate.client.producer import Policy
+from headgate.client.security import ClientSecurity
+
+__all__ = ["SendOptions", "SendReport", "run_send"]
+
+#: How long an interrupted send waits for the acknowledgements of what it sent.
+INTERRUPT_GRACE_S: Final = 5.0
+#: Bytes the reading thread hands over at a time, and chunks it may hold ahead.
+_CHUNK_BYTES: Final = 1 << 16
+_CHUNKS_AHEAD: Final = 8
+_POLICIES: Final[dict[str, Policy]] = {
+    "wait": "wait",
+    "optimistic": "optimistic",
+    "window": "window",
+}
+#: Line numbers a report of bad lines names before it says "and N more".
+_LINES_NAMED: Final = 10
+
+
+@dataclass(frozen=True, slots=True)
+class SendOptions:
+    gateway: str
+    stream: str
+    #: "raw" (every line is a record) or "jsonl" (lines that are not JSON are skipped).
+    fmt: str = "raw"
+    #: The producer's policy: "wait", "optimistic" or "window".
+    policy: str = "wait"
+    producer_id: int | None = None
+    producer_secret: bytes | None = None
+    #: Seconds to keep trying to reach the gateway.
+    timeout: float = 30.0
+    security: ClientSecurity = field(default_factory=ClientSecurity)
+    #: Show a progress line on stderr (only where stderr is a terminal).
+    progress: bool = True
+
+
+@dataclass(slots=True)
+class SendReport:
+    """What a send did; the command turns it into its last lines of output."""
+
+    stream: str
+    gateway: str = ""
+    #: Records handed to the producer.
+    sent: int = 0
+    #: Records that went to the gateway at least once.
+    transmitted: int = 0
+    #: Records (and their bytes) the gateway acknowledged durable.
+    acked: int = 0
+    bytes_acked: int = 0
+    #: Line numbers (from 1) that were not valid JSON, in order; nothing was sent for them.
+    bad_lines: array[int] = field(default_factory=lambda: array("q"))
+    #: Why the first bad line is not JSON.
+    first_bad_reason: str = ""
+    #: Whether Ctrl-C cut the send short, and whether the gateway had answered by then.
+    interrupted: bool = False
+    connected: bool = False
+    #: The producer's id, and the secret that proves it (None with a token).
+    producer_id: int | None = None
+    producer_secret: bytes | None = None
+
+    def line_of_record(self, count: int) -> int:
+        """The input line that holds the ``count``-th record sent (from 1).
+
+        Records are the lines that are not bad, in order: the k-th record is
+        line k, moved on by each bad line at or before it.
+        """
+        line = count
+        for bad in self.bad_lines:
+            if bad > line:
+                break
+            line += 1
+        return line
+
+    def bad_lines_message(self) -> str:
+        """One line naming the lines that were not JSON, or "" if there were none."""
+        bad = len(self.bad_lines)
+        if not bad:
+            return ""
+        named = ", ".join(f"{n:,}" for n in self.bad_lines[:_LINES_NAMED])
+        more = f" and {bad - _LINES_NAMED:,} more" if bad > _LINES_NAMED else ""
+        were = "line was" if bad == 1 else "lines were"
+        which = "line" if bad == 1 else "lines"
+        return (
+            f"{bad:,} {were} not valid JSON and not sent: {which} {named}{more} "
+            f"(line {self.bad_lines[0]:,}: {self.first_bad_reason})"
+        )
+
+    def resume_hint(self) -> str:
+        """How to go on with this producer's identity, or "" without one."""
+        if self.producer_id is None:
+            return ""
+        hint = f"to resume this producer: --producer-id {self.producer_id}"
+        if self.producer_secret is not None:
+            hint += f" --producer-secret {self.producer_secret.hex()}"
+        return hint
+
+    def interrupted_message(self) -> str:
+        """What an interrupted send stored, and where its input should go on from."""
+        if not self.connected:
+            return f"interrupted before gateway {self.gateway} answered; nothing was sent"
+        done = self.line_of_record(self.acked) if self.acked else 0
+        stored = f"go on from line {done + 1:,}"
+        if done:
+            stored = f"input up to line {done:,} is done; {stored}"
+        # Those the gateway received and did not acknowledge yet may be stored
+        # or not; the others never left this process.
+        unknown = self.transmitted - self.acked
+        pending = (
+            f"; {unknown:,} more reached the gateway without an acknowledgement "
+            "(they may be stored)"
+            if unknown > 0
+            else ""
+        )
+        return (
+            f"interrupted: {self.acked:,} of {self.sent:,} records acknowledged durable on "
+            f"{self.stream} ({stored}){pending}"
+        )
+
+
+class _RateColumn(ProgressColumn):
+    def render(self, task: Task) -> Text:
+        return Text(f"{task.speed or 0:,.0f} records/s")
+
+
+async def _chunks(source: BinaryIO) -> AsyncIterator[bytes]:
+    """The bytes of ``source`` as they come, read in a daemon thread.
+
+    The thread reads at most :data:`_CHUNKS_AHEAD` chunks ahead of the loop.
+    It hands them over with ``call_soon_threadsafe``, which leaves nothing
+    pending in the loop when the send ends early; and it is a daemon, so
+    that a read still waiting on a terminal or a pipe then never keeps the
+    process alive.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
+    room = threading.Semaphore(_CHUNKS_AHEAD)
+    read = getattr(source, "read1", source.read)
+
+    def pump() -> None:
+        item: bytes | BaseException = b"x"
+        while item:
+            room.acquire()
+            try:
+                item = read(_CHUNK_BYTES)
+            except BaseException as exc:  # handed to the loop, which raises it
+                item = exc
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody wants the rest
+                return
+            if isinstance(item, BaseException):
+                return
+
+    threading.Thread(target=pump, name="headgate-send-read", daemon=True).start()
+    while True:
+        item = await queue.get()
+        room.release()
+        if isinstance(item, BaseException):
+            raise item
+        if not item:
+            return
+        yield item
+
+
+async def _lines(source: BinaryIO) -> AsyncIterator[list[bytes]]:
+    """The lines of ``source`` without their line ends, a chunk's worth at a time.
+
+    A last line may lack its newline. Lists, not single lines: an await per
+    line would cost a third of the command's speed.
+    """
+    rest = b""
+    async for chunk in _chunks(source):
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        yield [line.removesuffix(b"\r") for line in lines]
+    if rest:
+        yield [rest.removesuffix(b"\r")]
+
+
+async def _feed(
+    producer: Producer,
+    source: BinaryIO,
+    options: SendOptions,
+    report: SendReport,
+    progress: Progress,
+) -> None:
+    task = progress.add_task(f"sending to {options.stream}", total=None)
+    number = 0
+    async for lines in _lines(source):
+        for value in lines:
+            number += 1
+            if options.fmt == "jsonl":
+                try:
+                    json.loads(value)
+                except ValueError as exc:
+                    if not report.bad_lines:
+                        report.first_bad_reason = (
+                            f"column {exc.colno}: {exc.msg}"
+                            if isinstance(exc, json.JSONDecodeError)
+                            else str(exc)
+                        )
+                    report.bad_lines.append(number)
+                    continue
+            await producer.send(options.stream, value)
+            report.sent += 1
+        progress.update(task, completed=report.sent)
+    progress.update(task, completed=report.sent, description="waiting for durable acks")
+
+
+class _CtrlC:
+    """Ctrl-C for the whole send: it cancels the step under way, and is remembered.
+
+    One handler from start to end, so that no Ctrl-C, even one between two
+    steps, becomes a KeyboardInterrupt with a traceback.
+    """
+
+    def __init__(self) -> None:
+        #: How many times Ctrl-C was pressed.
+        self.pressed = 0
+        self._step: asyncio.Task[None] | None = None
+
+    def __call__(self) -> None:
+        self.pressed += 1
+        if self._step is not None:
+            self._step.cancel()
+
+    async def run(self, work: Coroutine[Any, Any, None], timeout: float | None = None) -> bool:
+        """Run one step; whether it finished (not cut short by Ctrl-C or ``timeout``).
+
+        Raises what the step raised.
+        """
+        step = asyncio.create_task(work)
+        self._step = step
+        try:
+            done, _ = await asyncio.wait({step}, timeout=timeout)
+        finally:
+            self._step = None
+        if not done:
+            step.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await step
+            return False
+        if step.cancelled():
+            return False
+        step.result()
+        return True
+
+
+async def _send_all(
+    producer: Producer,
+    source: BinaryIO,
+    options: SendOptions,
+    report: SendReport,
+    progress: Progress,
+    ctrl_c: _CtrlC,
+) -> None:
+    if not await ctrl_c.run(producer.connect()) or ctrl_c.pressed:
+        report.interrupted = True
+        return
+    report.connected = True
+    with progress:
+        fed = await ctrl_c.run(_feed(producer, source, options, report, progress))
+        if fed and not ctrl_c.pressed:
+            report.interrupted = not await ctrl_c.run(producer.flush())
+            return
+        report.interrupted = True
+        if ctrl_c.pressed < 2:
+            # What was sent gets a moment to become durable; a second Ctrl-C,
+            # or a stream that stays full, ends the wait.
+            with contextlib.suppress(Exception):
+                await ctrl_c.run(producer.flush(), timeout=INTERRUPT_GRACE_S)
+
+
+async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
+    """Send every line of ``source``; return the report, also when interrupted.
+
+    Raises :class:`~headgate.client.ProducerError` when the gateway cannot
+    be reached or refuses the stream.
+    """
+    report = SendReport(options.stream, options.gateway)
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed:,} records"),
+        _RateColumn(),
+        console=console,
+        transient=True,
+        disable=not (options.progress and console.is_terminal),
+    )
+    producer = Producer(
+        options.gateway,
+        policy=_POLICIES[options.policy],
+        producer_id=options.producer_id,
+        producer_secret=options.producer_secret,
+        client_name="headgate-send",
+        reconnect_timeout=options.timeout,
+        security=options.security,
+    )
+    report.producer_id = producer.producer_id
+    ctrl_c = _CtrlC()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, ctrl_c)
+    try:
+        await _send_all(producer, source, options, report, progress, ctrl_c)
+        if report.interrupted:
+            await producer.abort()  # what was not acknowledged by now is given up
+        else:
+            await producer.close()
+    except BaseException:
+        await producer.abort()
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    stats = producer.statistics().streams.get(options.stream)
+    if stats is not None:
+        report.acked, report.bytes_acked = stats.records_acked, stats.bytes_acked
+        report.transmitted = stats.records_sent
+    report.producer_secret = producer.producer_secret
+    return report
