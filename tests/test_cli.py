@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -455,3 +456,56 @@ def test_ctrl_c_while_the_gateway_does_not_answer_says_nothing_was_sent(tmp_path
         "",
         f"headgate send: interrupted before gateway {address} answered; nothing was sent\n",
     )
+
+
+def test_send_says_when_its_stream_stays_full_and_why(tmp_path: Path) -> None:
+    # A stream of two small terms that nobody releases fills at once.
+    config = tmp_path / "gw.toml"
+    config.write_text(
+        '[gateway]\nterm_length = "64KiB"\nmax_message_size = "16KiB"\n'
+        '[streams.events]\ncapacity = "128KiB"\n'
+    )
+    data = tmp_path / "data"
+    gateway = subprocess.Popen(
+        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data), "-c", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert gateway.stdout is not None
+        line = gateway.stdout.readline()
+        assert line.startswith("listening on "), (line, gateway.stderr)
+        source = tmp_path / "in.jsonl"
+        source.write_bytes(
+            b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * 200) for i in range(5000))
+        )
+        sender = subprocess.Popen(
+            [*HEADGATE, "send", "events", str(source), "--gateway", line.split()[-1]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert sender.stderr is not None
+            lines: list[str] = []
+            reader = threading.Thread(target=lambda: lines.extend(sender.stderr or ()))
+            reader.start()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not any("is full" in x for x in lines):
+                if sender.poll() is not None:
+                    break
+                time.sleep(0.1)
+            sender.send_signal(signal.SIGINT)
+            sender.wait(30)
+            reader.join(10)
+        finally:
+            if sender.poll() is None:
+                sender.kill()
+                sender.wait(10)
+    finally:
+        gateway.kill()
+        gateway.wait(10)
+    said = next((x for x in lines if "is full" in x), "".join(lines))
+    assert said.startswith("headgate send: events is full for 2 s: its log is full"), said
+    assert "until the stream's consumer" in said

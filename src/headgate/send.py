@@ -33,6 +33,8 @@ __all__ = ["SendOptions", "SendReport", "run_send"]
 #: How long an interrupted send waits for the acknowledgements of what it sent.
 INTERRUPT_GRACE_S: Final = 5.0
 #: Bytes the reading thread hands over at a time, and chunks it may hold ahead.
+#: A stream that gives no credit this long is said to be full (on stderr).
+FULL_AFTER_S: Final = 2.0
 _CHUNK_BYTES: Final = 1 << 16
 _CHUNKS_AHEAD: Final = 8
 _POLICIES: Final[dict[str, Policy]] = {
@@ -273,6 +275,59 @@ class _CtrlC:
         return True
 
 
+def _waiting(producer: Producer, stream: str) -> tuple[int, str] | None:
+    """Records acknowledged so far and why ``stream`` would be stuck, while batches wait.
+
+    None while nothing waits for the gateway (or the producer is not connected:
+    reconnecting is another story).
+    """
+    snapshot = producer.statistics()
+    stats = snapshot.streams.get(stream)
+    if stats is None or not snapshot.connected or not stats.batches_queued:
+        return None
+    if stats.storage_full is not None:
+        return stats.records_acked, f"the gateway cannot store it now: {stats.storage_full}"
+    return stats.records_acked, (
+        "its log is full: the gateway gives no credit until the stream's consumer "
+        "(the Spark pipeline) writes what is there and releases it"
+    )
+
+
+async def _watch_full(producer: Producer, stream: str, console: Console) -> None:
+    """Say on stderr when ``stream`` stays full (batches wait, nothing is acknowledged)."""
+    loop = asyncio.get_running_loop()
+    since: float | None = None
+    acked = -1
+    said = False
+    while True:
+        await asyncio.sleep(0.25)
+        now = loop.time()
+        waiting = _waiting(producer, stream)
+        if waiting is None or waiting[0] != acked:
+            if said and since is not None:
+                console.print(
+                    f"headgate send: {stream} flows again after {now - since:.0f} s",
+                    markup=False,
+                    highlight=False,
+                    soft_wrap=True,
+                )
+            since, said = None, False
+            acked = -1 if waiting is None else waiting[0]
+            if waiting is not None:
+                since = now
+            continue
+        if since is None:
+            since = now
+        if not said and now - since >= FULL_AFTER_S:
+            console.print(
+                f"headgate send: {stream} is full for {now - since:.0f} s: {waiting[1]}",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+            said = True
+
+
 async def _send_all(
     producer: Producer,
     source: BinaryIO,
@@ -285,17 +340,23 @@ async def _send_all(
         report.interrupted = True
         return
     report.connected = True
-    with progress:
-        fed = await ctrl_c.run(_feed(producer, source, options, report, progress))
-        if fed and not ctrl_c.pressed:
-            report.interrupted = not await ctrl_c.run(producer.flush())
-            return
-        report.interrupted = True
-        if ctrl_c.pressed < 2:
-            # What was sent gets a moment to become durable; a second Ctrl-C,
-            # or a stream that stays full, ends the wait.
-            with contextlib.suppress(Exception):
-                await ctrl_c.run(producer.flush(), timeout=INTERRUPT_GRACE_S)
+    watcher = asyncio.create_task(_watch_full(producer, options.stream, progress.console))
+    try:
+        with progress:
+            fed = await ctrl_c.run(_feed(producer, source, options, report, progress))
+            if fed and not ctrl_c.pressed:
+                report.interrupted = not await ctrl_c.run(producer.flush())
+                return
+            report.interrupted = True
+            if ctrl_c.pressed < 2:
+                # What was sent gets a moment to become durable; a second
+                # Ctrl-C, or a stream that stays full, ends the wait.
+                with contextlib.suppress(Exception):
+                    await ctrl_c.run(producer.flush(), timeout=INTERRUPT_GRACE_S)
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
 
 
 async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
