@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import random
 import secrets
 import ssl as ssl_module
 from collections import deque
@@ -34,6 +33,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from headgate.client.address import GatewayAddress
+from headgate.client.backoff import Backoff
 from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
 from headgate.client.security import ClientSecurity
 from headgate.costs import batch_cost
@@ -361,6 +361,9 @@ class _Connection(asyncio.Protocol):
         self.last_read = loop.time()
         self.last_write = self.last_read
         self.keepalive: asyncio.TimerHandle | None = None
+        # Whether the gateway acknowledged a batch on this connection: what
+        # makes a short session healthy (see headgate.client.backoff).
+        self.progressed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -442,8 +445,12 @@ class Producer:
             larger than the bound goes alone, once the stream holds nothing.
         client_name: shown in the gateway's logs and dashboards.
         reconnect_timeout: how long to keep trying to reach the gateway
-            (from the moment the connection is lost, or ``connect`` starts)
-            before every pending and later call raises :class:`ProducerError`.
+            (from the moment ``connect`` starts, or a healthy session is
+            lost) before every pending and later call raises
+            :class:`ProducerError`. Pauses between attempts grow from 50 ms
+            to 2 s. A session the gateway closes before it acknowledged a
+            batch and within 5 s (or ``reconnect_timeout``, if shorter) of
+            its opening is one more failed attempt, not a fresh start.
         token: the authentication token for a gateway with a tokens file
             (``headgate token`` makes one); sent in Hello.
         ssl: a TLS context (see :func:`headgate.client.tls.client_context`,
@@ -1150,9 +1157,17 @@ class Producer:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._reconnect_timeout
-        delay = _BACKOFF_START
+        # A session the gateway closes soon after it opened counts as a
+        # failed attempt: backoff and deadline go on (no reconnect storm).
+        backoff = Backoff(
+            loop.time(),
+            give_up_after=self._reconnect_timeout,
+            first=_BACKOFF_START,
+            longest=_BACKOFF_MAX,
+        )
         while True:
+            deadline = backoff.deadline
+            assert deadline is not None
             try:
                 conn = await self._open(deadline)
             except _Fatal as exc:
@@ -1160,28 +1175,28 @@ class Producer:
                 return
             except (OSError, TimeoutError, _ConnectionFailed) as exc:
                 self._last_error = _describe(exc)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    self._fail(
-                        ProducerError(
-                            f"gave up on the gateway at {self._address} after trying for "
-                            f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
-                        )
-                    )
+                pause = backoff.failed(loop.time())
+            else:
+                opened = loop.time()
+                reason = await conn.closed
+                if conn.fatal is not None:
+                    self._fail(conn.fatal)
                     return
-                await asyncio.sleep(min(delay * random.uniform(0.8, 1.2), remaining))
-                delay = min(delay * 2, _BACKOFF_MAX)
-                continue
-            delay = _BACKOFF_START
-            reason = await conn.closed
-            if conn.fatal is not None:
-                self._fail(conn.fatal)
+                if self._closed:
+                    return
+                self._last_error = reason
+                self._reconnects += 1
+                pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
+            if pause is None:
+                self._fail(
+                    ProducerError(
+                        f"gave up on the gateway at {self._address} after trying for "
+                        f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
+                    )
+                )
                 return
-            if self._closed:
-                return
-            self._last_error = reason
-            self._reconnects += 1
-            deadline = loop.time() + self._reconnect_timeout
+            if pause > 0:
+                await asyncio.sleep(pause)
 
     async def _open(self, deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -1378,6 +1393,8 @@ class Producer:
             self._mark(s)
         else:
             unacked = s.unacked
+            if unacked and unacked[0].first_sequence < next_sequence:
+                conn.progressed = True
             while unacked and unacked[0].first_sequence < next_sequence:
                 self._acked(s, unacked.popleft(), ack.durable_position)
         self._wake(s)
