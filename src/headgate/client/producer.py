@@ -698,16 +698,14 @@ class Producer:
         s = await self._stream_for_send(stream)
         data = value if type(value) is bytes else _as_bytes(value, "value")
         key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
-        cost, extra = self._record_cost(s, data, key_data)
-        if s.space_waiters or not self._has_room(s, cost + extra):
-            await self._wait_room(s, cost + extra)
+        outcome = self._append(s, data, key_data)
+        if outcome < 0:
+            await self._wait_room(s, -outcome)
             try:
-                sealed = self._append(s, data, key_data)
+                outcome = self._append(s, data, key_data, admitted=True)
             finally:
                 self._admit(s)
-        else:
-            sealed = self._append(s, data, key_data)
-        if sealed:
+        if outcome:
             await self._after_seal(s)
         elif s.handle is None:
             self._pump()  # bind now, so the initial Ack is back before the batch is sealed
@@ -736,15 +734,25 @@ class Producer:
             self._start()
         data = value if type(value) is bytes else _as_bytes(value, "value")
         key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
-        cost, extra = self._record_cost(s, data, key_data)
-        if s.space_waiters or not self._has_room(s, cost + extra):
+        outcome = self._append(s, data, key_data)
+        if outcome < 0:
             raise BufferFull(stream, self._max_buffered)
-        if self._append(s, data, key_data) or s.handle is None:
+        if outcome or s.handle is None:
             self._pump()
 
-    def _record_cost(self, s: _Stream, value: bytes, key: bytes | None) -> tuple[int, int]:
-        """What a record adds to the open batch's block: its own bytes, and the
-        extra of switching the batch to the keyed layout; raises if it can never fit."""
+    def _append(
+        self, s: _Stream, value: bytes, key: bytes | None, *, admitted: bool = False
+    ) -> int:
+        """Add a record to the open batch, if the stream has room for it.
+
+        Returns True if a full batch was sealed first, False if not, or,
+        when the stream has no room for the record (and it was not
+        ``admitted`` by :meth:`_wait_room`), minus the bytes it needs, having
+        added nothing.
+
+        Raises:
+            ValueError: the record does not fit in any batch.
+        """
         if key is None and s.keys is None:
             cost, extra = len(value) + _RECORD_OVERHEAD, 0
         else:
@@ -756,11 +764,14 @@ class Producer:
                 f"batch of at most {self._limit} bytes (max_batch_bytes or the "
                 "gateway's max_message_size)"
             )
-        return cost, extra
-
-    def _append(self, s: _Stream, value: bytes, key: bytes | None) -> bool:
-        """Add a record to the open batch; True if a full batch was sealed first."""
-        cost, extra = self._record_cost(s, value, key)
+        # The comparison with s.room settles the common case (room, nobody
+        # waiting) as the fast path does; _has_room has the rule.
+        if (
+            s.buffered + s.open_bytes + cost + extra > s.room
+            and not admitted
+            and (s.space_waiters or not self._has_room(s, cost + extra))
+        ):
+            return -(cost + extra)
         sealed = False
         if s.open_bytes + cost + extra > self._limit:
             self._seal(s)
@@ -1022,7 +1033,9 @@ class Producer:
         await waiter
 
     async def _stream_for_send(self, name: str) -> _Stream:
-        s = self._stream(name)
+        s = self._streams.get(name)
+        if s is None or s.failure is not None or self._failure is not None:
+            s = self._stream(name)
         if self._conn is None and self._runner is None:
             await self.connect()
         return s
