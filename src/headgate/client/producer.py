@@ -13,11 +13,19 @@ transport draining). It visits only the streams marked as having work, one
 batch per stream per round, so a stream without credit never holds up another,
 and it hands the socket one write per round.
 
-Every batch stays in memory until the gateway acknowledges it durable. After a
-lost connection the producer reconnects with the same producer id, binds its
-streams again, learns from each stream's initial Ack where the gateway's copy
-ends, forgets what that covers and resends the rest with the same sequence
-numbers, which the gateway deduplicates.
+Every batch stays in memory until the gateway acknowledges it durable, so each
+stream holds at most ``max_buffered_bytes`` that are not acknowledged (its
+sealed batches and its open batch, however they were sealed): a send that
+would go beyond waits, in line, for acknowledgements to make room, and
+``send_nowait`` raises :class:`BufferFull` instead.
+
+After a lost connection the producer reconnects with the same producer id,
+binds its streams again, learns from each stream's initial Ack where the
+gateway's copy ends, forgets what that covers and resends the rest with the
+same sequence numbers, which the gateway deduplicates. It tries again with
+backoff and gives up after ``reconnect_timeout`` (see
+:mod:`headgate.client.backoff`), also when the gateway keeps closing
+sessions as soon as they open.
 """
 
 from __future__ import annotations
@@ -873,10 +881,10 @@ class Producer:
         RecordBatch/Table with a ``value`` column and an optional ``key``
         column. Arrow input is encoded without a Python loop per record. The
         records are split into batches of at most ``max_batch_bytes`` and
-        queued in one go, after anything sent before on the stream; then
-        first waits, as :meth:`send` does, until the stream's buffer has
-        room for all of them (their records stay consecutive), or holds
-        nothing for a call larger than ``max_buffered_bytes``.
+        queued in one go, after anything sent before on the stream, so that
+        their sequence numbers are consecutive. Before that it waits, as
+        :meth:`send` does, until the stream's buffer has room for all of
+        them, or holds nothing for a call larger than ``max_buffered_bytes``.
         """
         s = await self._stream_for_send(stream)
         blocks = self._encode_many(values, keys)
