@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from headgate.client import BufferFull, Producer, SyncProducer
+from headgate.client import BufferFull, Producer, ProducerError, SyncProducer
 from headgate.config import StreamSettings
 from tests.client.test_producer import (
     SMALL,
@@ -189,3 +189,76 @@ def test_sync_producer_blocks_at_max_buffered_bytes(tmp_path: Path) -> None:
             assert values_in_order(releaser.frames, producer_id) == values
 
     run(scenario(), timeout=60)
+
+
+LARGER = b"." * 200
+
+
+async def fill(p: Producer, stream: str) -> int:
+    """send_nowait until the stream stays full for 0.3 s; the records taken.
+
+    Its records are 98 bytes: a larger one certainly waits after it.
+    """
+    taken = 0
+    full_since: float | None = None
+    give_up = time.monotonic() + 8.0
+    while time.monotonic() < give_up:
+        try:
+            p.send_nowait(stream, b"f-%06d" % taken + b"." * 90)
+            taken += 1
+            full_since = None
+            if taken % 100 == 0:
+                await asyncio.sleep(0)
+        except BufferFull:
+            full_since = full_since or time.monotonic()
+            if time.monotonic() - full_since > 0.3:
+                return taken
+            await asyncio.sleep(0.01)
+    raise AssertionError("the stream never filled up")
+
+
+def test_a_cancelled_waiting_send_gives_its_turn_to_the_next(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with (
+            gateway(tmp_path, **SMALL, streams=STALLED) as gw,
+            Producer(gw.address, max_buffered_bytes=64 * KiB, linger_ms=2) as p,
+        ):
+            taken = await fill(p, "A")
+            first = asyncio.create_task(p.send("A", b"first" + LARGER))
+            second = asyncio.create_task(p.send("A", b"second" + LARGER))
+            await asyncio.sleep(0.1)
+            assert not first.done() and not second.done()
+            first.cancel()
+            releaser = Releaser(gw, tmp_path, "A")
+
+            async def rest() -> None:
+                await second
+                await p.flush("A")
+
+            done = asyncio.ensure_future(rest())
+            await releaser.run_until(done)
+            await done
+            releaser.close()
+            assert first.cancelled()
+            stored = values_in_order(releaser.frames, p.producer_id)
+            assert len(stored) == taken + 1 and stored[-1] == b"second" + LARGER
+
+    run(scenario(), timeout=30)
+
+
+def test_sends_waiting_for_room_raise_when_the_producer_is_aborted(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL, streams=STALLED) as gw:
+            p = Producer(gw.address, max_buffered_bytes=64 * KiB, linger_ms=2)
+            await p.connect()
+            await fill(p, "A")
+            waiting = asyncio.create_task(p.send("A", b"late" + LARGER))
+            bulk = asyncio.create_task(p.send_many("A", [b"bulk" + LARGER] * 10))
+            await asyncio.sleep(0.1)
+            assert not waiting.done() and not bulk.done()
+            await p.abort()
+            for task in (waiting, bulk):
+                with pytest.raises(ProducerError, match="closed"):
+                    await task
+
+    run(scenario(), timeout=30)
