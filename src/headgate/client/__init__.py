@@ -13,7 +13,7 @@ takes the gateway's address as ``host:port`` or ``unix:PATH``
 
 from headgate.client.address import GatewayAddress
 from headgate.client.control import ReleaseClient, ReleaseStatistics
-from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
+from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
 from headgate.client.producer import (
     BatchResult,
     Delivery,
@@ -27,6 +27,7 @@ from headgate.client.sync import SyncProducer
 
 __all__ = [
     "BatchResult",
+    "BufferFull",
     "ClientSecurity",
     "Delivery",
     "GatewayAddress",

@@ -14,7 +14,9 @@ before it was applied; only then is a position *settled*. Positions that are
 not settled when a connection is lost are sent again on the next one
 (a Release at or below the gateway's current position changes nothing, so
 sending one twice is harmless). The connection is re-established with
-exponential backoff, forever, until :meth:`ReleaseClient.close`.
+exponential backoff, forever, until :meth:`ReleaseClient.close`; a session
+that the gateway closes within seconds of its opening counts as a failed
+attempt, so the pauses keep growing (:mod:`headgate.client.backoff`).
 
 A gateway that answers a Release with an Error (an unknown stream, or a
 position beyond its log's tail, as after a gateway lost data it had not made
@@ -39,6 +41,7 @@ import time
 from dataclasses import dataclass
 
 from headgate.client.address import GatewayAddress
+from headgate.client.backoff import Backoff
 from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -219,7 +222,13 @@ class ReleaseClient:
     # -- the background thread ---------------------------------------------------------
 
     def _run(self) -> None:
-        backoff = _BACKOFF_START
+        backoff = Backoff(
+            time.monotonic(),
+            give_up_after=None,
+            first=_BACKOFF_START,
+            longest=self._max_backoff,
+            jitter=0.0,
+        )
         while True:
             with self._lock:
                 if self._closing:
@@ -239,10 +248,9 @@ class ReleaseClient:
                         level = logging.ERROR  # waiting will not fix it by itself
                     log.log(level, "cannot reach the gateway at %s: %s", self.address, reason)
                 self._last_error = reason
-                self._sleep(backoff)
-                backoff = min(backoff * 2, self._max_backoff)
+                self._sleep(backoff.failed(time.monotonic()) or 0.0)
                 continue
-            backoff = _BACKOFF_START
+            opened = time.monotonic()
             with self._lock:
                 self._connected = True
                 self._connections += 1
@@ -257,6 +265,14 @@ class ReleaseClient:
                 with self._lock:
                     self._connected = False
                 sock.close()
+            with self._lock:
+                if self._closing:
+                    return
+            # Releases carry no acknowledgement worth the name: only time
+            # makes a session healthy.
+            pause = backoff.ended(opened, time.monotonic(), progressed=False)
+            if pause:
+                self._sleep(pause)
 
     def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(OSError, ValueError):

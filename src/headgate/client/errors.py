@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from headgate.protocol.errors import ErrorCode
 
-__all__ = ["ProducerError", "SessionRefused", "StreamRefused"]
+__all__ = ["BufferFull", "ProducerError", "SessionRefused", "StreamRefused"]
 
 
 class ProducerError(Exception):
@@ -46,3 +46,24 @@ class StreamRefused(ProducerError):
         self.code = code
         #: The gateway's explanation, for people.
         self.text = text
+
+
+class BufferFull(Exception):
+    """``Producer.send_nowait`` took nothing: the stream's buffer is full.
+
+    A stream holds at most ``max_buffered_bytes`` of records the gateway has
+    not acknowledged yet; this is the backpressure of a stream whose
+    consumer is behind, not a failure, and nothing was lost. Await
+    ``Producer.send`` (which waits for room) or try again later. It is not
+    a :class:`ProducerError`, which means records cannot be delivered.
+    """
+
+    def __init__(self, stream: str, limit: int) -> None:
+        super().__init__(
+            f"stream {stream!r} already holds max_buffered_bytes ({limit}) that the gateway "
+            "has not acknowledged; await send() to wait for room"
+        )
+        #: The stream whose buffer is full.
+        self.stream = stream
+        #: Its bound, ``max_buffered_bytes``.
+        self.limit = limit

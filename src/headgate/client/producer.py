@@ -13,18 +13,25 @@ transport draining). It visits only the streams marked as having work, one
 batch per stream per round, so a stream without credit never holds up another,
 and it hands the socket one write per round.
 
-Every batch stays in memory until the gateway acknowledges it durable. After a
-lost connection the producer reconnects with the same producer id, binds its
-streams again, learns from each stream's initial Ack where the gateway's copy
-ends, forgets what that covers and resends the rest with the same sequence
-numbers, which the gateway deduplicates.
+Every batch stays in memory until the gateway acknowledges it durable, so each
+stream holds at most ``max_buffered_bytes`` that are not acknowledged (its
+sealed batches and its open batch, however they were sealed): a send that
+would go beyond waits, in line, for acknowledgements to make room, and
+``send_nowait`` raises :class:`BufferFull` instead.
+
+After a lost connection the producer reconnects with the same producer id,
+binds its streams again, learns from each stream's initial Ack where the
+gateway's copy ends, forgets what that covers and resends the rest with the
+same sequence numbers, which the gateway deduplicates. It tries again with
+backoff and gives up after ``reconnect_timeout`` (see
+:mod:`headgate.client.backoff`), also when the gateway keeps closing
+sessions as soon as they open.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
-import random
 import secrets
 import ssl as ssl_module
 from collections import deque
@@ -34,7 +41,8 @@ from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from headgate.client.address import GatewayAddress
-from headgate.client.errors import ProducerError, SessionRefused, StreamRefused
+from headgate.client.backoff import Backoff
+from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
 from headgate.client.security import ClientSecurity
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
@@ -207,7 +215,8 @@ class StreamStatistics:
     batches_queued: int
     #: Batches sent and not yet acknowledged.
     batches_in_flight: int
-    #: Bytes of sealed batches not yet acknowledged (bounded by max_buffered_bytes).
+    #: Bytes held for the stream and not yet acknowledged: the records blocks
+    #: of its sealed batches plus the open batch's (what max_buffered_bytes bounds).
     buffered_bytes: int
     #: Batches the gateway dropped (optimistic policy) and the session resent.
     batches_dropped: int
@@ -282,6 +291,7 @@ class _Stream:
         "records_acked",
         "records_sent",
         "refusal_reported",
+        "room",
         "scheduled",
         "sealed_batches",
         "space_waiters",
@@ -290,7 +300,7 @@ class _Stream:
         "values",
     )
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, room: int) -> None:
         self.name = name
         # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
@@ -302,7 +312,12 @@ class _Stream:
         # Sealed batches: waiting to be sent on this connection, then sent.
         self.queue: deque[_Batch] = deque()
         self.unacked: deque[_Batch] = deque()
+        # Bytes of the sealed batches' blocks, queued or in flight.
         self.buffered = 0
+        # What send's fast path lets buffered plus the open batch reach:
+        # max_buffered_bytes, or 0 while a send waits for room, so that
+        # later sends queue behind it (see Producer._admit).
+        self.room = room
         self.sealed_batches = 0
         self.acked_batches = 0
         self.next_sequence: int | None = None
@@ -313,7 +328,9 @@ class _Stream:
         self.failure: ProducerError | None = None
         self.refusal_reported = False
         self.flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self.space_waiters: list[asyncio.Future[None]] = []
+        # Sends waiting for room, in order, with the bytes each needs; the
+        # first one's future is resolved when it may go.
+        self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self.records_sent = 0
         self.records_acked = 0
         self.bytes_sent = 0
@@ -352,6 +369,9 @@ class _Connection(asyncio.Protocol):
         self.last_read = loop.time()
         self.last_write = self.last_read
         self.keepalive: asyncio.TimerHandle | None = None
+        # Whether the gateway acknowledged a batch on this connection: what
+        # makes a short session healthy (see headgate.client.backoff).
+        self.progressed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -424,12 +444,21 @@ class Producer:
             full or not.
         max_batch_bytes: the largest records block per batch (also bounded by
             the gateway's max_message_size).
-        max_buffered_bytes: per stream, the sealed but unacknowledged bytes
-            beyond which ``send`` waits.
+        max_buffered_bytes: per stream, the most bytes of records the gateway
+            has not acknowledged yet (the records blocks of sealed batches,
+            queued or in flight, plus the open batch), however its batches
+            were sealed. A record that would go beyond it makes ``send`` and
+            ``send_many`` wait, and ``send_nowait`` raise :class:`BufferFull`,
+            until acknowledgements make room; a record or ``send_many`` call
+            larger than the bound goes alone, once the stream holds nothing.
         client_name: shown in the gateway's logs and dashboards.
         reconnect_timeout: how long to keep trying to reach the gateway
-            (from the moment the connection is lost, or ``connect`` starts)
-            before every pending and later call raises :class:`ProducerError`.
+            (from the moment ``connect`` starts, or a healthy session is
+            lost) before every pending and later call raises
+            :class:`ProducerError`. Pauses between attempts grow from 50 ms
+            to 2 s. A session the gateway closes before it acknowledged a
+            batch and within 5 s (or ``reconnect_timeout``, if shorter) of
+            its opening is one more failed attempt, not a fresh start.
         token: the authentication token for a gateway with a tokens file
             (``headgate token`` makes one); sent in Hello.
         ssl: a TLS context (see :func:`headgate.client.tls.client_context`,
@@ -555,11 +584,16 @@ class Producer:
             return
         loop = asyncio.get_running_loop()
         if self._runner is None:
-            self._loop = loop
-            self._runner = loop.create_task(self._run(), name="headgate-producer")
+            self._start()
         waiter: asyncio.Future[None] = loop.create_future()
         self._connect_waiters.append(waiter)
         await waiter
+
+    def _start(self) -> None:
+        """Start connecting in the background (from the event loop's thread)."""
+        loop = asyncio.get_running_loop()
+        self._loop = loop
+        self._runner = loop.create_task(self._run(), name="headgate-producer")
 
     async def close(self) -> None:
         """Flush every stream, say Goodbye and close; idempotent.
@@ -616,9 +650,10 @@ class Producer:
     async def send(self, stream: str, value: bytes, key: bytes | None = None) -> None:
         """Append one record to ``stream``; await the result.
 
-        Completes at once while the stream's buffer allows, and waits only
-        when the stream's sealed but unacknowledged bytes exceed
-        ``max_buffered_bytes``. Durability is :meth:`flush`'s business.
+        Completes at once while the stream's buffer has room, and waits,
+        in line with the stream's other waiting sends, while the record would
+        take the stream's unacknowledged bytes beyond ``max_buffered_bytes``.
+        Durability is :meth:`flush`'s business.
 
         Raises:
             StreamRefused: the gateway refused this stream.
@@ -626,8 +661,9 @@ class Producer:
             ValueError: the record alone exceeds the batch size limit.
         """
         # The fast path: the stream exists and is healthy, there are no keys
-        # in the open batch, and the record fits. Everything else (and every
-        # check that needs to wait or raise) is in _send_slow.
+        # in the open batch, and the record fits in the batch and in the
+        # stream's room. Everything else (and every check that needs to wait
+        # or raise) is in _send_slow.
         s = self._streams.get(stream)
         if (
             s is not None
@@ -637,7 +673,7 @@ class Producer:
             and type(value) is bytes
         ):
             size = s.open_bytes + len(value) + _RECORD_OVERHEAD
-            if size <= self._limit:
+            if size <= self._limit and s.buffered + size <= s.room:
                 values = s.values
                 if not values:
                     self._arm_linger(s)
@@ -651,12 +687,13 @@ class Producer:
 
         For callers that feed many records from inside the loop (the sync
         wrapper's drainer), where a coroutine per record is most of the cost.
+        False also when the stream has no room: send() waits for it.
         """
         s = self._streams.get(stream)
         if s is None or s.keys is not None or s.failure is not None or type(value) is not bytes:
             return False
         size = s.open_bytes + len(value) + _RECORD_OVERHEAD
-        if size > self._limit:
+        if size > self._limit or s.buffered + size > s.room:
             return False
         values = s.values
         if not values:
@@ -669,13 +706,61 @@ class Producer:
         s = await self._stream_for_send(stream)
         data = value if type(value) is bytes else _as_bytes(value, "value")
         key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
-        if self._append(s, data, key_data):
+        outcome = self._append(s, data, key_data)
+        if outcome < 0:
+            await self._wait_room(s, -outcome)
+            try:
+                outcome = self._append(s, data, key_data, admitted=True)
+            finally:
+                self._admit(s)
+        if outcome:
             await self._after_seal(s)
         elif s.handle is None:
             self._pump()  # bind now, so the initial Ack is back before the batch is sealed
 
-    def _append(self, s: _Stream, value: bytes, key: bytes | None) -> bool:
-        """Add a record to the open batch; True if a full batch was sealed first."""
+    def send_nowait(self, stream: str, value: bytes, key: bytes | None = None) -> None:
+        """Append one record to ``stream`` if its buffer has room; never waits.
+
+        For code that must not suspend: it takes the record as :meth:`send`
+        does, or raises :class:`BufferFull` where :meth:`send` would wait.
+        A stream not bound yet, or a producer not connected yet, is no
+        reason to refuse: the record waits for the session with the others
+        (the first call starts connecting, so call it from the event loop's
+        thread). It never yields to the event loop either, so a loop of
+        these calls must await something now and then for batches to go out.
+
+        Raises:
+            BufferFull: the record would take the stream beyond ``max_buffered_bytes``
+                (or sends are already waiting for room); nothing was taken.
+            StreamRefused: the gateway refused this stream.
+            ProducerError: the producer gave up or is closed.
+            ValueError: the record alone exceeds the batch size limit.
+            TypeError: the value or key is not bytes.
+        """
+        s = self._stream(stream)
+        if self._runner is None:
+            self._start()
+        data = value if type(value) is bytes else _as_bytes(value, "value")
+        key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
+        outcome = self._append(s, data, key_data)
+        if outcome < 0:
+            raise BufferFull(stream, self._max_buffered)
+        if outcome or s.handle is None:
+            self._pump()
+
+    def _append(
+        self, s: _Stream, value: bytes, key: bytes | None, *, admitted: bool = False
+    ) -> int:
+        """Add a record to the open batch, if the stream has room for it.
+
+        Returns True if a full batch was sealed first, False if not, or,
+        when the stream has no room for the record (and it was not
+        ``admitted`` by :meth:`_wait_room`), minus the bytes it needs, having
+        added nothing.
+
+        Raises:
+            ValueError: the record does not fit in any batch.
+        """
         if key is None and s.keys is None:
             cost, extra = len(value) + _RECORD_OVERHEAD, 0
         else:
@@ -687,6 +772,14 @@ class Producer:
                 f"batch of at most {self._limit} bytes (max_batch_bytes or the "
                 "gateway's max_message_size)"
             )
+        # The comparison with s.room settles the common case (room, nobody
+        # waiting) as the fast path does; _has_room has the rule.
+        if (
+            s.buffered + s.open_bytes + cost + extra > s.room
+            and not admitted
+            and (s.space_waiters or not self._has_room(s, cost + extra))
+        ):
+            return -(cost + extra)
         sealed = False
         if s.open_bytes + cost + extra > self._limit:
             self._seal(s)
@@ -712,12 +805,69 @@ class Producer:
 
     async def _after_seal(self, s: _Stream) -> None:
         self._pump()
-        if s.buffered > self._max_buffered:
-            await self._wait_space(s)
-        else:
-            # A caller that never suspends would starve the reader of acks
-            # and guarantees; one yield per sealed batch keeps them flowing.
-            await asyncio.sleep(0)
+        # A caller that never suspends would starve the reader of acks and
+        # guarantees; one yield per sealed batch keeps them flowing.
+        await asyncio.sleep(0)
+
+    # -- the bound on buffered bytes ----------------------------------------------------
+
+    def _has_room(self, s: _Stream, needed: int) -> bool:
+        """Whether ``needed`` more bytes keep ``s`` within ``max_buffered_bytes``.
+
+        What counts is everything not acknowledged: the sealed batches'
+        blocks and the open batch's (as its size estimate). A stream that
+        holds nothing takes anything, so that a record or call larger than
+        the bound still goes, alone. The fast paths of send and
+        _append_nowait make the same comparison against ``s.room``.
+        """
+        if s.buffered == 0 and not s.values:
+            return True
+        return s.buffered + s.open_bytes + needed <= self._max_buffered
+
+    async def _wait_room(self, s: _Stream, needed: int) -> None:
+        """Wait, behind the stream's earlier waiting sends, until ``needed`` bytes fit.
+
+        The caller appends its records as soon as this returns (without
+        suspending), then calls :meth:`_admit` to let the next one in.
+        """
+        # Only acknowledgements make room, so the open batch goes now
+        # rather than after its linger time.
+        self._seal(s)
+        self._pump()
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (needed, waiter)
+        waiters = s.space_waiters
+        waiters.append(entry)
+        s.room = 0  # later sends queue behind this one
+        try:
+            self._admit(s)
+            await waiter
+        except BaseException:
+            if entry in waiters:
+                waiters.remove(entry)
+                self._admit(s)  # it may have been this one's turn
+            if s.failure is not None:
+                s.refusal_reported = True
+            raise
+        if waiters and waiters[0] is entry:
+            waiters.popleft()
+        if s.failure is not None:
+            s.refusal_reported = True
+            raise s.failure
+
+    def _admit(self, s: _Stream) -> None:
+        """Let the first waiting send go if it fits now; with none waiting, reopen the fast path.
+
+        One at a time: a send let in stays first in line until it has
+        appended, so that nothing overtakes it, then calls this again.
+        """
+        waiters = s.space_waiters
+        if not waiters:
+            s.room = self._max_buffered
+            return
+        needed, waiter = waiters[0]
+        if not waiter.done() and self._has_room(s, needed):
+            waiter.set_result(None)
 
     async def send_many(
         self,
@@ -731,20 +881,26 @@ class Producer:
         RecordBatch/Table with a ``value`` column and an optional ``key``
         column. Arrow input is encoded without a Python loop per record. The
         records are split into batches of at most ``max_batch_bytes`` and
-        queued in one go, after anything sent before on the stream; then
-        this waits while the stream's buffer is over ``max_buffered_bytes``.
+        queued in one go, after anything sent before on the stream, so that
+        their sequence numbers are consecutive. Before that it waits, as
+        :meth:`send` does, until the stream's buffer has room for all of
+        them, or holds nothing for a call larger than ``max_buffered_bytes``.
         """
         s = await self._stream_for_send(stream)
         blocks = self._encode_many(values, keys)
+        needed = sum(len(block) for block, _ in blocks)
+        waited = bool(s.space_waiters) or not self._has_room(s, needed)
+        if waited:
+            await self._wait_room(s, needed)
         self._seal(s)
         delivery = Delivery(stream)
         for block, count in blocks:
             self._enqueue(s, block, count, delivery)
         if not blocks:
             delivery._result = BatchResult(stream, s.next_sequence or 0, 0, 0)
+        if waited:
+            self._admit(s)
         self._pump()
-        if s.buffered > self._max_buffered:
-            await self._wait_space(s)
         return delivery
 
     def _encode_many(self, values: object, keys: object) -> list[tuple[bytes, int]]:
@@ -884,16 +1040,16 @@ class Producer:
         s.flush_waiters.append((target, waiter))
         await waiter
 
-    async def _wait_space(self, s: _Stream) -> None:
-        while s.buffered > self._max_buffered and s.failure is None:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            s.space_waiters.append(waiter)
-            await waiter
-        if s.failure is not None:
-            s.refusal_reported = True
-            raise s.failure
-
     async def _stream_for_send(self, name: str) -> _Stream:
+        s = self._streams.get(name)
+        if s is None or s.failure is not None or self._failure is not None:
+            s = self._stream(name)
+        if self._conn is None and self._runner is None:
+            await self.connect()
+        return s
+
+    def _stream(self, name: str) -> _Stream:
+        """The stream to send on, made on first use; raises its failure or the producer's."""
         if self._failure is not None:
             raise self._failure
         s = self._streams.get(name)
@@ -903,13 +1059,11 @@ class Producer:
             # The gateway would refuse a bad name only after a round trip;
             # the encoder knows the rules now.
             m.encode_message(m.BindStream(stream=name))
-            s = self._streams[name] = _Stream(name)
+            s = self._streams[name] = _Stream(name, self._max_buffered)
             self._mark(s)
         if s.failure is not None:
             s.refusal_reported = True
             raise s.failure
-        if self._conn is None and self._runner is None:
-            await self.connect()
         return s
 
     # -- batches ------------------------------------------------------------------
@@ -1024,9 +1178,17 @@ class Producer:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._reconnect_timeout
-        delay = _BACKOFF_START
+        # A session the gateway closes soon after it opened counts as a
+        # failed attempt: backoff and deadline go on (no reconnect storm).
+        backoff = Backoff(
+            loop.time(),
+            give_up_after=self._reconnect_timeout,
+            first=_BACKOFF_START,
+            longest=_BACKOFF_MAX,
+        )
         while True:
+            deadline = backoff.deadline
+            assert deadline is not None
             try:
                 conn = await self._open(deadline)
             except _Fatal as exc:
@@ -1034,28 +1196,28 @@ class Producer:
                 return
             except (OSError, TimeoutError, _ConnectionFailed) as exc:
                 self._last_error = _describe(exc)
-                remaining = deadline - loop.time()
-                if remaining <= 0:
-                    self._fail(
-                        ProducerError(
-                            f"gave up on the gateway at {self._address} after trying for "
-                            f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
-                        )
-                    )
+                pause = backoff.failed(loop.time())
+            else:
+                opened = loop.time()
+                reason = await conn.closed
+                if conn.fatal is not None:
+                    self._fail(conn.fatal)
                     return
-                await asyncio.sleep(min(delay * random.uniform(0.8, 1.2), remaining))
-                delay = min(delay * 2, _BACKOFF_MAX)
-                continue
-            delay = _BACKOFF_START
-            reason = await conn.closed
-            if conn.fatal is not None:
-                self._fail(conn.fatal)
+                if self._closed:
+                    return
+                self._last_error = reason
+                self._reconnects += 1
+                pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
+            if pause is None:
+                self._fail(
+                    ProducerError(
+                        f"gave up on the gateway at {self._address} after trying for "
+                        f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
+                    )
+                )
                 return
-            if self._closed:
-                return
-            self._last_error = reason
-            self._reconnects += 1
-            deadline = loop.time() + self._reconnect_timeout
+            if pause > 0:
+                await asyncio.sleep(pause)
 
     async def _open(self, deadline: float) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -1252,6 +1414,8 @@ class Producer:
             self._mark(s)
         else:
             unacked = s.unacked
+            if unacked and unacked[0].first_sequence < next_sequence:
+                conn.progressed = True
             while unacked and unacked[0].first_sequence < next_sequence:
                 self._acked(s, unacked.popleft(), ack.durable_position)
         self._wake(s)
@@ -1276,11 +1440,8 @@ class Producer:
                 else:
                     remaining.append((target, waiter))
             s.flush_waiters = remaining
-        if s.space_waiters and s.buffered <= self._max_buffered:
-            for waiter in s.space_waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
-            s.space_waiters.clear()
+        if s.space_waiters:
+            self._admit(s)
 
     def _refuse(self, s: _Stream, error: ProducerError) -> None:
         """Stream ``s`` can deliver nothing more: fail everything waiting on it."""
@@ -1303,7 +1464,7 @@ class Producer:
             if not waiter.done():
                 waiter.set_exception(error)
         s.flush_waiters.clear()
-        for waiter in s.space_waiters:
+        for _, waiter in s.space_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
         s.space_waiters.clear()
@@ -1341,7 +1502,7 @@ class Producer:
                 open_records=len(s.values),
                 batches_queued=len(s.queue),
                 batches_in_flight=len(s.unacked),
-                buffered_bytes=s.buffered,
+                buffered_bytes=s.buffered + (s.open_bytes if s.values else 0),
                 batches_dropped=s.batches_dropped,
                 next_sequence=s.next_sequence,
                 guarantees=guarantees,

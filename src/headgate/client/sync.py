@@ -55,7 +55,10 @@ class SyncProducer:
         handoff_records: records buffered in the calling thread before the
             background loop is woken to take them.
         max_pending_records: beyond this many records not yet taken by the
-            background loop, ``send`` blocks until it catches up.
+            background loop, ``send`` blocks until it catches up. The loop
+            stops taking a stream's records while the stream holds
+            ``max_buffered_bytes`` the gateway has not acknowledged, so the
+            records in memory are at most that per stream, plus these.
         connect_timeout: how long the constructor waits for the session.
         **options: passed to :class:`~headgate.client.Producer`.
 
@@ -135,7 +138,11 @@ class SyncProducer:
     # -- the calling thread's side ---------------------------------------------
 
     def send(self, stream: str, value: bytes, key: bytes | None = None) -> None:
-        """Queue one record; blocks only when the background loop is far behind."""
+        """Queue one record; blocks only when the background loop is far behind.
+
+        It falls behind when a stream's buffer is full (``max_buffered_bytes``):
+        then ``send`` blocks, as :meth:`Producer.send` waits.
+        """
         if self._fatal is not None:
             raise self._fatal
         if type(value) is not bytes:
