@@ -481,6 +481,16 @@ class ServerChannel(Generic[T]):
 
     # -- closing --
 
+    def close_sending(self) -> None:
+        """The client will send nothing more here: it freed the channel's handle.
+
+        The same as a LimitSending of zero, which its FreeHandle makes
+        needless: what guarantees it held are given up at once, and buffered
+        messages stay until processed.
+        """
+        self._send_bound = 0
+        self._trim_to_bounds()
+
     def limit_receiving(self, bound: int) -> LimitReceiving:
         """Promise to accept at most ``bound`` more bytes; zero closes the channel.
 
