@@ -759,6 +759,8 @@ class Session:
         while queue and out is not None:
             payload = queue[0]
             size = self._data_cost(len(payload))
+            if not out.fits_bounds(size):
+                return  # the peer's LimitReceiving leaves it no room: it waits, unsent
             if not out.can_send(size) and not self._optimistic:
                 return
             queue.popleft()
