@@ -13,13 +13,17 @@ no guarantee is issued while the stream is held.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from headgate.config import FlowSettings
+from headgate.client import Producer
+from headgate.config import FlowSettings, StreamSettings
 from headgate.costs import batch_cost
 from headgate.gateway.policies import Flow, make_flow
 from headgate.gateway.streams import Stream, Writer
@@ -30,6 +34,7 @@ from headgate.protocol.frames import IssueGuarantees
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import BatchReceived, Role, Session, StreamBound
 from tests._small_disk import SmallDisk, small_disk
+from tests.client.test_producer import gateway, run
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -201,3 +206,83 @@ def test_a_full_disk_bounds_what_every_policy_holds_in_memory(disk: SmallDisk, p
     assert rig.stream.storage_error is None
     assert rig.held_bytes() == 0
     assert rig.stream.dedup[7] == rig.sequence
+
+
+# --- the same against a real gateway --------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["window", "xonxoff"])
+def test_a_real_gateway_holds_no_more_under_window_or_xonxoff_when_the_disk_fills(
+    tmp_path: Path, policy: str
+) -> None:
+    # In-process, so the disk must be a tmpfs (the fallback would limit the
+    # file size of the test process itself).
+    with small_disk(tmp_path, 2 * MiB) as disk:
+        if disk.mode != "tmpfs":
+            pytest.skip("needs a tmpfs to fill (mount not permitted)")
+        run(_real_gateway_scenario(disk, policy), timeout=60)
+
+
+async def _real_gateway_scenario(disk: SmallDisk, policy: str) -> None:
+    data_dir = disk.directory / "data"
+    async with gateway(
+        data_dir,
+        term_length=64 * KiB,
+        max_message_size=16 * KiB,
+        streams={
+            "s": StreamSettings(capacity=4 * MiB, policy=policy, window=WINDOW, xoff=XOFF, xon=XON)
+        },
+    ) as gw:
+        producer = Producer(
+            gw.address,
+            producer_id=7,
+            policy="window" if policy == "window" else "wait",
+            linger_ms=1,
+            max_batch_bytes=2 * KiB,
+            max_buffered_bytes=4 * MiB,
+        )
+        await producer.connect()
+        sent = 0
+
+        async def send_forever() -> None:
+            nonlocal sent
+            for i in range(200_000):  # bounded; cancelled long before
+                await producer.send("s", b"%08d" % i + b"v" * 200)
+                sent += 1
+
+        sending = asyncio.create_task(send_forever())
+        try:
+            await until(lambda: terms_reserved(data_dir), 20, "term 1")
+            disk.fill(os.getpid())
+            await until(
+                lambda: producer.statistics().streams["s"].storage_full is not None,
+                20,
+                "the STORAGE_FULL notice",
+            )
+            flow = gw.flow(gw.streams["s"])
+            await asyncio.sleep(0.5)  # whatever was on its way arrives
+            held = flow.statistics().held_bytes
+            sent_then = sent
+            await asyncio.sleep(1.0)  # the producer keeps trying
+            stats = flow.statistics()
+            if policy == "window":
+                assert stats.peak_held_bytes <= WINDOW * batch_cost(16 * KiB)
+            else:
+                assert stats.paused
+            # Nothing more was taken into memory, whatever the producer tried.
+            assert stats.held_bytes == held, (held, stats.held_bytes, sent - sent_then)
+        finally:
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sending
+            disk.free(os.getpid())
+        await until(lambda: gw.streams["s"].storage_error is None, 20, "recovery")
+        await until(lambda: flow.statistics().held_bytes == 0, 20, "the held batches stored")
+        await producer.abort()  # what it still buffers would fill the small disk again
+
+
+async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)

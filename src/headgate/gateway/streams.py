@@ -130,8 +130,8 @@ class Writer:
     throttle: Callable[[str, bool], None] | None = None
     #: The connection's account, charged for the fan-out a batch causes.
     account: Account | None = None
-    #: Ends the connection with an error, for a batch found out of order only
-    #: when a policy stores it later (on arrival the caller refuses it).
+    #: Ends the connection with an error, for a held batch the stream refuses
+    #: when it stores it later (checked on arrival, so only a bug does that).
     refuse: Callable[[ProtocolError], None] | None = None
     #: Whom the writer's share is counted for (see :func:`fair_shares`): the
     #: token's name where the gateway has a tokens file; None: its connection.
