@@ -230,7 +230,11 @@ async def _real_gateway_scenario(disk: SmallDisk, policy: str) -> None:
         term_length=64 * KiB,
         max_message_size=16 * KiB,
         streams={
-            "s": StreamSettings(capacity=4 * MiB, policy=policy, window=WINDOW, xoff=XOFF, xon=XON)
+            # xoff far above where the disk fills, however fast the producer
+            # was when the test filled it: the pause must come from held bytes.
+            "s": StreamSettings(
+                capacity=4 * MiB, policy=policy, window=WINDOW, xoff=1 * MiB, xon=256 * KiB
+            )
         },
     ) as gw:
         producer = Producer(
