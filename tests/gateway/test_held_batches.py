@@ -219,7 +219,9 @@ def test_a_real_gateway_holds_no_more_under_window_or_xonxoff_when_the_disk_fill
     # file size of the test process itself).
     with small_disk(tmp_path, 2 * MiB) as disk:
         if disk.mode != "tmpfs":
-            pytest.skip("needs a tmpfs to fill (mount not permitted)")
+            pytest.skip(
+                "needs a tmpfs to fill (mounting not permitted, or HEADGATE_TEST_DISK=rlimit)"
+            )
         run(_real_gateway_scenario(disk, policy), timeout=60)
 
 
