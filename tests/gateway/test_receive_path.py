@@ -11,6 +11,7 @@ import pytest
 
 from headgate.costs import batch_cost
 from headgate.gateway import Gateway, GatewayConnection, Stream
+from headgate.gateway.streams import AppendOutcome
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import encode_records
@@ -107,7 +108,7 @@ async def test_a_failing_append_ends_only_its_connection_and_every_loan_is_repai
             )
         real_append = Stream.append
 
-        def append(self: Stream, *args: Any, **kwargs: Any) -> bool:
+        def append(self: Stream, *args: Any, **kwargs: Any) -> AppendOutcome:
             if self.name == "broken":
                 raise RuntimeError("a bug in the log writer")
             return real_append(self, *args, **kwargs)

@@ -139,8 +139,8 @@ class ChannelPair(RuleBasedStateMachine):
         # A client that will resend what is in doubt leaves room for it.
         bound = self.client.statistics().queued_bytes + extra
         current = self.client.send_bound
-        if current is not None and bound > current:
-            return
+        if current is not None and bound >= current:
+            return  # LCMUX: a new bound must strictly tighten
         self.limited = True
         self.to_server.append(self.client.limit_sending(bound))
 
@@ -175,12 +175,12 @@ class ChannelPair(RuleBasedStateMachine):
 
     @rule(slack=st.integers(0, 10))
     def server_limits_receiving(self, slack: int) -> None:
-        # Only limits that revoke no issued guarantee: with messages in flight
-        # a revocation may drop a guaranteed one (documented in limit_receiving).
+        # Only limits that revoke no issued guarantee: limit_receiving refuses
+        # those, since a message in flight may be a guaranteed one.
         bound = max(0, self.server.client_guarantees) + self.server.issuable + slack
         current = self.server.receive_bound
-        if current is not None and bound > current:
-            return
+        if current is not None and bound >= current:
+            return  # LCMUX: a new bound must strictly tighten
         self.limited = True
         self.to_client.append(self.server.limit_receiving(bound))
 
@@ -325,7 +325,8 @@ class Reference:
 
 
 CreatorWireItem = Bind | Reference | FreeHandle | Apologise
-KeeperWireItem = IssueGuarantees | AnnounceDropping | Reference | FreeHandle
+# LimitReceiving never comes: the bind channel here has no receive bound.
+KeeperWireItem = IssueGuarantees | LimitReceiving | AnnounceDropping | Reference | FreeHandle
 
 
 class HandlePeers(RuleBasedStateMachine):
@@ -522,7 +523,7 @@ class HandlePeers(RuleBasedStateMachine):
             assert referenced.value == self.value_of(item.handle)
             self.creator_buffer.append(item.handle)
         else:
-            assert not item.mine
+            assert isinstance(item, FreeHandle) and not item.mine
             freed = self.creator.on_free(item.handle)
             assert isinstance(freed, Freed)
             if freed.reply is not None:

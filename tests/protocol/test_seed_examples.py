@@ -365,6 +365,17 @@ def test_server_limits_receiving_to_two_bytes_and_blocks_off_three() -> None:
     assert_server(server, capacity=5, buffered=[], issuable=0)
     assert client.guarantees == 5
 
+    # LCMUX's diagram limits at once, revoking three issued guarantees. Had
+    # a guaranteed message been in flight, it would be dropped, which the
+    # seed forbids ("not allowed to drop messages for which it had
+    # previously guaranteed buffer capacity"), and the server cannot know.
+    # So headgate refuses that bound, and gets there by a Plead first.
+    with pytest.raises(ValueError):
+        server.limit_receiving(2)
+    assert_server(server, capacity=5, buffered=[], issuable=0)
+    absolve = client.on_plead(server.plead(2).target)
+    assert absolve is not None
+    server.on_absolve(absolve.amount)
     limit = server.limit_receiving(2)
     assert limit == LimitReceiving(channel=CHANNEL, bound=2)
     assert_server(server, capacity=2, buffered=[], issuable=0)
@@ -508,13 +519,19 @@ def test_limit_sending_may_only_tighten() -> None:
     server: ServerChannel[str] = ServerChannel(CHANNEL)
     client: ClientChannel[str] = ClientChannel(CHANNEL)
     client.limit_sending(4)
-    with pytest.raises(ValueError):
-        client.limit_sending(5)
+    # LCMUX: new bounds only "if they strictly tighten the limit": the same
+    # bound again does not.
+    for loose in (5, 4):
+        with pytest.raises(ValueError):
+            client.limit_sending(loose)
     server.on_limit_sending(4)
-    server.on_limit_sending(4)
-    with pytest.raises(FlowControlError) as caught:
-        server.on_limit_sending(5)
-    assert caught.value.code is ErrorCode.LIMIT_LOOSENED
+    for loose in (5, 4):
+        with pytest.raises(FlowControlError) as caught:
+            server.on_limit_sending(loose)
+        assert caught.value.code is ErrorCode.LIMIT_LOOSENED
+    assert server.send_bound == 4
+    server.on_limit_sending(3)
+    assert client.limit_sending(3) == LimitSending(channel=CHANNEL, bound=3)
 
 
 def test_a_message_beyond_the_clients_own_limit_is_limit_exceeded() -> None:
@@ -548,8 +565,9 @@ def test_limit_receiving_may_only_tighten_and_drops_beyond_the_bound() -> None:
     give(server, client, 3)
     server.grow(5)
     client.on_limit_receiving(server.limit_receiving(5).bound)
-    with pytest.raises(ValueError):
-        server.limit_receiving(6)
+    for loose in (6, 5):
+        with pytest.raises(ValueError):
+            server.limit_receiving(loose)
     assert server.issuable == 2  # never more guarantees than the bound allows
     send(server, client, "three", 3)
     assert client.receive_bound == server.receive_bound == 2
@@ -560,16 +578,23 @@ def test_limit_receiving_may_only_tighten_and_drops_beyond_the_bound() -> None:
     outcome = server.receive("late", 3)
     assert isinstance(outcome, MessageDropped)
     assert outcome.reason is DropReason.RECEIVE_LIMIT
+    # Three bytes counted against the bound since it was sent: where it
+    # stands now goes with the announcement (see the crossing test below).
     assert outcome.frames == (
         IssueGuarantees(channel=CHANNEL, amount=2),
+        LimitReceiving(channel=CHANNEL, bound=2),
         AnnounceDropping(channel=CHANNEL),
     )
+    client.on_limit_receiving(2)
+    assert client.receive_bound == 2
     server.on_apologise()
     client.on_issue_guarantees(2)
     send(server, client, "two", 2)
     assert server.closed and client.closed
     assert server.receive("one", 1) == MessageDropped(
-        size=1, reason=DropReason.RECEIVE_LIMIT, frames=(AnnounceDropping(channel=CHANNEL),)
+        size=1,
+        reason=DropReason.RECEIVE_LIMIT,
+        frames=(LimitReceiving(channel=CHANNEL, bound=0), AnnounceDropping(channel=CHANNEL)),
     )
 
 

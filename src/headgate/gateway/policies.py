@@ -19,7 +19,8 @@ when the gateway stops a producer:
     batch comes back only once the batch is *processed*, which here means
     appended to the log and durable (the same moment its Ack can go out). The
     log's free space does not back the guarantees: a batch that does not fit
-    the log waits in gateway memory, and the window (at most ``window`` slots
+    the log (or arrives while the disk is full) waits in gateway memory, and
+    keeps its slot while it waits, so the window (at most ``window`` slots
     per writer) is what bounds that memory. Following LCMUX's convention, the
     gateway's first act on the channel is IssueGuarantees(0), which says it
     issues guarantees preemptively, and it then opens the whole window at
@@ -39,7 +40,11 @@ when the gateway stops a producer:
     (the seed's Off and On ports, carried by TCP). A pause stops the whole
     connection, every stream on it; what was already read when the watermark
     was crossed is still stored (the overshoot), in the log if it fits and in
-    memory if not.
+    memory if not. Bytes held in memory count towards the watermark, so a
+    full disk pauses the writers too.
+
+Whatever holds a batch in memory, it is held in the stream's one queue
+(:class:`~headgate.gateway.streams.HeldBatches`), which every policy reads.
 
 Nothing here touches a socket: pausing goes through each writer's
 ``throttle`` callback, and the caller passes ``now``.
@@ -53,9 +58,7 @@ from dataclasses import dataclass
 
 from headgate.config import FlowSettings
 from headgate.costs import batch_cost
-from headgate.gateway.streams import Stream, Writer
-from headgate.log import LogFullError
-from headgate.protocol.errors import ProtocolError
+from headgate.gateway.streams import AppendOutcome, Stream, Writer
 
 __all__ = [
     "CreditFlow",
@@ -76,7 +79,8 @@ class FlowStatistics:
 
     #: ``credit``, ``window`` or ``xonxoff``.
     policy: str
-    #: Bytes received and kept in gateway memory because the log was full.
+    #: Bytes received and kept in gateway memory because the log could not
+    #: store them (full, or its disk failing): the stream's held batches.
     held_bytes: int
     #: The most ever held at once.
     peak_held_bytes: int
@@ -89,15 +93,6 @@ class FlowStatistics:
     paused: bool
     #: ``xonxoff``: the most unreleased-or-held bytes ever seen.
     peak_level: int
-
-
-@dataclass(slots=True)
-class _Held:
-    writer: Writer
-    first_sequence: int
-    record_count: int
-    records: bytes
-    timestamp_us: int
 
 
 class Flow:
@@ -122,11 +117,8 @@ class Flow:
         self.settings = settings
         self._max_message_size = max_message_size
         self._mark_dirty = mark_dirty
-        self._held: deque[_Held] = deque()
         # Writers whose channel got its opening zero guarantee.
         self._opened: set[Writer] = set()
-        self.held_bytes = 0
-        self.peak_held_bytes = 0
         self.max_in_flight = 0
 
     def update(self, settings: FlowSettings) -> None:
@@ -200,38 +192,7 @@ class Flow:
 
     # -- helpers for the policies that process their own channels --
 
-    def _store(self, held: _Held, now: float, records: memoryview | None = None) -> bool:
-        """Append to the log; False if it does not fit now.
-
-        A batch the stream refuses (out of sequence) ends its writer's
-        connection and is let go: stored later than it arrived, it has no
-        caller left to refuse it.
-        """
-        try:
-            self.stream.append(
-                held.writer,
-                held.first_sequence,
-                held.record_count,
-                memoryview(held.records) if records is None else records,
-                now=now,
-                timestamp_us=held.timestamp_us,
-                in_channel=False,
-            )
-        except LogFullError:
-            return False
-        except ProtocolError as error:
-            if held.writer.refuse is None:
-                raise
-            held.writer.refuse(error)
-            return True
-        self._mark_dirty()
-        self._stored(held.writer)
-        return True
-
-    def _stored(self, writer: Writer) -> None:
-        """A batch reached the log."""
-
-    def _receive_or_hold(
+    def _append(
         self,
         writer: Writer,
         first_sequence: int,
@@ -240,25 +201,36 @@ class Flow:
         *,
         now: float,
         timestamp_us: int,
-    ) -> None:
-        held = _Held(writer, first_sequence, record_count, b"", timestamp_us)
-        if not self._held and self._store(held, now, records):
-            return
-        # Order per stream: once one batch waits, every later one waits too.
-        held.records = bytes(records)
-        self._held.append(held)
-        self.held_bytes += len(held.records)
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+    ) -> AppendOutcome:
+        """Append a batch the policy takes out of the channel itself, or hold it.
 
-    def _drain(self, now: float) -> None:
-        while self._held and self._store(self._held[0], now):
-            self.held_bytes -= len(self._held.popleft().records)
+        Such a batch is not backed by log space: one that does not fit the
+        log now is held by the stream (see :meth:`Stream.append`).
+        """
+        outcome = self.stream.append(
+            writer,
+            first_sequence,
+            record_count,
+            records,
+            now=now,
+            timestamp_us=timestamp_us,
+            in_channel=False,
+        )
+        if outcome is not AppendOutcome.HELD:
+            self._mark_dirty()
+        return outcome
+
+    def _store_held(self) -> None:
+        """Store what the log has room for now of the stream's held batches."""
+        if self.stream.store_held():
+            self._mark_dirty()
 
     def statistics(self) -> FlowStatistics:
+        held = self.stream.held
         return FlowStatistics(
             policy=self.policy,
-            held_bytes=self.held_bytes,
-            peak_held_bytes=self.peak_held_bytes,
+            held_bytes=held.bytes,
+            peak_held_bytes=held.peak_bytes,
             max_in_flight=self.max_in_flight,
             pauses=0,
             resumes=0,
@@ -268,6 +240,17 @@ class Flow:
 
 
 CreditFlow = Flow
+
+
+@dataclass(slots=True)
+class _InWindow:
+    """A batch that holds one of its writer's window slots."""
+
+    writer: Writer
+    #: Where its frame ends in the log; None while the stream holds it.
+    end: int | None
+    #: Its ticket in the stream's held batches (when ``end`` is None).
+    ticket: int
 
 
 class WindowFlow(Flow):
@@ -291,8 +274,8 @@ class WindowFlow(Flow):
         self._absolved: dict[Writer, int] = {}
         # Window slots each live writer was given (its connection's share).
         self._slots: dict[Writer, int] = {}
-        # Appended batches waiting to be durable: (end position, writer).
-        self._unacked: deque[tuple[int, Writer]] = deque()
+        # Batches whose slot is taken, in arrival (and so log) order.
+        self._unacked: deque[_InWindow] = deque()
 
     def receive(
         self,
@@ -306,12 +289,14 @@ class WindowFlow(Flow):
     ) -> None:
         in_flight = writer.inbound.buffered_messages
         self.max_in_flight = max(self.max_in_flight, in_flight)
-        self._receive_or_hold(
+        outcome = self._append(
             writer, first_sequence, record_count, records, now=now, timestamp_us=timestamp_us
         )
-
-    def _stored(self, writer: Writer) -> None:
-        self._unacked.append((self.stream.log.tail_position, writer))
+        if outcome is AppendOutcome.HELD:
+            # The slot stays taken until the held batch is stored and durable.
+            self._unacked.append(_InWindow(writer, None, self.stream.held.last_ticket))
+        else:
+            self._unacked.append(_InWindow(writer, self.stream.log.tail_position, 0))
 
     def on_absolved(self, writer: Writer, amount: int) -> None:
         self._absolved[writer] = self._absolved.get(writer, 0) + amount
@@ -322,10 +307,19 @@ class WindowFlow(Flow):
         self._give_slots([writer])
 
     def _give_slots(self, writers: list[Writer]) -> None:
-        """Give each of ``writers`` what its connection has left of its window."""
+        """Give each of ``writers`` what its connection has left of its window.
+
+        A freed handle's batches that are not durable yet (or still held)
+        keep their slots until they are: what the connection has in memory
+        stays within one window however often it binds and frees.
+        """
         used: dict[int, int] = {}
         for w, n in self._slots.items():
             used[id(w.session)] = used.get(id(w.session), 0) + n
+        for entry in self._unacked:
+            if not entry.writer.alive:
+                key = id(entry.writer.session)
+                used[key] = used.get(key, 0) + 1
         for w in writers:
             give = self.settings.window - used.get(id(w.session), 0)
             if give > 0:
@@ -339,20 +333,30 @@ class WindowFlow(Flow):
         for w in gone:
             del self._slots[w]
         self._open_channels()
-        if gone:
-            self._give_slots(s.writers)  # slots of freed handles, to their siblings
-        self._drain(now)
+        self._store_held()
         durable = s.log.durable_position
-        while self._unacked and self._unacked[0][0] <= durable:
-            _, w = self._unacked.popleft()
+        while self._unacked:
+            entry = self._unacked[0]
+            if entry.end is None:
+                if not s.held.left(entry.ticket):
+                    break  # still held, and every later batch after it
+                # Stored since it was held: its frame ends at or before the tail.
+                entry.end = s.log.tail_position
+            if entry.end > durable:
+                break
+            self._unacked.popleft()
+            w = entry.writer
             if not w.alive:
                 self._absolved.pop(w, None)
+                gone.append(w)
                 continue
             size = w.session.process(w.handle, reissue=True)
             back = min(self._absolved.get(w, 0), self.slot - size)
             if back > 0:
                 w.inbound.grow(back)
                 self._absolved[w] -= back
+        if gone:
+            self._give_slots(s.writers)  # slots of freed handles, to their siblings
         for w in s.writers:
             w.session.issue(w.channel)
 
@@ -386,7 +390,7 @@ class XonXoffFlow(Flow):
     def level(self) -> int:
         """Bytes unreleased in the log plus bytes held in memory."""
         log = self.stream.log
-        return log.tail_position - log.release_position + self.held_bytes
+        return log.tail_position - log.release_position + self.stream.held.bytes
 
     def receive(
         self,
@@ -398,7 +402,7 @@ class XonXoffFlow(Flow):
         now: float,
         timestamp_us: int,
     ) -> None:
-        self._receive_or_hold(
+        self._append(
             writer, first_sequence, record_count, records, now=now, timestamp_us=timestamp_us
         )
         # The channel is only a formality here: empty it at once.
@@ -426,7 +430,7 @@ class XonXoffFlow(Flow):
     def rebalance(self, now: float) -> None:
         s = self.stream
         self._open_channels()
-        self._drain(now)
+        self._store_held()
         if self.paused and self.level() <= self.settings.xon:
             self.paused = False
             self.resumes += 1
@@ -437,10 +441,11 @@ class XonXoffFlow(Flow):
                 w.session.issue(w.channel)
 
     def statistics(self) -> FlowStatistics:
+        held = self.stream.held
         return FlowStatistics(
             policy=self.policy,
-            held_bytes=self.held_bytes,
-            peak_held_bytes=self.peak_held_bytes,
+            held_bytes=held.bytes,
+            peak_held_bytes=held.peak_bytes,
             max_in_flight=0,
             pauses=self.pauses,
             resumes=self.resumes,

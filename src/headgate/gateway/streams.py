@@ -31,14 +31,27 @@ writer still holding more guarantees than the Plead asked it to keep when
 the deadline passes is reported by :meth:`Stream.overdue_pleas`, and the
 gateway closes its connection (whose guarantees then return to the stream).
 
-When the file system refuses the stream's log (a full disk: a new term
-cannot be reserved, or a group commit fails), the stream is *held*: batches
-its channels buffered are kept, in arrival order, in memory (bounded by the
-guarantees already issued, since none are issued while held), every writer
-gets a scoped ``STORAGE_FULL`` Error, and no guarantee and no Ack goes out
-for it. :meth:`Stream.retry_storage`, called periodically, stores the held
-batches through the ordinary path (so duplicates among them are recognised
-exactly as on arrival) once the log can take them again.
+A batch the log cannot store now is *held*: kept in memory, in arrival
+order, in the stream's one queue (:class:`HeldBatches`), and stored from
+there through the ordinary path (so duplicates among held batches are
+recognised exactly as on arrival). Two things hold batches:
+
+* The file system refuses the stream's log (a full disk: a new term cannot
+  be reserved, or a group commit fails). The stream is then *held*
+  (``storage_error``): every writer gets a scoped ``STORAGE_FULL`` Error,
+  and no guarantee and no Ack goes out for it. :meth:`Stream.retry_storage`,
+  called periodically, stores the held batches once the log can take them
+  again.
+* A policy whose guarantees the log's space does not back (``window``,
+  ``xonxoff``: they append with ``in_channel=False``) sends a batch the log
+  has no room for: it waits until the consumer releases space
+  (:meth:`Stream.store_held`).
+
+What bounds the queue is the policy's: :meth:`Stream.append` says whether a
+batch was stored, was a duplicate, or is held (:class:`AppendOutcome`), so
+that a policy never takes a held batch for a stored one. ``credit`` issues
+no guarantee while held; ``window`` keeps a batch's slot until the batch is
+stored and durable; ``xonxoff`` counts held bytes towards its watermark.
 
 Nothing here touches a socket or the event loop; the caller passes ``now``.
 """
@@ -53,12 +66,20 @@ import os
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headgate.gateway.accounts import Account
-from headgate.log import AppendResult, LogError, StorageError, StreamLog, frame_cost
+from headgate.log import (
+    AppendResult,
+    LogError,
+    LogFullError,
+    StorageError,
+    StreamLog,
+    frame_cost,
+)
 from headgate.protocol import messages as m
 from headgate.protocol.channel import ServerChannel
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -109,8 +130,8 @@ class Writer:
     throttle: Callable[[str, bool], None] | None = None
     #: The connection's account, charged for the fan-out a batch causes.
     account: Account | None = None
-    #: Ends the connection with an error, for a batch found out of order only
-    #: when a policy stores it later (on arrival the caller refuses it).
+    #: Ends the connection with an error, for a held batch the stream refuses
+    #: when it stores it later (checked on arrival, so only a bug does that).
     refuse: Callable[[ProtocolError], None] | None = None
     #: Whom the writer's share is counted for (see :func:`fair_shares`): the
     #: token's name where the gateway has a tokens file; None: its connection.
@@ -277,8 +298,19 @@ def fair_shares(
     return out
 
 
+class AppendOutcome(Enum):
+    """What :meth:`Stream.append` did with a batch."""
+
+    #: Appended to the log now (durable at the next group commit).
+    STORED = "stored"
+    #: Stored before: acknowledged again once the log is durable, not stored twice.
+    DUPLICATE = "duplicate"
+    #: Kept in memory (:class:`HeldBatches`): the log cannot store it now.
+    HELD = "held"
+
+
 class HeldBatch:
-    """A batch received while the stream's storage was failing, kept to store later."""
+    """A batch the log could not store when it arrived, kept to store later."""
 
     __slots__ = (
         "first_sequence",
@@ -306,6 +338,60 @@ class HeldBatch:
         self.in_channel = in_channel
 
 
+class HeldBatches:
+    """The one queue of a stream's held batches, oldest first, and what it holds.
+
+    Every batch the stream keeps in memory is here, whatever held it (a
+    failing disk, or a full log under a policy that does not back its
+    guarantees with log space), so every policy counts the same bytes. Each
+    batch gets a ticket, 1, 2, 3, ... in arrival order; :meth:`left` tells
+    whether that batch has left the queue (stored, or found a duplicate), so
+    that a policy can keep what a held batch costs it until then without a
+    reference to the batch.
+    """
+
+    __slots__ = ("_batches", "_taken", "_tickets", "bytes", "peak_bytes")
+
+    def __init__(self) -> None:
+        self._batches: deque[HeldBatch] = deque()
+        #: Bytes of records held now, and the most ever held at once.
+        self.bytes = 0
+        self.peak_bytes = 0
+        self._tickets = 0
+        self._taken = 0
+
+    def __len__(self) -> int:
+        return len(self._batches)
+
+    def add(self, batch: HeldBatch) -> int:
+        """Hold ``batch`` after every batch held before it; returns its ticket."""
+        self._batches.append(batch)
+        self.bytes += len(batch.records)
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self._tickets += 1
+        return self._tickets
+
+    @property
+    def last_ticket(self) -> int:
+        """The ticket of the batch held last (0 before any)."""
+        return self._tickets
+
+    def first(self) -> HeldBatch:
+        """The oldest held batch (the next to store)."""
+        return self._batches[0]
+
+    def take(self) -> HeldBatch:
+        """The oldest held batch leaves the queue (it was stored)."""
+        batch = self._batches.popleft()
+        self.bytes -= len(batch.records)
+        self._taken += 1
+        return batch
+
+    def left(self, ticket: int) -> bool:
+        """Whether the batch with ``ticket`` has left the queue."""
+        return ticket <= self._taken
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStatistics:
     """A snapshot of one stream, for metrics and ``headgate top``."""
@@ -323,7 +409,7 @@ class StreamStatistics:
     duplicate_batches: int
     #: Why the stream's storage is failing (held), or None.
     storage_problem: str | None = None
-    #: Batches received while held, waiting to be stored.
+    #: Batches held in memory (see :class:`HeldBatches`), waiting to be stored.
     held_batches: int = 0
     #: Free capacity kept back for term rotations: the log is full for
     #: writers once ``free_capacity`` is down to about this.
@@ -364,7 +450,8 @@ class Stream:
         self.storage_error: StorageError | None = None
         # The last group commit of this stream failed (cleared by on_durable).
         self._sync_failed = False
-        self._held: deque[HeldBatch] = deque()
+        #: Batches the log could not store yet, in arrival order.
+        self.held = HeldBatches()
         # producer id -> next sequence over stored and held batches, while held.
         self._held_next: dict[int, int] = {}
         # Writers whose resume Ack waits for their producer's held batches.
@@ -457,7 +544,7 @@ class Stream:
         producer's is waiting for the disk.
         """
         producer = writer.producer_id
-        if self.storage_error is not None:
+        if self.storage_error is not None or len(self.held):
             # No Ack while held; and held batches of this producer id are not
             # stored yet: the Ack must count them, or the producer would
             # number new records over them.
@@ -545,14 +632,18 @@ class Stream:
         now: float,
         timestamp_us: int,
         in_channel: bool = True,
-    ) -> bool:
-        """Store one batch that the writer's channel buffered; False for a duplicate.
+    ) -> AppendOutcome:
+        """Store one batch that the writer's channel buffered, or hold it.
 
-        While the stream is held (storage failing), the batch is kept in
-        memory instead and stored by :meth:`retry_storage`; False then too.
+        The batch is held (kept in memory, see :class:`HeldBatches`) while
+        the stream's storage is failing, while older batches are held (order
+        per stream: once one batch waits, every later one waits too), and,
+        without ``in_channel``, when the log has no room for it now. Held
+        batches are stored by :meth:`retry_storage` and :meth:`store_held`.
         With ``in_channel`` the batch stays in the writer's channel buffer
-        until Spark releases the log space behind it (credit); a policy that
-        processes the channel itself passes False.
+        until Spark releases the log space behind it (credit), and that
+        space was promised to it, so a full log is an error (``LogFullError``);
+        a policy that processes the channel itself passes False.
 
         Raises:
             ProtocolError: the batch skips ahead of the producer's next
@@ -561,7 +652,7 @@ class Stream:
                 stored or held then.
         """
         writer.note_sent(frame_cost(len(records)), now)
-        if self.storage_error is None:
+        if self.storage_error is None and not len(self.held):
             try:
                 return self._store(
                     writer, first_sequence, record_count, records, timestamp_us, in_channel
@@ -569,8 +660,11 @@ class Stream:
             except StorageError as exc:
                 # Nothing was written: the log refused before the frame.
                 self._storage_failed(exc)
+            except LogFullError:
+                if in_channel:
+                    raise
         self._hold(writer, first_sequence, record_count, records, timestamp_us, in_channel)
-        return False
+        return AppendOutcome.HELD
 
     def _store(
         self,
@@ -580,7 +674,7 @@ class Stream:
         records: memoryview,
         timestamp_us: int,
         in_channel: bool,
-    ) -> bool:
+    ) -> AppendOutcome:
         # Against what is stored (held batches being stored count as new).
         next_sequence = self.dedup.get(writer.producer_id, 0)
         end_sequence = first_sequence + record_count
@@ -592,7 +686,7 @@ class Stream:
             if in_channel:
                 self._inflight.append((end, writer))
                 self._process_released()
-            return False
+            return AppendOutcome.DUPLICATE
         result = self.log.append(
             records,
             producer_id=writer.producer_id,
@@ -610,7 +704,7 @@ class Stream:
         self.appended_records += record_count
         if self.on_append is not None:
             self.on_append(self, writer, first_sequence, records, timestamp_us)
-        return True
+        return AppendOutcome.STORED
 
     def on_durable(self) -> None:
         """After a group commit: send the acks that durability now allows."""
@@ -882,11 +976,68 @@ class Stream:
         if not self._is_duplicate(next_sequence, first_sequence, record_count):
             self._held_next[producer] = first_sequence + record_count
         # A copy: ``records`` is a view into the connection's receive buffer.
-        self._held.append(
+        self.held.add(
             HeldBatch(
                 writer, first_sequence, record_count, bytes(records), timestamp_us, in_channel
             )
         )
+
+    def _store_held(self) -> bool:
+        """Store held batches, oldest first, until one does not fit the log; True if any.
+
+        Raises:
+            StorageError: the log's storage failed; the batch stays held.
+        """
+        stored = False
+        held = self.held
+        while len(held):
+            batch = held.first()
+            try:
+                self._store(
+                    batch.writer,
+                    batch.first_sequence,
+                    batch.record_count,
+                    memoryview(batch.records),
+                    batch.timestamp_us,
+                    batch.in_channel,
+                )
+            except LogFullError:
+                break  # it waits for the consumer to release space
+            except ProtocolError as exc:
+                # Checked on arrival (_hold), so only a bug lands here: the
+                # batch is let go, and its writer's connection with it.
+                log.error("stream %s: dropping a held batch: %s", self.name, exc)
+                if batch.writer.alive and batch.writer.refuse is not None:
+                    batch.writer.refuse(exc)
+            held.take()
+            stored = True
+        self._resume_after_held()
+        return stored
+
+    def _resume_after_held(self) -> None:
+        """Once nothing is held and the storage works: the resume Acks that waited."""
+        if self.storage_error is not None or len(self.held):
+            return
+        self._held_next.clear()
+        resumes, self._held_resumes = self._held_resumes, []
+        for writer in resumes:
+            if writer.alive:
+                self.announce_resume(writer)
+
+    def store_held(self) -> bool:
+        """Store what the log has room for now of the held batches; True if any was stored.
+
+        For batches held by a full log (the ``window`` and ``xonxoff``
+        policies call it after releases and commits). While the storage is
+        failing it does nothing: that is :meth:`retry_storage`'s to try.
+        """
+        if self.storage_error is not None or not len(self.held):
+            return False
+        try:
+            return self._store_held()
+        except StorageError as exc:
+            self._storage_failed(exc)
+            return False
 
     def retry_storage(self) -> bool:
         """If the stream is held, try its storage again; True once it is not held.
@@ -895,7 +1046,9 @@ class Stream:
         disk filled up) and the last group commit must have succeeded. Then
         the held batches are stored in arrival order through the ordinary
         path, so a batch held twice (a resend after a reconnect) is stored
-        once and acknowledged twice, like any duplicate.
+        once and acknowledged twice, like any duplicate. Those that the log
+        has no room for yet (a policy without log-backed guarantees) stay
+        held for :meth:`store_held`.
         """
         if self.storage_error is None:
             return True
@@ -903,30 +1056,13 @@ class Stream:
             return False
         try:
             self.log.ensure_next_term()
-            while self._held:
-                batch = self._held[0]
-                try:
-                    self._store(
-                        batch.writer,
-                        batch.first_sequence,
-                        batch.record_count,
-                        memoryview(batch.records),
-                        batch.timestamp_us,
-                        batch.in_channel,
-                    )
-                except ProtocolError as exc:  # checked on arrival; only a bug lands here
-                    log.error("stream %s: dropping a held batch: %s", self.name, exc)
-                self._held.popleft()
+            self._store_held()
         except StorageError as exc:
             self.storage_error = exc
             return False
         log.warning("stream %s: storage recovered; stored its held batches", self.name)
         self.storage_error = None
-        self._held_next.clear()
-        resumes, self._held_resumes = self._held_resumes, []
-        for writer in resumes:
-            if writer.alive:
-                self.announce_resume(writer)
+        self._resume_after_held()
         return True
 
     def statistics(self) -> StreamStatistics:
@@ -943,7 +1079,7 @@ class Stream:
             appended_records=self.appended_records,
             duplicate_batches=self.duplicate_batches,
             storage_problem=None if self.storage_error is None else str(self.storage_error),
-            held_batches=len(self._held),
+            held_batches=len(self.held),
             reserve=self.reserve,
         )
 

@@ -92,9 +92,21 @@ _U64_MAX = (1 << 64) - 1
 
 
 def _check_size(name: str, value: int) -> None:
-    # Frames carry unsigned integers, so a negative value is a local bug.
+    # Frames carry unsigned 64-bit integers (a received one is in range by
+    # decoding), so a value outside them is a local bug: refused before any
+    # book changes, or the frame would fail to encode after they had.
     if value < 0:
         raise ValueError(f"{name} must not be negative, got {value}")
+    if value > _U64_MAX:
+        raise ValueError(f"{name} must fit in 64 bits, got {value}")
+
+
+def _tightens(bound: int, current: int | None) -> bool:
+    """LCMUX's rule for a new LimitSending or LimitReceiving: it "strictly tightens".
+
+    ``current`` is what the previous bound leaves now (None: no bound yet).
+    """
+    return current is None or bound < current
 
 
 def _tightest(*bounds: int | None) -> int | None:
@@ -148,8 +160,10 @@ class MessageDropped:
     #: Why it was dropped.
     reason: DropReason
     #: Frames to send now, in this order. Empty unless this drop started the
-    #: dropping; then an optional IssueGuarantees and an AnnounceDropping.
-    frames: tuple[IssueGuarantees | AnnounceDropping, ...]
+    #: dropping; then an optional IssueGuarantees, an optional LimitReceiving
+    #: (where the receive bound stands, if bytes counted against it since the
+    #: last one), and an AnnounceDropping.
+    frames: tuple[IssueGuarantees | LimitReceiving | AnnounceDropping, ...]
 
 
 Reception = MessageBuffered | MessageDropped
@@ -232,6 +246,9 @@ class ServerChannel(Generic[T]):
         # LimitReceiving and under the client's LimitSending (None: unlimited).
         self._receive_bound: int | None = None
         self._send_bound: int | None = None
+        # The bound of the last LimitReceiving sent (the client's estimate
+        # is no lower than what it says minus what counted since).
+        self._receive_bound_sent: int | None = None
 
     # -- read-only view --
 
@@ -295,6 +312,16 @@ class ServerChannel(Generic[T]):
 
     # -- capacity and guarantees --
 
+    @property
+    def issue_headroom(self) -> int:
+        """The most guarantees the client can still be given: its guarantees stay below 2**64.
+
+        The client refuses guarantees that would take it past 2**64-1 (no
+        Absolve could carry them); its own count never exceeds ours, so
+        keeping ours within the limit keeps the client's.
+        """
+        return _U64_MAX - max(0, self.client_guarantees)
+
     def grow(self, amount: int) -> None:
         """Add ``amount`` bytes of buffer; they become issuable guarantees."""
         _check_size("amount", amount)
@@ -321,17 +348,24 @@ class ServerChannel(Generic[T]):
     def issue(self, amount: int | None = None) -> IssueGuarantees | None:
         """Promise the client issuable buffer space.
 
-        With no ``amount``, issue everything issuable, or nothing (``None``) if
-        nothing is. An explicit ``amount`` may be zero: ``issue(0)`` returns an
+        With no ``amount``, issue everything issuable (up to
+        :attr:`issue_headroom`), or nothing (``None``) if nothing is. An
+        explicit ``amount`` may be zero: ``issue(0)`` returns an
         IssueGuarantees of zero, which LCMUX uses as a signal.
+
+        Raises:
+            ValueError: an explicit ``amount`` above what is issuable, or above
+                the headroom; nothing is issued then.
         """
         if amount is None:
-            if self._issuable == 0:
+            amount = min(self._issuable, self.issue_headroom)
+            if amount == 0:
                 return None
-            amount = self._issuable
         _check_size("amount", amount)
         if amount > self._issuable:
             raise ValueError(f"cannot issue {amount}: only {self._issuable} issuable")
+        if amount > self.issue_headroom:
+            raise ValueError(f"cannot issue {amount}: the client's guarantees would pass 2**64-1")
         self._issuable -= amount
         return IssueGuarantees(channel=self._channel, amount=amount)
 
@@ -388,11 +422,24 @@ class ServerChannel(Generic[T]):
         self._dropping = True
         # The debt never exceeds issuable: free >= 0 means issuable >= -guarantees.
         debt = max(0, -self.client_guarantees)
-        amount = self._issuable if self._announce_issuance is AnnounceIssuance.ALL else debt
-        frames: list[IssueGuarantees | AnnounceDropping] = []
+        if self._announce_issuance is AnnounceIssuance.ALL:
+            amount = min(self._issuable, self.issue_headroom)  # at least the debt
+        else:
+            amount = debt
+        frames: list[IssueGuarantees | LimitReceiving | AnnounceDropping] = []
         if amount > 0:
             self._issuable -= amount
             frames.append(IssueGuarantees(channel=self._channel, amount=amount))
+        if self._receive_bound is not None and self._receive_bound != self._receive_bound_sent:
+            # The client counts our LimitReceiving from when it arrived, we
+            # from when we sent it: bytes that crossed it count for us and
+            # not for the client, whose estimate stays above ours, and a
+            # resend it thinks fits would be dropped again and again. Say
+            # where we are, now that every message the client sent before
+            # the dropped one has arrived and every later one is dropped:
+            # the client then knows exactly (ClientChannel.on_limit_receiving).
+            self._receive_bound_sent = self._receive_bound
+            frames.append(LimitReceiving(channel=self._channel, bound=self._receive_bound))
         frames.append(AnnounceDropping(channel=self._channel))
         return MessageDropped(size=size, reason=reason, frames=tuple(frames))
 
@@ -468,10 +515,15 @@ class ServerChannel(Generic[T]):
         Capacity the client can never use is given up at once.
 
         Raises:
-            FlowControlError: LIMIT_LOOSENED if the bound is looser than before.
+            FlowControlError: LIMIT_LOOSENED unless the bound strictly
+                tightens the one before (LCMUX: new bounds may be sent "only
+                if they strictly tighten the limit"). The client's count of
+                what is left is never above ours (it charges a message when
+                it sends it, we when it arrives), so a correct client's new
+                bound is always below ours.
         """
         _check_size("bound", bound)
-        if self._send_bound is not None and bound > self._send_bound:
+        if not _tightens(bound, self._send_bound):
             raise FlowControlError(
                 f"channel {self._channel}: LimitSending {bound} after {self._send_bound}",
                 code=ErrorCode.LIMIT_LOOSENED,
@@ -481,18 +533,43 @@ class ServerChannel(Generic[T]):
 
     # -- closing --
 
+    def close_sending(self) -> None:
+        """The client will send nothing more here: it freed the channel's handle.
+
+        The same as a LimitSending of zero, which its FreeHandle makes
+        needless: what guarantees it held are given up at once, and buffered
+        messages stay until processed.
+        """
+        self._send_bound = 0
+        self._trim_to_bounds()
+
     def limit_receiving(self, bound: int) -> LimitReceiving:
         """Promise to accept at most ``bound`` more bytes; zero closes the channel.
 
         After accepting ``bound`` bytes every message is dropped, with the
-        same announcement as any drop. Issued guarantees above the bound are
-        revoked, as in LCMUX; that is only safe when no message is in flight
-        on the channel. To shrink without that risk, plead first.
+        same announcement as any drop. Issuable space above the bound is
+        given up. The bound may not fall below the guarantees the client
+        holds (as we know them, messages in flight included): "the server is
+        still not allowed to drop messages for which it had previously
+        guaranteed buffer capacity". To go lower, plead first, and limit once
+        the Absolve has arrived.
+
+        Raises:
+            ValueError: the bound does not strictly tighten the one before,
+                or lies below the client's guarantees; nothing changes then.
         """
         _check_size("bound", bound)
-        if self._receive_bound is not None and bound > self._receive_bound:
-            raise ValueError(f"LimitReceiving may only tighten: {bound} > {self._receive_bound}")
+        if not _tightens(bound, self._receive_bound):
+            raise ValueError(
+                f"LimitReceiving must strictly tighten: {bound} >= {self._receive_bound}"
+            )
+        if bound < self.client_guarantees:
+            raise ValueError(
+                f"LimitReceiving {bound} would drop guaranteed bytes: the client holds "
+                f"{self.client_guarantees} guarantees (plead first)"
+            )
         self._receive_bound = bound
+        self._receive_bound_sent = bound
         self._trim_to_bounds()
         return LimitReceiving(channel=self._channel, bound=bound)
 
@@ -596,13 +673,14 @@ class ClientChannel(Generic[T]):
 
     # -- sending --
 
-    def _within_bounds(self, size: int) -> bool:
+    def fits_bounds(self, size: int) -> bool:
+        """Whether a message of ``size`` bytes is within our LimitSending and the LimitReceiving."""
         remaining = _tightest(self._send_bound, self._receive_bound)
         return remaining is None or size <= remaining
 
     def can_send(self, size: int) -> bool:
         """Whether a message of ``size`` bytes is covered by guarantees and bounds."""
-        return 0 <= size <= self._guarantees and self._within_bounds(size)
+        return 0 <= size <= self._guarantees and self.fits_bounds(size)
 
     def send(self, message: T, size: int, *, optimistic: bool = False) -> Sent:
         """Account for sending ``message``; the caller puts it on the wire.
@@ -612,7 +690,7 @@ class ClientChannel(Generic[T]):
                 is false), or exceeds a LimitSending or LimitReceiving bound.
         """
         _check_size("size", size)
-        if not self._within_bounds(size):
+        if not self.fits_bounds(size):
             raise ValueError(f"channel {self._channel}: {size} bytes exceed a limit")
         if not optimistic and size > self._guarantees:
             raise ValueError(
@@ -650,8 +728,8 @@ class ClientChannel(Generic[T]):
         ``statistics().queued_bytes``.
         """
         _check_size("bound", bound)
-        if self._send_bound is not None and bound > self._send_bound:
-            raise ValueError(f"LimitSending may only tighten: {bound} > {self._send_bound}")
+        if not _tightens(bound, self._send_bound):
+            raise ValueError(f"LimitSending must strictly tighten: {bound} >= {self._send_bound}")
         self._send_bound = bound
         for entry in self._in_doubt:
             # The server counts what it accepts after this bound arrives; a
@@ -745,6 +823,9 @@ class ClientChannel(Generic[T]):
         # side), and it is not checked for loosening, since that count also
         # charges messages in doubt which may yet turn out dropped. As for
         # LimitSending, a retransmission is charged against the new bound.
+        # The server sends its bound again just before an AnnounceDropping
+        # when bytes that crossed the last one counted against it: every
+        # message still in doubt then is dropped, so the estimate is exact.
         self._receive_bound = bound
         for entry in self._in_doubt:
             entry.charged_receive_bound = False

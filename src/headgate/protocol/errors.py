@@ -40,7 +40,8 @@ class ErrorCode(IntEnum):
     UNEXPECTED_APOLOGY = 6
     #: The peer sent more bytes than its own LimitSending bound allows.
     LIMIT_EXCEEDED = 7
-    #: A LimitSending or LimitReceiving that loosens an earlier bound.
+    #: A LimitSending that does not strictly tighten an earlier bound (LCMUX).
+    #: (A LimitReceiving is not checked: the client only estimates the bound.)
     LIMIT_LOOSENED = 8
     #: A message refers to a data handle that was never bound.
     UNKNOWN_HANDLE = 9

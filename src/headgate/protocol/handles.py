@@ -38,6 +38,19 @@ The state of one binding, as seen by one peer::
     LIVE ──free()──▶ FREED_BY_US ──on_free()──▶ MARKED ──count==0──▶ deleted
       └────────────────on_free() (answers)───────▲
 
+Control frames about a handle's data channel (IssueGuarantees, Plead,
+Absolve, ...) refer to the handle too, so the free governs them as well,
+in one table, ``_PEER_FRAMES``, by the binding's state: the seed's proposer
+"commits to not referring to that handle in any of its future messages",
+and a peer that answers a proposal does so with a FreeHandle of its own.
+
+* We send nothing about a binding that is not LIVE (:meth:`HandleTable.may_refer`):
+  our FreeHandle is out. So a Plead that crosses our FreeHandle gets no Absolve.
+* A peer's frame about a binding FREED_BY_US crossed our FreeHandle (the peer
+  sent it before it saw ours): it is ignored, and not answered.
+* A peer's frame about a binding it freed itself (MARKED, or deleted) breaks
+  its promise: ``HANDLE_FREED``, as for a data message.
+
 Who may propose is a table's :class:`FreeRule`. The seed lets either peer
 propose (``EITHER``). A headgate session uses ``CREATOR``: only the peer
 that bound a handle proposes to free it, and the other peer's FreeHandle is
@@ -62,6 +75,7 @@ V = TypeVar("V")
 
 __all__ = [
     "BindingState",
+    "FrameUse",
     "FreeRule",
     "Freed",
     "HandleSpace",
@@ -150,6 +164,16 @@ class BindingState(Enum):
     MARKED = "marked"
 
 
+class FrameUse(Enum):
+    """What to do with a peer's control frame about a handle's data channel."""
+
+    #: The binding is live: apply the frame (and answer it, if it asks).
+    APPLY = "apply"
+    #: It crossed our FreeHandle: neither apply nor answer it (we promised
+    #: never to refer to the handle again, and the channel is going away).
+    IGNORE = "ignore"
+
+
 class FreeRule(Enum):
     """Which peer may propose to free a handle (the other one answers)."""
 
@@ -194,6 +218,21 @@ _FREE_TRANSITIONS: dict[tuple[_Proposers, BindingState, _FreeEvent], BindingStat
     (_Proposers.US, _FREED_BY_US, _FreeEvent.PEER_PROPOSES): _MARKED,
     # The peer created them and alone proposes; we answer.
     (_Proposers.PEER, _LIVE, _FreeEvent.PEER_PROPOSES): _MARKED,
+}
+
+
+# A peer's control frame about a handle's channel, by the binding's state on
+# our side (None: deleted), -> what to do, or the code that refuses it. The
+# same for the handles of both creators: who created the handle decides who
+# sends on its channel, not who promised what.
+_PEER_FRAMES: dict[BindingState | None, FrameUse | ErrorCode] = {
+    _LIVE: FrameUse.APPLY,
+    # We proposed; the peer sent this before our FreeHandle reached it.
+    _FREED_BY_US: FrameUse.IGNORE,
+    # The peer sent its own FreeHandle before this frame (a proposal or the
+    # confirmation of ours: the stream is in order), and so promised not to.
+    _MARKED: ErrorCode.HANDLE_FREED,
+    None: ErrorCode.HANDLE_FREED,
 }
 
 
@@ -365,6 +404,15 @@ class HandleTable(Generic[V]):
 
     # -- references from our own messages --
 
+    def may_refer(self, handle: int) -> bool:
+        """Whether we may send a frame about ``handle`` (its binding is LIVE).
+
+        Once our FreeHandle for it is out (as proposal or as answer), we never
+        refer to it again: not in a data message (:meth:`use`), and not in a
+        control frame about its channel either.
+        """
+        return self.state(handle) is BindingState.LIVE
+
     def use(self, handle: int) -> V:
         """Check that we may reference ``handle`` in a message we send.
 
@@ -384,6 +432,28 @@ class HandleTable(Generic[V]):
         return binding.value
 
     # -- references from the peer's messages --
+
+    def on_channel_frame(self, handle: int) -> FrameUse | None:
+        """What to do with a peer's control frame about ``handle``'s data channel.
+
+        Returns None for a handle that was never bound (the caller refuses
+        the frame as it sees fit; bind what waits in the bind channel first);
+        otherwise the verdict of ``_PEER_FRAMES``.
+
+        Raises:
+            HandleError: HANDLE_FREED if the peer had freed the handle.
+        """
+        if handle >= self._next_handle:
+            return None
+        binding = self._bindings.get(handle)
+        verdict = _PEER_FRAMES[None if binding is None else binding.state]
+        if isinstance(verdict, ErrorCode):
+            raise HandleError(
+                f"handle {handle} of type {self._handle_type}: a frame about its channel "
+                "after the peer freed it",
+                code=verdict,
+            )
+        return verdict
 
     def on_reference(self, handle: int) -> Referenced[V] | UnboundReference:
         """A peer's message referencing ``handle`` is about to be buffered.

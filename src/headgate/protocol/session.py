@@ -49,7 +49,7 @@ from headgate.protocol.frames import (
     SendChannel,
     SendGlobal,
 )
-from headgate.protocol.handles import FreeRule, HandleSpace, UnboundReference
+from headgate.protocol.handles import FrameUse, FreeRule, HandleSpace, UnboundReference
 from headgate.protocol.records import validate_records
 
 __all__ = [
@@ -449,14 +449,22 @@ class Session:
             case SendGlobal(payload=payload):
                 self._on_global(m.decode_global(payload), events)
             case Absolve(channel=channel, amount=amount):
-                self._inbound_channel(channel, Absolve).on_absolve(amount)
-                events.append(
-                    Absolved(channel=channel, handle=m.handle_of_channel(channel), amount=amount)
-                )
+                state = self._peer_frame_inbound(channel, Absolve)
+                if state is not None:
+                    state.on_absolve(amount)
+                    events.append(
+                        Absolved(
+                            channel=channel, handle=m.handle_of_channel(channel), amount=amount
+                        )
+                    )
             case Apologise(channel=channel):
-                self._inbound_channel(channel, Apologise).on_apologise()
+                state = self._peer_frame_inbound(channel, Apologise)
+                if state is not None:
+                    state.on_apologise()
             case LimitSending(channel=channel, bound=bound):
-                self._inbound_channel(channel, LimitSending).on_limit_sending(bound)
+                state = self._peer_frame_inbound(channel, LimitSending)
+                if state is not None:
+                    state.on_limit_sending(bound)
             case IssueGuarantees(channel=channel, amount=amount):
                 self._on_guarantees(channel, amount, events)
             case Plead(channel=channel, target=target):
@@ -471,6 +479,32 @@ class Session:
                     out.on_limit_receiving(bound)
             case AnnounceDropping(channel=channel):
                 self._on_announce_dropping(channel, events)
+
+    def _peer_frame_inbound(
+        self, channel: int, kind: type
+    ) -> ServerChannel[_Binding] | ServerChannel[_Inbound] | None:
+        """The channel a peer's frame (as its client) is about; None: ignore the frame.
+
+        What a frame about a stream handle's channel may do is the handle
+        table's rule (:meth:`HandleTable.on_channel_frame`): None when it
+        crossed our FreeHandle, HANDLE_FREED when the peer had freed it.
+        """
+        handle = m.handle_of_channel(channel)
+        if handle is None:
+            return self._inbound_channel(channel, kind)
+        if handle >= self._announced_streams:
+            # A frame about a stream whose bind may still wait in the buffer.
+            self._bind_pending(self._events)
+        verdict = self.streams.theirs.on_channel_frame(handle)
+        if verdict is FrameUse.IGNORE:
+            return None
+        return self._inbound_channel(channel, kind)
+
+    def _freed_inbound(self, channel: int) -> bool:
+        """Whether we sent a FreeHandle for the handle of the peer's ``channel`` (so: silence)."""
+        handle = m.handle_of_channel(channel)
+        theirs = self.streams.theirs
+        return handle is not None and handle < theirs.next_handle and not theirs.may_refer(handle)
 
     def _inbound_channel(
         self, channel: int, kind: type
@@ -493,13 +527,19 @@ class Session:
         return state
 
     def _outbound_channel(self, channel: int, kind: type) -> ClientChannel[bytes] | None:
+        """The channel of ours a peer's frame (as our server) is about; None: ignore it.
+
+        As for :meth:`_peer_frame_inbound`, the handle table rules: a frame
+        that crossed our FreeHandle is ignored (and so not answered: no
+        Absolve for a crossing Plead), one after the peer's is HANDLE_FREED.
+        """
+        handle = m.handle_of_channel(channel)
+        verdict = None if handle is None else self.streams.ours.on_channel_frame(handle)
+        if verdict is FrameUse.IGNORE:
+            return None
         state = self._outbound.get(channel)
         if state is not None:
             return state
-        handle = m.handle_of_channel(channel)
-        if handle is not None and handle < self.streams.ours.next_handle:
-            # A stream we freed: the peer's frame crossed our FreeHandle.
-            return None
         raise FlowControlError(
             f"{kind.__name__} for channel {channel}, on which we never sent",
             code=ErrorCode.UNEXPECTED_FRAME,
@@ -649,6 +689,12 @@ class Session:
         outcome = space.on_free_handle(message)
         if isinstance(outcome, UnboundReference):
             return
+        inbound = self._inbound.get(m.data_channel(message.handle))
+        if message.handle_type is m.HandleType.STREAM and message.mine and inbound is not None:
+            # The peer freed the handle it sends on: it will never send on its
+            # channel again (as if LimitSending(0)), so what guarantees it held
+            # there are given up, and no Plead of ours is left unanswered.
+            inbound.close_sending()
         if outcome.reply is not None:
             self.send_global(outcome.reply)
         if outcome.deleted:
@@ -713,6 +759,8 @@ class Session:
         while queue and out is not None:
             payload = queue[0]
             size = self._data_cost(len(payload))
+            if not out.fits_bounds(size):
+                return  # the peer's LimitReceiving leaves it no room: it waits, unsent
             if not out.can_send(size) and not self._optimistic:
                 return
             queue.popleft()
@@ -726,13 +774,21 @@ class Session:
         return self._inbound_channel(channel, IssueGuarantees)
 
     def grant(self, channel: int, amount: int) -> None:
-        """Grow a receiving channel's buffer by ``amount`` and issue all issuable."""
+        """Grow a receiving channel's buffer by ``amount`` and issue all issuable.
+
+        Nothing happens on the channel of a handle we sent a FreeHandle for
+        (as for :meth:`issue` and :meth:`plead`): we never refer to it again.
+        """
+        if self._freed_inbound(channel):
+            return
         state = self._inbound_channel(channel, IssueGuarantees)
         state.grow(amount)
         self.issue(channel)
 
     def issue(self, channel: int, amount: int | None = None) -> int:
         """Issue guarantees on a receiving channel (all issuable by default)."""
+        if self._freed_inbound(channel):
+            return 0
         frame = self._inbound_channel(channel, IssueGuarantees).issue(amount)
         if frame is None:
             return 0
@@ -741,6 +797,8 @@ class Session:
 
     def plead(self, channel: int, target: int) -> None:
         """Ask the peer to absolve guarantees on a channel down to ``target``."""
+        if self._freed_inbound(channel):
+            return
         self._emit(self._inbound_channel(channel, Plead).plead(target))
 
     def process(self, handle: int, *, reissue: bool = True) -> int:
@@ -800,7 +858,13 @@ class Session:
         self.send_global(self.streams.ours.free(handle))
 
     def absolve(self, handle: int, amount: int) -> None:
-        """Give up ``amount`` guarantees on our stream ``handle`` without being pleaded."""
+        """Give up ``amount`` guarantees on our stream ``handle`` without being pleaded.
+
+        Raises:
+            ValueError: more than the guarantees held, or we proposed to free
+                the handle (and so never refer to it again).
+        """
+        self.streams.ours.use(handle)
         self._emit(self._outbound[m.data_channel(handle)].absolve(amount))
 
     def batch_cost(self, records_length: int) -> int:
