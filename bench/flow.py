@@ -44,8 +44,9 @@ Figures, per system:
 * ``A recovery``: seconds from the consumer's resume until A's delivered rate
   is back to 90% of its offered rate in a 100-ms bucket.
 
-Plots (throughput of A and B over time, one PNG per system) go to
-``bench/plots/``. Every loop is bounded by the run's end time.
+Plots go to ``bench/plots/``, one PNG per system: A's delivered rate, B's on
+its own scale, and the receiving process's RSS and heap over time (sampled
+every 50 ms). Every loop is bounded by the run's end time.
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -97,6 +101,15 @@ class Timing:
         return cls(rate=8 * MiB, stall_at=2.0, resume_at=5.0, end=8.0, solo=3.0)
 
 
+@dataclass(frozen=True)
+class MemorySample:
+    """The receiving process's memory at one moment of the run."""
+
+    seconds: float  # from the run's start
+    rss: int  # VmRSS, bytes (mapped log files included)
+    anon: int  # RssAnon, bytes (the heap)
+
+
 @dataclass
 class Result:
     system: str
@@ -110,6 +123,8 @@ class Result:
     recovery: float | None = None
     note: str = ""
     buckets: dict[str, list[float]] = field(default_factory=dict)
+    #: The receiving process's memory over the run (every 50 ms), for the plot.
+    memory: list[MemorySample] = field(default_factory=list)
     skipped: str | None = None
 
     @property
@@ -175,27 +190,39 @@ def proc_status(pid: int, key: str) -> int:
 
 
 class RssSampler:
-    """Peak VmRSS of a process, sampled every 50 ms in a thread."""
+    """VmRSS and RssAnon of a process, sampled every 50 ms in a thread: their
+    peaks for the table, and every sample for the plot's memory panel (a backlog
+    that grows in the receiver, as Redis's does, shows as a rising line)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.peak = 0
         #: Peak of the anonymous part (heap), without mapped files such as logs.
         self.peak_anon = 0
+        #: ``(time.monotonic(), VmRSS, RssAnon)`` per sample, in bytes.
+        self.samples: list[tuple[float, int, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.wait(0.05):
-            self.peak = max(self.peak, proc_status(self.pid, "VmRSS"))
-            self.peak_anon = max(self.peak_anon, proc_status(self.pid, "RssAnon"))
+            rss = proc_status(self.pid, "VmRSS")
+            anon = proc_status(self.pid, "RssAnon")
+            self.peak = max(self.peak, rss)
+            self.peak_anon = max(self.peak_anon, anon)
+            self.samples.append((time.monotonic(), rss, anon))
 
     def stop(self) -> int:
         self._stop.set()
         self._thread.join(1.0)
         self.peak = max(self.peak, proc_status(self.pid, "VmHWM"))
         return self.peak
+
+    def over_time(self, t0: float) -> list[MemorySample]:
+        """The samples taken from the run's start ``t0`` on, in seconds from it
+        (samples of a process that was already gone read 0 and are left out)."""
+        return [MemorySample(t - t0, rss, anon) for t, rss, anon in self.samples if t >= t0 and rss]
 
 
 async def paced(
@@ -418,6 +445,7 @@ async def run_headgate(policy: str, timing: Timing, solo: bool) -> Result:
         buckets = await asyncio.to_thread(parent.recv)
         consumer.join(5)
         result.peak_rss = sampler.stop()
+        result.memory = sampler.over_time(t0)
         result.peak_anon = sampler.peak_anon
         result.budget = idle_rss + 2 * (capacity + 2 * TERM) + WORKING_MEMORY
         child.stdin.close()
@@ -594,6 +622,7 @@ async def run_h2(timing: Timing, solo: bool) -> Result:
     result.buckets = await asyncio.to_thread(parent.recv)
     server.join(5)
     result.peak_rss = sampler.stop()
+    result.memory = sampler.over_time(t0)
     batches = frames[0] * h2c.max_outbound_frame_size / BATCH
     result.ctl_per_batch = updates[0] / batches if batches else None
     result.overshoot = "0 (blocked by windows)"
@@ -677,6 +706,7 @@ async def run_tcp(timing: Timing, solo: bool) -> Result:
     buckets, _ = await asyncio.to_thread(parent.recv)
     reader_proc.join(5)
     result.peak_rss = sampler.stop()
+    result.memory = sampler.over_time(t0)
     result.buckets = buckets
     delivered_by_then = sum(
         sum(b[: int((run.stall_at + 1.0) / BUCKET_S)]) for b in buckets.values()
@@ -788,6 +818,7 @@ async def run_redis(timing: Timing, solo: bool) -> Result:
         result.buckets = await asyncio.to_thread(parent.recv)
         consumer.join(5)
         result.peak_rss = sampler.stop()
+        result.memory = sampler.over_time(t0)
         result.overshoot = f"{peak_backlog[0] / KiB:.0f} KiB backlog in Redis, no push-back"
         # The sender waits for each batch's pipelined XADD replies: one round
         # trip per batch, though none of it is flow control.
@@ -885,6 +916,7 @@ async def run_zmq(timing: Timing, solo: bool) -> Result:
     buckets, peak_queue = await asyncio.to_thread(parent.recv)
     puller.join(5)
     result.peak_rss = sampler.stop()
+    result.memory = sampler.over_time(t0)
     result.buckets = buckets
     result.overshoot = f"{peak_queue} batches queued for A (HWM {ZMQ_HWM})"
     result.ctl_per_batch = 0.0
@@ -915,27 +947,61 @@ async def measure(name: str, timing: Timing) -> Result:
     return result
 
 
-def plot(result: Result, timing: Timing) -> Path:
+def draw(result: Result, timing: Timing) -> Figure:
+    """One figure per system, three panels over the same seconds: A's delivered
+    rate, B's on its own scale (A's catch-up after the stall runs at 20 to 30
+    times the offered rate, which on a shared axis flattens B's steady rate into
+    a line near zero), and the receiving process's memory, so that a backlog
+    kept in the receiver (Redis's) shows as it grows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    PLOTS.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7, 3))
-    for stream, style in (("A", "-"), ("B", "--")):
-        values = [v / BUCKET_S / MiB for v in result.buckets[stream]]
-        ax.plot([i * BUCKET_S for i in range(len(values))], values, style, label=stream)
-    ax.axvspan(timing.stall_at, timing.resume_at, alpha=0.15, color="grey", label="A stalled")
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("MiB/s delivered")
-    ax.set_title(result.system)
-    ax.legend(loc="upper right")
+    fig, (rate_a, rate_b, memory) = plt.subplots(3, 1, figsize=(7, 6.5), sharex=True)
+    offered = timing.rate / MiB
+    for ax, stream, colour in ((rate_a, "A", "C0"), (rate_b, "B", "C1")):
+        values = [v / BUCKET_S / MiB for v in result.buckets.get(stream, [])]
+        ax.plot([i * BUCKET_S for i in range(len(values))], values, color=colour, label=stream)
+        ax.axhline(offered, linestyle=":", color="black", linewidth=0.8, label="offered")
+        ax.set_ylabel(f"{stream}: MiB/s")
+        ax.set_ylim(bottom=0)
+    rate_a.set_title(result.system)
+    if result.memory:
+        seconds = [s.seconds for s in result.memory]
+        memory.plot(seconds, [s.rss / MiB for s in result.memory], color="C2", label="RSS")
+        memory.plot(
+            seconds, [s.anon / MiB for s in result.memory], "--", color="C3", label="heap (anon)"
+        )
+    else:
+        memory.text(
+            0.5, 0.5, "memory not sampled", ha="center", va="center", transform=memory.transAxes
+        )
+    if result.budget is not None:
+        memory.axhline(
+            result.budget / MiB, linestyle=":", color="black", linewidth=0.8, label="budget"
+        )
+    memory.set_ylabel("receiver MiB")
+    memory.set_ylim(bottom=0)
+    memory.set_xlabel("seconds")
+    memory.set_xlim(0, timing.end)
+    for ax in (rate_a, rate_b, memory):
+        ax.axvspan(timing.stall_at, timing.resume_at, alpha=0.15, color="grey", label="A stalled")
+        ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot(result: Result, timing: Timing, directory: Path = PLOTS) -> Path:
+    """Draw ``result`` and write it as ``flow-<system>.png`` in ``directory``."""
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    fig = draw(result, timing)
     slug = (
         result.system.lower().replace("/", "").replace(" ", "-").replace("(", "").replace(")", "")
     )
-    path = PLOTS / f"flow-{slug}.png"
+    path = directory / f"flow-{slug}.png"
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
