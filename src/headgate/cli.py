@@ -99,6 +99,17 @@ def _security(options: dict[str, Any]) -> ClientSecurity:
     return security
 
 
+def _require_spark(command: str) -> None:
+    """Exit with one line naming the extra to install, unless Spark is installed."""
+    from headgate.extras import MissingExtra, require_spark
+
+    try:
+        require_spark()
+    except MissingExtra as exc:
+        click.echo(f"headgate {command}: {exc}", err=True)
+        sys.exit(1)
+
+
 def _size(value: str | None, what: str) -> int | None:
     return None if value is None else parse_size(value, what=what)
 
@@ -585,6 +596,7 @@ def run(data_dir: Path, seconds: float) -> None:
     deliberately slow: watch it being throttled while the others run at full
     speed. Ends with a summary and a query over the Parquet output.
     """
+    _require_spark("run")
     from rich.console import Console
 
     from headgate.demo import run_demo
@@ -651,6 +663,7 @@ def pipeline_command(config: Path, available_now: bool) -> None:
 
     examples/pipeline.toml in the repository lists every key.
     """
+    _require_spark("pipeline")
     from headgate.spark.command import run_pipeline_file
 
     try:
@@ -672,6 +685,7 @@ def pipeline_command(config: Path, available_now: bool) -> None:
 )
 def query(sql: str, data_dir: Path) -> None:
     """Run SQL over the Parquet output; each stream is a table of its name."""
+    _require_spark("query")
     from headgate.spark.query import QueryError, parquet_tables, run_query
 
     try:
