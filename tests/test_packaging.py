@@ -123,3 +123,17 @@ def test_the_producer_the_gateway_and_serve_help_do_not_import_spark() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_the_pypi_description_starts_with_pip_install_and_the_readme_with_make() -> None:
+    project = PYPROJECT["project"]
+    assert project["license"] == "Apache-2.0"
+    assert "Apache License" in (REPO / "LICENSE").read_text(encoding="utf-8")[:200]
+    description = (REPO / project["readme"]).read_text(encoding="utf-8").splitlines()
+    assert description[0] == "```sh"
+    assert description[1].startswith("pip install headgate ")
+    assert description[2].startswith("pip install 'headgate[spark]' ")
+    # README.md stays the developer's page: its first lines are the two make commands.
+    readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert readme[0] == "```sh"
+    assert [line.split()[:2] for line in readme[1:3]] == [["make", "run"], ["make", "test"]]
