@@ -50,6 +50,9 @@ RUN pip install --no-cache-dir -c /tmp/constraints.txt /tmp/wheels/headgate-*.wh
 USER headgate
 WORKDIR /data
 VOLUME /data
+# One JSON object per log line, for whatever collects the container's output
+# (docker run -e HEADGATE_LOG_FORMAT=text for people reading `docker logs`).
+ENV HEADGATE_LOG_FORMAT=json
 # 7878: producers and pipelines; 9464: Prometheus metrics (and the health check).
 EXPOSE 7878 9464
 HEALTHCHECK --interval=30s --timeout=5s --start-period=10s \

@@ -84,6 +84,7 @@ def test_the_default_image_is_the_gateway_without_spark_as_an_unprivileged_user(
     exposed = {port for keyword, rest in gateway if keyword == "EXPOSE" for port in rest.split()}
     assert "7878" in exposed
     assert any(keyword == "HEALTHCHECK" for keyword, _ in gateway)
+    assert ("ENV", "HEADGATE_LOG_FORMAT=json") in gateway  # a container's log is collected
     entrypoint = next(_exec_form(rest) for keyword, rest in gateway if keyword == "ENTRYPOINT")
     command = next(_exec_form(rest) for keyword, rest in gateway if keyword == "CMD")
     assert entrypoint == ["headgate", "serve"]
