@@ -1,5 +1,7 @@
 # Every target sets up its own virtual environment from pyproject.toml, so the
 # two README commands work on a fresh machine with nothing installed by hand.
+# The versions are constraints.txt's exact ones (pyproject.toml has ranges), and
+# every extra: Spark for `make run`, the tools for `make test`, the peers for bench.
 PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed-stamp
@@ -7,10 +9,10 @@ BIN    := $(VENV)/bin
 
 .PHONY: setup run test lint typecheck unit bench clean
 
-$(STAMP): pyproject.toml setup.py src/headgate/log/_frame_writer.c
+$(STAMP): pyproject.toml constraints.txt setup.py src/headgate/log/_frame_writer.c
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
-	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[dev,bench,spark]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -24,6 +24,7 @@ from headgate.config import (
     parse_address,
     parse_size,
 )
+from headgate.logformat import LOG_FORMATS, TEXT_FORMAT, use_log_format
 from headgate.protocol.messages import MAX_SECRET_BYTES, is_valid_name
 
 if TYPE_CHECKING:
@@ -99,6 +100,17 @@ def _security(options: dict[str, Any]) -> ClientSecurity:
     return security
 
 
+def _require_spark(command: str) -> None:
+    """Exit with one line naming the extra to install, unless Spark is installed."""
+    from headgate.extras import MissingExtra, require_spark
+
+    try:
+        require_spark()
+    except MissingExtra as exc:
+        click.echo(f"headgate {command}: {exc}", err=True)
+        sys.exit(1)
+
+
 def _size(value: str | None, what: str) -> int | None:
     return None if value is None else parse_size(value, what=what)
 
@@ -117,7 +129,12 @@ def main(verbose: int) -> None:
     behind on slows only its own producers.
     """
     level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=level, format=TEXT_FORMAT)
+
+
+#: What `headgate serve` itself says while it runs (reloads, the clean stop):
+#: shown at the default verbosity, in the format --log-format picks.
+serve_log = logging.getLogger("headgate.serve")
 
 
 @main.command()
@@ -166,6 +183,15 @@ def main(verbose: int) -> None:
 @click.option("--idle-timeout-ms", type=int, help="Close connections silent this long (0: never).")
 @click.option("--handshake-timeout-ms", type=float, help="Time a peer has to send Hello.")
 @click.option("--max-connections", type=int, help="Largest number of concurrent connections.")
+@click.option(
+    "--log-format",
+    type=click.Choice(LOG_FORMATS),
+    default="text",
+    show_default=True,
+    envvar="HEADGATE_LOG_FORMAT",
+    help="json: one JSON object per log line (time, level, logger, message, extra fields); "
+    "or set HEADGATE_LOG_FORMAT.",
+)
 def serve(
     config: Path | None,
     listen: str | None,
@@ -185,6 +211,7 @@ def serve(
     idle_timeout_ms: int | None,
     handshake_timeout_ms: float | None,
     max_connections: int | None,
+    log_format: str,
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
 
@@ -192,6 +219,9 @@ def serve(
     On SIGHUP the gateway reads --config again (flags still win) and applies
     what can change while it runs: stream capacities, windows, watermarks.
     """
+    use_log_format(log_format)
+    if serve_log.getEffectiveLevel() > logging.INFO:
+        serve_log.setLevel(logging.INFO)
     per_stream: dict[str, str] = {}
     for item in stream_policies:
         name, sep, value = item.partition("=")
@@ -243,13 +273,11 @@ def _reload(gateway: object, load: Callable[[], object]) -> None:
         assert isinstance(cfg, GatewayConfig)
         gateway.reconfigure(cfg)
     except (ConfigError, LogError, click.UsageError) as exc:
-        # A bad edit must not take the running gateway down.
-        logging.getLogger("headgate.gateway").error(
-            "reload refused, keeping the old settings: %s", exc
-        )
-        click.echo(f"headgate serve: reload refused: {exc}", err=True)
+        # A bad edit must not take the running gateway down. One line, in the
+        # log's format: an operator (or a log shipper) sees it once.
+        serve_log.error("reload refused, keeping the old settings: %s", exc)
         return
-    click.echo("configuration reloaded", err=True)
+    serve_log.info("configuration reloaded")
 
 
 def _in_use(exc: DirectoryInUse) -> str:
@@ -264,6 +292,7 @@ def _in_use(exc: DirectoryInUse) -> str:
 async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     from headgate.config import GatewayConfig
     from headgate.gateway import Gateway
+    from headgate.gateway.server import AddressInUse
     from headgate.log import LogError
     from headgate.log.lock import DirectoryInUse
 
@@ -278,16 +307,14 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     except DirectoryInUse as exc:
         click.echo(f"headgate serve: {_in_use(exc)}", err=True)
         sys.exit(1)
+    except AddressInUse as exc:
+        click.echo(f"headgate serve: {exc.address} is already in use", err=True)
+        sys.exit(1)
     except (LogError, OSError) as exc:
         click.echo(f"headgate serve: cannot start: {exc}", err=True)
         sys.exit(1)
-    host, port = gateway.address
-    click.echo(f"listening on {host}:{port}", nl=True)
-    if gateway.metrics_address is not None:
-        click.echo("metrics on http://{}:{}/metrics".format(*gateway.metrics_address))
-    if cfg.unix_socket is not None:
-        click.echo(f"listening on unix:{cfg.unix_socket}")
-    sys.stdout.flush()
+    # Before "listening on": whoever waits for that line may signal at once
+    # (a SIGHUP before its handler would end the process).
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -296,9 +323,16 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     if load is not None:
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(signal.SIGHUP, _reload, gateway, load)
+    host, port = gateway.address
+    click.echo(f"listening on {host}:{port}", nl=True)
+    if gateway.metrics_address is not None:
+        click.echo("metrics on http://{}:{}/metrics".format(*gateway.metrics_address))
+    if cfg.unix_socket is not None:
+        click.echo(f"listening on unix:{cfg.unix_socket}")
+    sys.stdout.flush()
     await stop.wait()
     await gateway.stop()
-    click.echo("gateway stopped cleanly", err=True)
+    serve_log.info("gateway stopped cleanly")
 
 
 @main.command()
@@ -585,6 +619,7 @@ def run(data_dir: Path, seconds: float) -> None:
     deliberately slow: watch it being throttled while the others run at full
     speed. Ends with a summary and a query over the Parquet output.
     """
+    _require_spark("run")
     from rich.console import Console
 
     from headgate.demo import run_demo
@@ -651,6 +686,7 @@ def pipeline_command(config: Path, available_now: bool) -> None:
 
     examples/pipeline.toml in the repository lists every key.
     """
+    _require_spark("pipeline")
     from headgate.spark.command import run_pipeline_file
 
     try:
@@ -672,6 +708,7 @@ def pipeline_command(config: Path, available_now: bool) -> None:
 )
 def query(sql: str, data_dir: Path) -> None:
     """Run SQL over the Parquet output; each stream is a table of its name."""
+    _require_spark("query")
     from headgate.spark.query import QueryError, parquet_tables, run_query
 
     try:

@@ -150,6 +150,11 @@ def parse_address(
     return host or "127.0.0.1", int(port_text)
 
 
+def format_address(host: str, port: int) -> str:
+    """``host:port`` as :func:`parse_address` reads it (an IPv6 host in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(frozen=True, slots=True)
 class StreamSettings:
     """Settings for one stream; unset fields fall back to the gateway's."""

@@ -1,6 +1,6 @@
 """The gateway: asyncio server, stream logs, credit from log space, durable acks."""
 
-from headgate.gateway.server import Gateway, GatewayConnection
+from headgate.gateway.server import AddressInUse, Gateway, GatewayConnection
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 
-__all__ = ["Gateway", "GatewayConnection", "Stream", "StreamStatistics", "Writer"]
+__all__ = ["AddressInUse", "Gateway", "GatewayConnection", "Stream", "StreamStatistics", "Writer"]

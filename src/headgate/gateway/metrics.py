@@ -20,12 +20,14 @@ Metrics, all prefixed ``headgate_`` (labels in brackets)::
     connection_reads_paused (0/1), connection_read_pauses_total        [connection, peer, producer]
     connection_ring_bytes, connection_ring_in_use_bytes                [connection, peer, producer]
     connections, writer_queue_messages, durability_loans
+    build_info (always 1)                                              [version, python]
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import platform
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from headgate import __version__
 from headgate.gateway.statistics import ConnectionStatistics
 from headgate.gateway.streams import StreamStatistics
 
@@ -91,6 +94,21 @@ def snapshot(gateway: Gateway) -> GatewaySnapshot:
         queued_messages=len(gateway.queue),
         durability_loans=gateway.durability.outstanding(),
     )
+
+
+def build_info() -> GaugeMetricFamily:
+    """``headgate_build_info``: 1, labelled with what runs, as Prometheus exporters do.
+
+    A dashboard joins on it to show which gateways run which version, and an
+    alert can fire on a fleet that runs two.
+    """
+    family = GaugeMetricFamily(
+        "headgate_build_info",
+        "The headgate version and Python version of this gateway (always 1).",
+        labels=["version", "python"],
+    )
+    family.add_metric([__version__, platform.python_version()], 1)
+    return family
 
 
 class GatewayCollector(Collector):
@@ -177,6 +195,7 @@ class GatewayCollector(Collector):
             "Batches appended and waiting for the disk.",
             value=snap.durability_loans,
         )
+        yield build_info()
 
 
 class MetricsServer:

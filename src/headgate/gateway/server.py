@@ -50,17 +50,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from headgate.config import ConfigError, GatewayConfig, StreamSettings
+from headgate.config import ConfigError, GatewayConfig, StreamSettings, format_address
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
@@ -143,6 +144,29 @@ def _later(delay: float, call: Callable[[], None]) -> object:
 def ring_limit(max_message_size: int) -> int:
     """The largest receive ring: room for the largest frame twice, at least 4 MiB."""
     return max(4 << 20, 2 * (max_message_size + 64) + RING_MIN_READ)
+
+
+class AddressInUse(OSError):
+    """An address the gateway should listen on (its own, or its metrics') is taken.
+
+    Usually a gateway already running there, or another program on the
+    port; ``address`` is the ``host:port`` that was asked for.
+    """
+
+    def __init__(self, address: str) -> None:
+        super().__init__(errno.EADDRINUSE, f"{address} is already in use")
+        self.address = address
+
+
+@contextlib.contextmanager
+def _binding(host: str, port: int) -> Iterator[None]:
+    """Turn the OS's "address in use" into :class:`AddressInUse`, naming the address."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise AddressInUse(format_address(host, port)) from exc
+        raise
 
 
 class GatewayConnection(asyncio.BufferedProtocol):
@@ -1001,6 +1025,9 @@ class Gateway:
         try:
             await self._open_and_listen(data)
         except BaseException:
+            if self._metrics is not None:  # started before the listener failed
+                self._metrics.close()
+                self._metrics = None
             self._data_lock.release()
             raise
 
@@ -1017,16 +1044,20 @@ class Gateway:
         loop = asyncio.get_running_loop()
         if self.config.metrics is not None:
             self._metrics = MetricsServer(self, loop)
-            self.metrics_address = self._metrics.start(*self.config.metrics)
+            with _binding(*self.config.metrics):
+                self.metrics_address = self._metrics.start(*self.config.metrics)
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
         host, port = self.config.listen
         tls = self.ssl_context is not None
-        server = await loop.create_server(
-            (lambda: TlsDoor(self)) if tls else (lambda: GatewayConnection(self, next(self._ids))),
-            host,
-            port,
-            reuse_address=True,
-        )
+        with _binding(host, port):
+            server = await loop.create_server(
+                (lambda: TlsDoor(self))
+                if tls
+                else (lambda: GatewayConnection(self, next(self._ids))),
+                host,
+                port,
+                reuse_address=True,
+            )
         self._servers.append(server)
         sockname = server.sockets[0].getsockname()
         self.address = (sockname[0], sockname[1])
