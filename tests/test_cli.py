@@ -418,9 +418,10 @@ def test_every_shell_example_of_the_readme_parses_and_names_real_options() -> No
             continue
         args = words[1:]
         command: click.Command = main
-        if args and not args[0].startswith("-"):
-            sub = main.get_command(click.Context(main), args[0])
-            assert sub is not None, f"no command headgate {args[0]}: {line}"
+        # Into the command, and into a group's subcommand (headgate streams list).
+        while isinstance(command, click.Group) and args and not args[0].startswith("-"):
+            sub = command.get_command(click.Context(command), args[0])
+            assert sub is not None, f"no command {command.name} {args[0]}: {line}"
             command, args = sub, args[1:]
         known = {name for param in command.params for name in param.opts + param.secondary_opts}
         known |= {"-h", "--help"}

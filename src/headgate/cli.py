@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -646,6 +647,141 @@ def run(data_dir: Path, seconds: float) -> None:
             f"headgate run: records acknowledged but not written: {', '.join(lost)}", err=True
         )
         sys.exit(1)
+
+
+@main.group()
+def streams() -> None:
+    """List and describe a gateway's streams; delete one from a stopped gateway's directory."""
+
+
+def _print_streams(rows: list[Any], fmt: str) -> None:
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps(row.as_dict()))
+        return
+    header = ("stream", "start", "durable", "tail", "retained")
+    table = [header] + [
+        (
+            r.stream,
+            f"{r.start_position:,}",
+            f"{r.durable_position:,}",
+            f"{r.tail_position:,}",
+            _bytes_text(r.retained_bytes),
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+        ]
+        click.echo("  ".join(cells).rstrip())
+
+
+def _bytes_text(n: int) -> str:
+    """``n`` bytes for people: 512 B, 1.5 KiB, 3.0 GiB."""
+    if n < 1024:
+        return f"{n:,} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:,.1f} {unit}"
+
+
+def _streams_from(gateway: str, names: tuple[str, ...], options: dict[str, Any]) -> list[Any]:
+    from headgate.client.reader import ReaderError
+    from headgate.streams_admin import list_streams
+
+    security = _security(options)
+    try:
+        return asyncio.run(list_streams(gateway, security, names))
+    except (ReaderError, LookupError) as exc:
+        click.echo(f"headgate streams: {exc}", err=True)
+        sys.exit(1)
+
+
+_streams_format = click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table, or one JSON object per stream (for scripts).",
+)
+
+
+@streams.command(name="list")
+@_gateway_option
+@_streams_format
+@_security_options
+def streams_list(gateway: str, fmt: str, **options: Any) -> None:
+    """Every stream of the gateway, with its positions and the bytes it retains.
+
+    start: the oldest position kept (what Spark released is gone); durable:
+    what is on disk and readable; tail: where the next batch goes.
+    """
+    rows = _streams_from(gateway, (), options)
+    if not rows and fmt == "table":
+        click.echo("no streams", err=True)
+        return
+    _print_streams(rows, fmt)
+
+
+@streams.command(name="describe")
+@click.argument("names", nargs=-1, required=True)
+@_gateway_option
+@_streams_format
+@_security_options
+def streams_describe(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
+    """The positions of the streams NAMES; an unknown name is an error."""
+    rows = _streams_from(gateway, names, options)
+    if fmt == "json":
+        _print_streams(rows, fmt)
+        return
+    for row in rows:
+        click.echo(f"{row.stream}:")
+        for key, value in row.as_dict().items():
+            if key != "stream":
+                click.echo(f"  {key}: {value:,}")
+
+
+@streams.command(name="delete")
+@click.argument("name")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    default=Path("headgate-data"),
+    show_default=True,
+    help="The stopped gateway's data directory.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def streams_delete(name: str, data_dir: Path, yes: bool) -> None:
+    """Delete stream NAME's log and producer state, with the gateway stopped.
+
+    Its records are gone for good, and producers that resume on it start a
+    new sequence. A Spark checkpoint that read the stream refers to
+    positions of the old log: delete it (and its output, if it should go
+    too) before a pipeline reads a new stream of that name.
+    """
+    from headgate.log.lock import DirectoryInUse
+    from headgate.streams_admin import delete_stream
+
+    if not yes:
+        click.confirm(f"Delete stream {name!r} and every record in it from {data_dir}?", abort=True)
+    try:
+        deleted = delete_stream(data_dir, name)
+    except DirectoryInUse as exc:
+        click.echo(
+            f"headgate streams: {_in_use(exc).replace('choose another --data-dir', 'try again')}",
+            err=True,
+        )
+        sys.exit(1)
+    except LookupError as exc:
+        click.echo(f"headgate streams: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"deleted stream {name!r} ({_bytes_text(deleted.bytes_removed)}) from {data_dir}")
 
 
 @main.command(name="pipeline")

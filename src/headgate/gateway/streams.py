@@ -392,6 +392,11 @@ class HeldBatches:
         return ticket <= self._taken
 
 
+def stream_files(data_dir: Path, name: str) -> tuple[Path, Path]:
+    """Where a stream lives in a data directory: its log directory and its producer state."""
+    return data_dir / "streams" / name, data_dir / "state" / f"{name}.producers.json"
+
+
 @dataclass(frozen=True, slots=True)
 class StreamStatistics:
     """A snapshot of one stream, for metrics and ``headgate top``."""
@@ -477,9 +482,8 @@ class Stream:
         reclaimed (so resends of batches Spark already released are still
         recognised), and the headers of every frame still in the log.
         """
-        directory = data_dir / "streams" / name
+        directory, state_file = stream_files(data_dir, name)
         stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
-        state_file = data_dir / "state" / f"{name}.producers.json"
         stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
         stream._recover_dedup()
         return stream

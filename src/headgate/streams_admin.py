@@ -1,0 +1,120 @@
+"""``headgate streams``: list and describe a gateway's streams, delete one offline.
+
+Listing asks a running gateway (ListStreams, the ``read`` right with a
+tokens file). Deleting works on the data directory of a stopped gateway: it
+takes the directory's lock, so it cannot run beside the gateway that owns it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from headgate.gateway.server import DATA_LOCK_FILE_NAME
+from headgate.gateway.streams import stream_files
+from headgate.log.lock import DirectoryLock
+from headgate.protocol import messages as m
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRow:
+    """One stream as ``headgate streams list`` shows it."""
+
+    stream: str
+    start_position: int
+    durable_position: int
+    tail_position: int
+    term_length: int
+
+    @property
+    def retained_bytes(self) -> int:
+        """Log bytes between the oldest retained position and the tail."""
+        return self.tail_position - self.start_position
+
+    @classmethod
+    def of(cls, info: m.StreamInfo) -> StreamRow:
+        return cls(
+            info.stream,
+            info.start_position,
+            info.durable_position,
+            info.tail_position,
+            info.term_length,
+        )
+
+    def as_dict(self) -> dict[str, int | str]:
+        return {
+            "stream": self.stream,
+            "start_position": self.start_position,
+            "durable_position": self.durable_position,
+            "tail_position": self.tail_position,
+            "term_length": self.term_length,
+            "retained_bytes": self.retained_bytes,
+        }
+
+
+async def list_streams(
+    gateway: str, security: object | None = None, names: Sequence[str] = ()
+) -> list[StreamRow]:
+    """The gateway's streams (only ``names`` if given), sorted by name.
+
+    Raises:
+        ReaderError: the gateway cannot be reached or refused the request.
+        LookupError: a stream of ``names`` does not exist.
+    """
+    from headgate.client.reader import Reader
+    from headgate.client.security import ClientSecurity
+
+    assert security is None or isinstance(security, ClientSecurity)
+    async with Reader(gateway, client_name="headgate-streams", security=security) as reader:
+        rows = [StreamRow.of(info) for info in await reader.list_streams()]
+    if names:
+        known = {row.stream for row in rows}
+        missing = [name for name in names if name not in known]
+        if missing:
+            raise LookupError(
+                f"the gateway at {gateway} has no stream {', '.join(map(repr, missing))}"
+            )
+        rows = [row for row in rows if row.stream in names]
+    return sorted(rows, key=lambda row: row.stream)
+
+
+@dataclass(frozen=True, slots=True)
+class Deleted:
+    """What ``delete_stream`` removed."""
+
+    stream: str
+    #: Bytes of the log's files and its producer state.
+    bytes_removed: int
+    paths: tuple[Path, ...]
+
+
+def delete_stream(data_dir: Path, name: str) -> Deleted:
+    """Remove stream ``name``'s log and producer state from a stopped gateway's directory.
+
+    Raises:
+        DirectoryInUse: a gateway (or another delete) holds the directory.
+        LookupError: the directory holds no such stream.
+    """
+    if not m.is_valid_name(name):
+        raise LookupError(f"{name!r} is not a stream name")
+    log_dir, state = stream_files(data_dir, name)
+    if not data_dir.is_dir():
+        raise LookupError(f"{data_dir} is not a directory")
+    lock = DirectoryLock.acquire(data_dir, DATA_LOCK_FILE_NAME)
+    try:
+        if not log_dir.is_dir():
+            raise LookupError(f"{data_dir} holds no stream {name!r}")
+        size = sum(f.stat().st_size for f in log_dir.rglob("*") if f.is_file())
+        paths = [log_dir]
+        if state.exists():
+            size += state.stat().st_size
+            paths.append(state)
+        # A crash in the middle leaves a log without its directory entry or
+        # without its state: both are what a stream that never existed has.
+        shutil.rmtree(log_dir)
+        state.unlink(missing_ok=True)
+        return Deleted(name, size, tuple(paths))
+    finally:
+        lock.release()
