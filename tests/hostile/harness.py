@@ -487,6 +487,27 @@ class Measured:
     gateway_attacked: list[float] = field(default_factory=list)
     attacker_cores: list[float] = field(default_factory=list)
 
+    def extend(self, more: Measured) -> None:
+        """Add the runs of ``more`` (the same attack, measured again) to these."""
+        for name in (
+            "base_rates",
+            "attacked_rates",
+            "problems",
+            "reports",
+            "failures",
+            "base_elapsed",
+            "attacked_elapsed",
+            "gateway_alone",
+            "gateway_attacked",
+            "attacker_cores",
+        ):
+            getattr(self, name).extend(getattr(more, name))
+        self.lost += more.lost
+        self.mismatched += more.mismatched
+        self.gateway_died |= more.gateway_died
+        self.peak_memory = max(self.peak_memory, more.peak_memory)
+        self.seconds += more.seconds
+
     def cores(self) -> str:
         """The medians of the gateway's cores alone / attacked, and the attacker's."""
 

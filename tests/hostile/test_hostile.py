@@ -13,7 +13,9 @@ A B A B (``harness.measure``). Then, for each attack:
 * the good producer kept at least ``THROUGHPUT_RATIO`` of its throughput: the
   median of its attacked runs over the median of its runs alone, taken in
   turns, so that a machine busy for other reasons slows both alike, while a
-  producer that an attack starves falls far below;
+  producer that an attack starves falls far below (an attack that looks
+  harmful after ``ROUNDS`` pairs is measured for up to ``MORE_ROUNDS`` more,
+  and the medians of all pairs decide);
 * the good producer lost nothing: its stream holds every record it sent,
   exactly once, in order (its producer id tells its frames apart);
 * the offender got the documented answer (PROTOCOL.md, "Who gets in, and
@@ -50,6 +52,8 @@ pytestmark = pytest.mark.timeout(120)
 #: to keep the suite within a few minutes on two cores; ``bench/hostile.py``
 #: runs longer.
 ROUNDS = 2
+#: Extra rounds (one pair each) for an attack whose first rounds look harmful.
+MORE_ROUNDS = 3
 GOOD_SECONDS = 0.5
 #: Attacks whose harm the gateway bounds by a deadline rather than by a
 #: share: writers that ignore a Plead keep the good stream's credit until the
@@ -108,18 +112,45 @@ def the_arena(request: pytest.FixtureRequest, name: str) -> Arena:
     return served
 
 
+def harmed(name: str, result: Measured) -> bool:
+    """Whether the good producer looks harmed: slowed below the floor, or held past the deadline."""
+    if name in DEADLINE_BOUND_S:
+        return lost_time(result) > DEADLINE_BOUND_S[name] + DEADLINE_SLACK_S
+    return result.ratio < THROUGHPUT_RATIO
+
+
+def lost_time(result: Measured) -> float:
+    return statistics.median(result.attacked_elapsed) - statistics.median(result.base_elapsed)
+
+
 async def attacked(served: Arena, name: str) -> Measured:
+    """The attack measured ROUNDS times, and up to MORE_ROUNDS more while it looks harmful.
+
+    A busy machine (other jobs on its two cores) can slow one half-second
+    run by half; more pairs of runs then decide, by their medians. An attack
+    that does starve the good producer does so in every pair, so the extra
+    rounds cannot hide it (test_the_arena_measures_a_starved_producer_as_starved).
+    """
     attacker = Attacker()
-    try:
+
+    async def once(rounds: int) -> Measured:
         return await measure(
             served,
             attacker,
             name,
             victim_stream(name),
-            rounds=ROUNDS,
+            rounds=rounds,
             seconds=GOOD_SECONDS_FOR.get(name, GOOD_SECONDS),
             max_records=GOOD_RECORDS,
         )
+
+    try:
+        result = await once(ROUNDS)
+        for _ in range(MORE_ROUNDS):
+            if result.gateway_died or not harmed(name, result):
+                break
+            result.extend(await once(1))
+        return result
     finally:
         await attacker.close()
 
@@ -145,15 +176,12 @@ async def test_the_gateway_survives_the_attack_and_the_good_producer_is_unharmed
     held = max(0, HELD_CONNECTIONS.get(name, 0) - 40)
     assert result.peak_memory - result.base_memory < MEMORY_BOUND + held * CONNECTION_MEMORY
     if name in DEADLINE_BOUND_S:
-        lost_time = statistics.median(result.attacked_elapsed) - statistics.median(
-            result.base_elapsed
-        )
-        assert lost_time <= DEADLINE_BOUND_S[name] + DEADLINE_SLACK_S, (
-            f"the good producer was held {lost_time:.2f} s, beyond the deadline: "
+        assert not harmed(name, result), (
+            f"the good producer was held {lost_time(result):.2f} s, beyond the deadline: "
             f"{result.attacked_elapsed} s attacked, {result.base_elapsed} s alone"
         )
     else:
-        assert result.ratio >= THROUGHPUT_RATIO, (
+        assert not harmed(name, result), (
             f"the good producer was starved: {result.attacked_rates} rec/s attacked, "
             f"{result.base_rates} alone"
         )
