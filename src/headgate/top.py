@@ -2,7 +2,10 @@
 
 It reads exactly what Prometheus reads (``/metrics``, parsed with
 prometheus-client's own parser), so the two views always agree. Rates (records
-per second) are the difference between two scrapes.
+per second) are the difference between two scrapes, and so are the ack
+latency percentiles: p50 and p99 of the batches acknowledged between them,
+from the histogram ``headgate_ack_latency_seconds`` (interpolated within a
+bucket, as Prometheus's ``histogram_quantile``; :mod:`headgate.latency`).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from rich.console import Console, Group
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
+
+from headgate.latency import bucket_increase, bucket_quantile
 
 __all__ = ["MetricsUnavailable", "Snapshot", "as_json", "fetch", "parse", "render", "render_to_fit"]
 
@@ -41,6 +46,8 @@ class Snapshot:
     connections: dict[str, dict[str, float | str]] = field(default_factory=dict)
     #: stream -> ``[(le, cumulative count)]`` of the fsync histogram.
     fsync_buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    #: stream -> ``[(le, cumulative count)]`` of the ack latency histogram.
+    ack_buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
 
 
@@ -66,6 +73,9 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
                     if name == "stream_fsync_seconds_bucket":
                         le = float(labels["le"])
                         snap.fsync_buckets.setdefault(stream, []).append((le, sample.value))
+                    elif name == "ack_latency_seconds_bucket":
+                        le = float(labels["le"])
+                        snap.ack_buckets.setdefault(stream, []).append((le, sample.value))
                     else:
                         snap.streams.setdefault(stream, {})[name] = sample.value
                 elif "connection" in labels:
@@ -79,7 +89,7 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
         raise MetricsUnavailable(f"the answer is not Prometheus metrics ({exc})") from None
     if not seen:
         raise MetricsUnavailable("the answer holds no headgate metrics")
-    for buckets in snap.fsync_buckets.values():
+    for buckets in (*snap.fsync_buckets.values(), *snap.ack_buckets.values()):
         buckets.sort()
     return snap
 
@@ -127,12 +137,30 @@ def _size(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def _ms(seconds: float | None) -> str:
+def _ms(seconds: float | None, buckets: list[tuple[float, float]] | None = None) -> str:
+    """Milliseconds; for a quantile beyond the largest bucket, "> " that bucket's bound."""
     if seconds is None:
         return "-"
     if math.isinf(seconds):
-        return "> 2 s"
+        finite = [le for le, _ in buckets or () if math.isfinite(le)]
+        if not finite:
+            return "> 2 s"
+        top = max(finite)
+        return f"> {top:g} s" if top >= 1 else f"> {top * 1000:g} ms"
     return f"{seconds * 1000:.1f} ms"
+
+
+def ack_quantiles(
+    snap: Snapshot, previous: Snapshot | None, stream: str
+) -> tuple[float | None, float | None]:
+    """p50 and p99 of the ack latency of ``stream``'s batches acked since ``previous``.
+
+    Since the gateway started without ``previous`` (or if it restarted
+    since); None where no batch was acked in the interval.
+    """
+    before = None if previous is None else previous.ack_buckets.get(stream)
+    interval = bucket_increase(snap.ack_buckets.get(stream, []), before)
+    return bucket_quantile(interval, 0.5), bucket_quantile(interval, 0.99)
 
 
 def _rate(snap: Snapshot, previous: Snapshot | None, stream: str) -> float | None:
@@ -179,10 +207,11 @@ def _table(title: str, columns: list[_Column]) -> Table:
 
 
 def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = False) -> Group:
-    """A summary line and two tables: streams, then connections (rates against ``previous``).
+    """A summary line and three tables: streams, their latency, then connections.
 
-    Without ``wide`` the view fits 80 columns: a stream name or a peer that
-    does not fit is cut short, never a number.
+    Rates and ack latency are over the interval since ``previous``. Without
+    ``wide`` the view fits 80 columns: a stream name or a peer that does not
+    fit is cut short, never a number.
     """
     stream_columns: list[_Column] = [
         ("stream", _WHOLE if wide else 14),
@@ -192,13 +221,22 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
         ("writers", None),
         ("rec/s", None),
         ("drops", None),
-        ("fsync p99", None),
     ]
     if wide:
         stream_columns[5:5] = [("tail", None), ("durable", None), ("released", None)]
-        stream_columns.insert(-2, ("records", None))
-        stream_columns.insert(-1, ("fsync mean", None))
+        stream_columns.insert(-1, ("records", None))
     streams = _table("streams", stream_columns)
+    # Latency has a table of its own: beside the streams table's columns it
+    # would not fit 80 of them.
+    latency_columns: list[_Column] = [
+        ("stream", _WHOLE if wide else 14),
+        ("ack p50", None),
+        ("ack p99", None),
+        ("fsync p99", None),
+    ]
+    if wide:
+        latency_columns.append(("fsync mean", None))
+    latency = _table("latency (ack: arrival to durable ack)", latency_columns)
     for name in sorted(snap.streams):
         row = snap.streams[name]
         rate = _rate(snap, previous, name)
@@ -210,7 +248,6 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
             f"{row.get('stream_writers', 0.0):.0f}",
             "-" if rate is None else f"{rate:,.0f}",
             f"{row.get('stream_dropped_batches_total', 0.0):,.0f}",
-            _ms(_quantile(snap.fsync_buckets.get(name, []), 0.99)),
         ]
         if wide:
             cells[5:5] = [
@@ -221,9 +258,15 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
                     "stream_release_position",
                 )
             ]
-            cells.insert(-2, f"{row.get('stream_appended_records_total', 0.0):,.0f}")
-            cells.insert(-1, _ms(_fsync_mean(row)))
+            cells.insert(-1, f"{row.get('stream_appended_records_total', 0.0):,.0f}")
         streams.add_row(*cells)
+        p50, p99 = ack_quantiles(snap, previous, name)
+        acks = snap.ack_buckets.get(name)
+        fsyncs = snap.fsync_buckets.get(name, [])
+        cells = [name, _ms(p50, acks), _ms(p99, acks), _ms(_quantile(fsyncs, 0.99), fsyncs)]
+        if wide:
+            cells.append(_ms(_fsync_mean(row)))
+        latency.add_row(*cells)
     connection_columns: list[_Column] = [
         ("id", None),
         ("peer", _WHOLE if wide else 20),
@@ -263,16 +306,18 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
         f"connections {snap.gateway.get('connections', 0.0):.0f}; batches waiting "
         f"for the writer {queued:.0f}, for the disk {waiting:.0f}"
     )
-    return Group(summary, streams, connections)
+    return Group(summary, streams, latency, connections)
 
 
 def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, object]:
     """The snapshot for scripts: every headgate metric, by its name without ``headgate_``.
 
-    Per stream, also ``records_per_second`` (null without ``previous``) and
-    ``fsync_p99_seconds`` (null before the first fsync). JSON has no
-    infinity: a value that is not finite (a p99 beyond the largest bucket)
-    is null.
+    Per stream, also ``records_per_second`` (null without ``previous``),
+    ``fsync_p99_seconds`` (null before the first fsync), and
+    ``ack_latency_p50_seconds`` and ``ack_latency_p99_seconds`` of the
+    batches acked since ``previous`` (since the start without it; null if
+    none). JSON has no infinity: a value that is not finite (a quantile
+    beyond the largest bucket) is null.
     """
 
     def finite(value: float | str | None) -> float | str | None:
@@ -288,6 +333,9 @@ def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, objec
         row: dict[str, float | str | None] = dict(snap.streams[name])
         row["records_per_second"] = _rate(snap, previous, name)
         row["fsync_p99_seconds"] = _quantile(snap.fsync_buckets.get(name, []), 0.99)
+        row["ack_latency_p50_seconds"], row["ack_latency_p99_seconds"] = ack_quantiles(
+            snap, previous, name
+        )
         streams[name] = plain(row)
     return {
         "gateway": plain(snap.gateway),

@@ -14,6 +14,7 @@ from headgate.gateway import Gateway
 from headgate.gateway.statistics import ACK_LATENCY_BUCKETS, LatencyHistogram
 from headgate.protocol import messages as m
 from headgate.protocol.records import encode_records
+from headgate.top import ack_quantiles, as_json, fetch
 from tests.gateway.test_gateway import RawPeer, config
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,6 +84,14 @@ async def test_each_acked_batch_is_one_observation_bounded_by_the_time_it_waited
         assert [float(le) for le in bounds] == list(ACK_LATENCY_BUCKETS)
         cumulative = [after[le] for le in bounds]
         assert cumulative == sorted(cumulative)
+
+        # headgate top reads the same histogram: p50 and p99 of those 10 batches.
+        assert gw.metrics_address is not None
+        seen = await asyncio.to_thread(fetch, gw.metrics_address)
+        p50, p99 = ack_quantiles(seen, None, "timed")
+        assert p50 is not None and p99 is not None
+        assert 0 < p50 <= p99 <= 1.0
+        assert as_json(seen)["streams"]["timed"]["ack_latency_p99_seconds"] == p99  # type: ignore[index]
         await peer.close()
     finally:
         await gw.stop()
