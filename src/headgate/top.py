@@ -4,8 +4,9 @@ It reads exactly what Prometheus reads (``/metrics``, parsed with
 prometheus-client's own parser), so the two views always agree. Rates (records
 per second) are the difference between two scrapes, and so are the ack
 latency percentiles: p50 and p99 of the batches acknowledged between them,
-from the histogram ``headgate_ack_latency_seconds`` (interpolated within a
-bucket, as Prometheus's ``histogram_quantile``; :mod:`headgate.latency`).
+from the histogram ``headgate_ack_latency_seconds``. Every percentile (the
+fsync p99 too, over the gateway's life) is interpolated within its bucket, as
+Prometheus's ``histogram_quantile`` does (:mod:`headgate.latency`).
 """
 
 from __future__ import annotations
@@ -117,17 +118,6 @@ def fetch(address: tuple[str, int], *, timeout: float = 5.0) -> Snapshot:
     except UnicodeDecodeError:
         raise MetricsUnavailable(f"{url} answered something that is not text") from None
     return parse(text, at=time.monotonic())
-
-
-def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
-    """The upper bound of the bucket holding quantile ``q``; None without data."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    for le, count in buckets:
-        if count >= rank:
-            return le
-    return buckets[-1][0]
 
 
 def _size(value: float) -> str:
@@ -263,7 +253,7 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
         p50, p99 = ack_quantiles(snap, previous, name)
         acks = snap.ack_buckets.get(name)
         fsyncs = snap.fsync_buckets.get(name, [])
-        cells = [name, _ms(p50, acks), _ms(p99, acks), _ms(_quantile(fsyncs, 0.99), fsyncs)]
+        cells = [name, _ms(p50, acks), _ms(p99, acks), _ms(bucket_quantile(fsyncs, 0.99), fsyncs)]
         if wide:
             cells.append(_ms(_fsync_mean(row)))
         latency.add_row(*cells)
@@ -332,7 +322,7 @@ def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, objec
     for name in sorted(snap.streams):
         row: dict[str, float | str | None] = dict(snap.streams[name])
         row["records_per_second"] = _rate(snap, previous, name)
-        row["fsync_p99_seconds"] = _quantile(snap.fsync_buckets.get(name, []), 0.99)
+        row["fsync_p99_seconds"] = bucket_quantile(snap.fsync_buckets.get(name, []), 0.99)
         row["ack_latency_p50_seconds"], row["ack_latency_p99_seconds"] = ack_quantiles(
             snap, previous, name
         )
