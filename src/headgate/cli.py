@@ -556,8 +556,10 @@ def token(name: str, write: tuple[str, ...], read: tuple[str, ...], admin: bool)
 def top(address: str, interval: float, once: bool, fmt: str) -> None:
     """Watch a running gateway: streams and connections, live.
 
-    Per stream: log fill, guarantees, writers, records/s, drops, fsync
-    latency (and positions, where the terminal is wide enough). Per
+    Per stream: log fill, guarantees, writers, records/s, drops, the p50
+    and p99 of its batches' arrival-to-durable-ack latency since the last
+    refresh, fsync latency (and positions, where the terminal is wide
+    enough). Per
     connection: debt against its threshold, and whether its reads are
     paused. Read from the gateway's Prometheus endpoint, which `headgate
     serve --metrics HOST:PORT` turns on.

@@ -2,7 +2,11 @@
 
 It reads exactly what Prometheus reads (``/metrics``, parsed with
 prometheus-client's own parser), so the two views always agree. Rates (records
-per second) are the difference between two scrapes.
+per second) are the difference between two scrapes, and so are the ack
+latency percentiles: p50 and p99 of the batches acknowledged between them,
+from the histogram ``headgate_ack_latency_seconds``. Every percentile (the
+fsync p99 too, over the gateway's life) is interpolated within its bucket, as
+Prometheus's ``histogram_quantile`` does (:mod:`headgate.latency`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from rich.console import Console, Group
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
+
+from headgate.latency import bucket_increase, bucket_quantile
 
 __all__ = ["MetricsUnavailable", "Snapshot", "as_json", "fetch", "parse", "render", "render_to_fit"]
 
@@ -41,6 +47,8 @@ class Snapshot:
     connections: dict[str, dict[str, float | str]] = field(default_factory=dict)
     #: stream -> ``[(le, cumulative count)]`` of the fsync histogram.
     fsync_buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+    #: stream -> ``[(le, cumulative count)]`` of the ack latency histogram.
+    ack_buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
 
 
@@ -66,6 +74,9 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
                     if name == "stream_fsync_seconds_bucket":
                         le = float(labels["le"])
                         snap.fsync_buckets.setdefault(stream, []).append((le, sample.value))
+                    elif name == "ack_latency_seconds_bucket":
+                        le = float(labels["le"])
+                        snap.ack_buckets.setdefault(stream, []).append((le, sample.value))
                     else:
                         snap.streams.setdefault(stream, {})[name] = sample.value
                 elif "connection" in labels:
@@ -79,7 +90,7 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
         raise MetricsUnavailable(f"the answer is not Prometheus metrics ({exc})") from None
     if not seen:
         raise MetricsUnavailable("the answer holds no headgate metrics")
-    for buckets in snap.fsync_buckets.values():
+    for buckets in (*snap.fsync_buckets.values(), *snap.ack_buckets.values()):
         buckets.sort()
     return snap
 
@@ -109,17 +120,6 @@ def fetch(address: tuple[str, int], *, timeout: float = 5.0) -> Snapshot:
     return parse(text, at=time.monotonic())
 
 
-def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
-    """The upper bound of the bucket holding quantile ``q``; None without data."""
-    if not buckets or buckets[-1][1] <= 0:
-        return None
-    rank = q * buckets[-1][1]
-    for le, count in buckets:
-        if count >= rank:
-            return le
-    return buckets[-1][0]
-
-
 def _size(value: float) -> str:
     for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if value >= scale:
@@ -127,12 +127,30 @@ def _size(value: float) -> str:
     return f"{value:.0f} B"
 
 
-def _ms(seconds: float | None) -> str:
+def _ms(seconds: float | None, buckets: list[tuple[float, float]] | None = None) -> str:
+    """Milliseconds; for a quantile beyond the largest bucket, "> " that bucket's bound."""
     if seconds is None:
         return "-"
     if math.isinf(seconds):
-        return "> 2 s"
+        finite = [le for le, _ in buckets or () if math.isfinite(le)]
+        if not finite:
+            return "> 2 s"
+        top = max(finite)
+        return f"> {top:g} s" if top >= 1 else f"> {top * 1000:g} ms"
     return f"{seconds * 1000:.1f} ms"
+
+
+def ack_quantiles(
+    snap: Snapshot, previous: Snapshot | None, stream: str
+) -> tuple[float | None, float | None]:
+    """p50 and p99 of the ack latency of ``stream``'s batches acked since ``previous``.
+
+    Since the gateway started without ``previous`` (or if it restarted
+    since); None where no batch was acked in the interval.
+    """
+    before = None if previous is None else previous.ack_buckets.get(stream)
+    interval = bucket_increase(snap.ack_buckets.get(stream, []), before)
+    return bucket_quantile(interval, 0.5), bucket_quantile(interval, 0.99)
 
 
 def _rate(snap: Snapshot, previous: Snapshot | None, stream: str) -> float | None:
@@ -179,10 +197,11 @@ def _table(title: str, columns: list[_Column]) -> Table:
 
 
 def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = False) -> Group:
-    """A summary line and two tables: streams, then connections (rates against ``previous``).
+    """A summary line and three tables: streams, their latency, then connections.
 
-    Without ``wide`` the view fits 80 columns: a stream name or a peer that
-    does not fit is cut short, never a number.
+    Rates and ack latency are over the interval since ``previous``. Without
+    ``wide`` the view fits 80 columns: a stream name or a peer that does not
+    fit is cut short, never a number.
     """
     stream_columns: list[_Column] = [
         ("stream", _WHOLE if wide else 14),
@@ -192,13 +211,22 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
         ("writers", None),
         ("rec/s", None),
         ("drops", None),
-        ("fsync p99", None),
     ]
     if wide:
         stream_columns[5:5] = [("tail", None), ("durable", None), ("released", None)]
-        stream_columns.insert(-2, ("records", None))
-        stream_columns.insert(-1, ("fsync mean", None))
+        stream_columns.insert(-1, ("records", None))
     streams = _table("streams", stream_columns)
+    # Latency has a table of its own: beside the streams table's columns it
+    # would not fit 80 of them.
+    latency_columns: list[_Column] = [
+        ("stream", _WHOLE if wide else 14),
+        ("ack p50", None),
+        ("ack p99", None),
+        ("fsync p99", None),
+    ]
+    if wide:
+        latency_columns.append(("fsync mean", None))
+    latency = _table("latency (ack: arrival to durable ack)", latency_columns)
     for name in sorted(snap.streams):
         row = snap.streams[name]
         rate = _rate(snap, previous, name)
@@ -210,7 +238,6 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
             f"{row.get('stream_writers', 0.0):.0f}",
             "-" if rate is None else f"{rate:,.0f}",
             f"{row.get('stream_dropped_batches_total', 0.0):,.0f}",
-            _ms(_quantile(snap.fsync_buckets.get(name, []), 0.99)),
         ]
         if wide:
             cells[5:5] = [
@@ -221,9 +248,15 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
                     "stream_release_position",
                 )
             ]
-            cells.insert(-2, f"{row.get('stream_appended_records_total', 0.0):,.0f}")
-            cells.insert(-1, _ms(_fsync_mean(row)))
+            cells.insert(-1, f"{row.get('stream_appended_records_total', 0.0):,.0f}")
         streams.add_row(*cells)
+        p50, p99 = ack_quantiles(snap, previous, name)
+        acks = snap.ack_buckets.get(name)
+        fsyncs = snap.fsync_buckets.get(name, [])
+        cells = [name, _ms(p50, acks), _ms(p99, acks), _ms(bucket_quantile(fsyncs, 0.99), fsyncs)]
+        if wide:
+            cells.append(_ms(_fsync_mean(row)))
+        latency.add_row(*cells)
     connection_columns: list[_Column] = [
         ("id", None),
         ("peer", _WHOLE if wide else 20),
@@ -263,16 +296,18 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
         f"connections {snap.gateway.get('connections', 0.0):.0f}; batches waiting "
         f"for the writer {queued:.0f}, for the disk {waiting:.0f}"
     )
-    return Group(summary, streams, connections)
+    return Group(summary, streams, latency, connections)
 
 
 def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, object]:
     """The snapshot for scripts: every headgate metric, by its name without ``headgate_``.
 
-    Per stream, also ``records_per_second`` (null without ``previous``) and
-    ``fsync_p99_seconds`` (null before the first fsync). JSON has no
-    infinity: a value that is not finite (a p99 beyond the largest bucket)
-    is null.
+    Per stream, also ``records_per_second`` (null without ``previous``),
+    ``fsync_p99_seconds`` (null before the first fsync), and
+    ``ack_latency_p50_seconds`` and ``ack_latency_p99_seconds`` of the
+    batches acked since ``previous`` (since the start without it; null if
+    none). JSON has no infinity: a value that is not finite (a quantile
+    beyond the largest bucket) is null.
     """
 
     def finite(value: float | str | None) -> float | str | None:
@@ -287,7 +322,10 @@ def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, objec
     for name in sorted(snap.streams):
         row: dict[str, float | str | None] = dict(snap.streams[name])
         row["records_per_second"] = _rate(snap, previous, name)
-        row["fsync_p99_seconds"] = _quantile(snap.fsync_buckets.get(name, []), 0.99)
+        row["fsync_p99_seconds"] = bucket_quantile(snap.fsync_buckets.get(name, []), 0.99)
+        row["ack_latency_p50_seconds"], row["ack_latency_p99_seconds"] = ack_quantiles(
+            snap, previous, name
+        )
         streams[name] = plain(row)
     return {
         "gateway": plain(snap.gateway),

@@ -45,6 +45,7 @@ from headgate.client.backoff import Backoff
 from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
 from headgate.client.security import ClientSecurity
 from headgate.costs import batch_cost
+from headgate.latency import LatencyWindow
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.records import encode_arrow, encode_records
@@ -230,6 +231,16 @@ class StreamStatistics:
     #: full), until it sends an Ack or guarantees again; None otherwise.
     #: Records wait, they are not lost.
     storage_full: str | None = None
+    #: Send-to-durable-ack latency (seconds) of the latest acknowledged
+    #: batches (up to :data:`~headgate.latency.WINDOW_SIZE`, none older than
+    #: :data:`~headgate.latency.WINDOW_HORIZON_S`): from the ``send()`` of a
+    #: batch's first record (from ``send_many()`` for its batches) to the
+    #: arrival of the Ack that made it durable. None before any in the window.
+    ack_latency_p50: float | None = None
+    ack_latency_p99: float | None = None
+    ack_latency_max: float | None = None
+    #: How many acknowledged batches those percentiles are over.
+    ack_latency_batches: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,12 +271,17 @@ class ProducerStatistics:
 class _Batch:
     """One sealed batch: its records block and where its records go in the sequence."""
 
-    __slots__ = ("block", "count", "delivery", "first_sequence")
+    __slots__ = ("block", "count", "delivery", "first_sequence", "opened_at")
 
-    def __init__(self, block: bytes, count: int, delivery: Delivery | None) -> None:
+    def __init__(
+        self, block: bytes, count: int, delivery: Delivery | None, opened_at: float
+    ) -> None:
         self.block = block
         self.count = count
         self.delivery = delivery
+        # When its first record was sent (the loop's clock): its Ack's latency
+        # is measured from there.
+        self.opened_at = opened_at
         # Numbered at first transmission, once the gateway said where the
         # stream's sequence resumes; kept for every resend after that.
         self.first_sequence = -1
@@ -282,10 +298,12 @@ class _Stream:
         "flush_waiters",
         "handle",
         "keys",
+        "latency",
         "linger",
         "name",
         "next_sequence",
         "open_bytes",
+        "opened_at",
         "queue",
         "ready",
         "records_acked",
@@ -309,6 +327,10 @@ class _Stream:
         self.keys: list[bytes | None] | None = None
         self.open_bytes = _BLOCK_BASE
         self.linger: asyncio.TimerHandle | None = None
+        # When the open batch's first record was sent (the loop's clock).
+        self.opened_at = 0.0
+        # Send-to-durable-ack times of the latest acked batches.
+        self.latency = LatencyWindow()
         # Sealed batches: waiting to be sent on this connection, then sent.
         self.queue: deque[_Batch] = deque()
         self.unacked: deque[_Batch] = deque()
@@ -894,8 +916,10 @@ class Producer:
             await self._wait_room(s, needed)
         self._seal(s)
         delivery = Delivery(stream)
+        assert self._loop is not None
+        now = self._loop.time()
         for block, count in blocks:
-            self._enqueue(s, block, count, delivery)
+            self._enqueue(s, block, count, delivery, now)
         if not blocks:
             delivery._result = BatchResult(stream, s.next_sequence or 0, 0, 0)
         if waited:
@@ -1069,9 +1093,11 @@ class Producer:
     # -- batches ------------------------------------------------------------------
 
     def _arm_linger(self, s: _Stream) -> None:
+        # Called for the open batch's first record: its latency starts now.
         loop = self._loop
         assert loop is not None
-        s.linger = loop.call_later(self._linger, self._linger_expired, s)
+        s.opened_at = now = loop.time()
+        s.linger = loop.call_at(now + self._linger, self._linger_expired, s)
 
     def _linger_expired(self, s: _Stream) -> None:
         s.linger = None
@@ -1090,10 +1116,12 @@ class Producer:
         if s.linger is not None:
             s.linger.cancel()
             s.linger = None
-        self._enqueue(s, block, len(values), None)
+        self._enqueue(s, block, len(values), None, s.opened_at)
 
-    def _enqueue(self, s: _Stream, block: bytes, count: int, delivery: Delivery | None) -> None:
-        s.queue.append(_Batch(block, count, delivery))
+    def _enqueue(
+        self, s: _Stream, block: bytes, count: int, delivery: Delivery | None, opened_at: float
+    ) -> None:
+        s.queue.append(_Batch(block, count, delivery, opened_at))
         if delivery is not None:
             delivery._add(count)
         s.sealed_batches += 1
@@ -1401,6 +1429,8 @@ class Producer:
             return
         s.storage_full = None  # no Ack comes while the gateway cannot store
         next_sequence = ack.next_sequence
+        assert self._loop is not None
+        now = self._loop.time()
         if not s.ready:
             # The stream's initial Ack: where the gateway's copy of our
             # sequence ends. Batches below it were stored before (a lost
@@ -1408,7 +1438,7 @@ class Producer:
             s.ready = True
             queue = s.queue
             while queue and 0 <= queue[0].first_sequence < next_sequence:
-                self._acked(s, queue.popleft(), ack.durable_position)
+                self._acked(s, queue.popleft(), ack.durable_position, now)
             if s.next_sequence is None or s.next_sequence < next_sequence:
                 s.next_sequence = next_sequence
             self._mark(s)
@@ -1417,10 +1447,11 @@ class Producer:
             if unacked and unacked[0].first_sequence < next_sequence:
                 conn.progressed = True
             while unacked and unacked[0].first_sequence < next_sequence:
-                self._acked(s, unacked.popleft(), ack.durable_position)
+                self._acked(s, unacked.popleft(), ack.durable_position, now)
         self._wake(s)
 
-    def _acked(self, s: _Stream, batch: _Batch, durable_position: int) -> None:
+    def _acked(self, s: _Stream, batch: _Batch, durable_position: int, now: float) -> None:
+        s.latency.observe(now - batch.opened_at, now)
         size = len(batch.block)
         s.acked_batches += 1
         s.records_acked += batch.count
@@ -1485,6 +1516,8 @@ class Producer:
     def statistics(self) -> ProducerStatistics:
         """A snapshot of the producer and each of its streams."""
         conn = self._conn
+        # The loop's clock, which the acks were timed on (no loop yet: no acks).
+        now = self._loop.time() if self._loop is not None else 0.0
         streams: dict[str, StreamStatistics] = {}
         for name, s in self._streams.items():
             guarantees = None
@@ -1493,6 +1526,7 @@ class Producer:
             refused = None
             if isinstance(s.failure, StreamRefused):
                 refused = str(s.failure)
+            latency = s.latency.summary(now)
             streams[name] = StreamStatistics(
                 stream=name,
                 records_sent=s.records_sent,
@@ -1508,6 +1542,10 @@ class Producer:
                 guarantees=guarantees,
                 refused=refused,
                 storage_full=s.storage_full,
+                ack_latency_p50=None if latency is None else latency.p50,
+                ack_latency_p99=None if latency is None else latency.p99,
+                ack_latency_max=None if latency is None else latency.max,
+                ack_latency_batches=0 if latency is None else latency.count,
             )
         return ProducerStatistics(
             producer_id=self.producer_id,

@@ -16,6 +16,7 @@ Metrics, all prefixed ``headgate_`` (labels in brackets)::
     stream_appended_batches_total, stream_appended_records_total,
     stream_duplicate_batches_total, stream_dropped_batches_total       [stream]
     stream_fsync_seconds (histogram, one observation per group commit) [stream]
+    ack_latency_seconds (histogram, one observation per acked batch)   [stream]
     connection_debt, connection_debt_threshold, connection_peak_debt   [connection, peer, producer]
     connection_reads_paused (0/1), connection_read_pauses_total        [connection, peer, producer]
     connection_ring_bytes, connection_ring_in_use_bytes                [connection, peer, producer]
@@ -61,6 +62,9 @@ class StreamSnapshot:
     #: ``(le, cumulative count)`` pairs ending with ``+Inf``.
     fsync_buckets: list[tuple[str, int]]
     fsync_sum: float
+    #: The same for the ack latency histogram.
+    ack_buckets: list[tuple[str, int]]
+    ack_sum: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +83,16 @@ def snapshot(gateway: Gateway) -> GatewaySnapshot:
     for stats in gateway.statistics():
         counters = gateway.counters(stats.name)
         fsync = counters.fsync
-        assert fsync is not None
+        ack = counters.ack_latency
+        assert fsync is not None and ack is not None
         streams.append(
             StreamSnapshot(
                 stats=stats,
                 dropped_batches=counters.dropped_batches,
                 fsync_buckets=fsync.cumulative(),
                 fsync_sum=fsync.total,
+                ack_buckets=ack.cumulative(),
+                ack_sum=ack.total,
             )
         )
     return GatewaySnapshot(
@@ -144,6 +151,12 @@ class GatewayCollector(Collector):
         fsync = HistogramMetricFamily(
             "headgate_stream_fsync_seconds", "fsync of the stream's log per group commit.", labels=s
         )
+        ack = HistogramMetricFamily(
+            "headgate_ack_latency_seconds",
+            "From a batch's arrival (the latest socket read before its frame was parsed, "
+            "no earlier than its first byte) to its durable Ack being written.",
+            labels=s,
+        )
         for entry in snap.streams:
             st = entry.stats
             name = [st.name]
@@ -160,8 +173,9 @@ class GatewayCollector(Collector):
             duplicates.add_metric(name, st.duplicate_batches)
             drops.add_metric(name, entry.dropped_batches)
             fsync.add_metric(name, buckets=entry.fsync_buckets, sum_value=entry.fsync_sum)
+            ack.add_metric(name, buckets=entry.ack_buckets, sum_value=entry.ack_sum)
         yield from (capacity, free, fill, tail, durable, release, guarantees, writers)
-        yield from (batches, records, duplicates, drops, fsync)
+        yield from (batches, records, duplicates, drops, fsync, ack)
 
         c = ["connection", "peer", "producer"]
         debt = gauge("connection_debt", "Units of work in flight charged to the connection.", c)

@@ -67,11 +67,12 @@ class Message:
     Fields are plain slots, reused from message to message: ``status`` (FREE,
     QUEUED, HANDLED), the ``ring`` and the ``offset`` and ``length`` of the
     batch's bytes in it, the ``origin`` (who owns it, to tell when handled),
-    the decoded ``event`` that describes the batch, and the ``loan`` it holds
-    on its origin's account.
+    the decoded ``event`` that describes the batch, the ``loan`` it holds
+    on its origin's account, and when it ``arrived`` (``time.monotonic()``,
+    what its Ack's latency is measured from).
     """
 
-    __slots__ = ("event", "length", "loan", "offset", "origin", "ring", "status")
+    __slots__ = ("arrived", "event", "length", "loan", "offset", "origin", "ring", "status")
 
     def __init__(self) -> None:
         self.status = FREE
@@ -81,6 +82,7 @@ class Message:
         self.origin: Any = None
         self.event: Any = None
         self.loan: Any = None
+        self.arrived = 0.0
 
     @property
     def data(self) -> memoryview:

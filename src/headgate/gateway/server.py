@@ -550,6 +550,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     message.origin = self
                     message.event = event
                     message.loan = self.account.loan(1)
+                    # The latest read, which is no earlier than the frame's
+                    # first byte and no later than its header being parsed.
+                    message.arrived = self.last_received
                     queue.push(message)
                     stored += 1
                 else:
@@ -589,11 +592,18 @@ class GatewayConnection(asyncio.BufferedProtocol):
             self.refuse(ProtocolError("internal error", code=ErrorCode.INTERNAL))
             return 0
 
-    def write_batch(self, event: BatchReceived, now: float, timestamp_us: int) -> None:
-        """The log writer's part: append one batch, borrow until it is durable."""
+    def write_batch(
+        self, event: BatchReceived, now: float, timestamp_us: int, arrived: float
+    ) -> None:
+        """The log writer's part: append one batch, borrow until it is durable.
+
+        ``arrived`` is when the batch came in (``time.monotonic()``), which
+        its Ack's latency is measured from.
+        """
         gw = self.gateway
         stream = gw.streams[event.stream]
         writer = self.writers[event.handle]
+        writer.batch_arrived = arrived
         gw.flow(stream).receive(
             writer,
             event.first_sequence,
@@ -1169,8 +1179,15 @@ class Gateway:
                 stream.set_capacity(capacity)
             stream.flow = self._make_flow(stream)
             stream.on_append = self._offer_to_tails
+            stream.on_acks_written = self._acks_written
             self.streams[name] = stream
         return stream
+
+    def _acks_written(self, stream: Stream, arrivals: list[float]) -> None:
+        """Acks for batches that arrived at ``arrivals`` were just written out."""
+        histogram = self.counters(stream.name).ack_latency
+        assert histogram is not None
+        histogram.observe_since(arrivals, time.monotonic())
 
     def _offer_to_tails(
         self,
@@ -1303,7 +1320,7 @@ class Gateway:
             conn: GatewayConnection = message.origin
             try:
                 if not conn._closing:
-                    conn.write_batch(message.event, now, timestamp_us)
+                    conn.write_batch(message.event, now, timestamp_us, message.arrived)
             except ProtocolError as error:
                 conn.refuse(error)
             except LogError as error:

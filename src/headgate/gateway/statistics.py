@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from headgate.gateway.accounts import AccountStatistics
 from headgate.gateway.ring import RingStatistics
 
-__all__ = ["FSYNC_BUCKETS", "ConnectionStatistics", "LatencyHistogram", "StreamCounters"]
+__all__ = [
+    "ACK_LATENCY_BUCKETS",
+    "FSYNC_BUCKETS",
+    "ConnectionStatistics",
+    "LatencyHistogram",
+    "StreamCounters",
+]
 
 #: Upper bounds, in seconds, of the fsync latency histogram's buckets.
 FSYNC_BUCKETS: tuple[float, ...] = (
@@ -29,6 +35,27 @@ FSYNC_BUCKETS: tuple[float, ...] = (
     0.5,
     1.0,
     2.0,
+)
+
+
+#: Upper bounds, in seconds, of the ack latency histogram's buckets: from a
+#: batch's arrival to its durable Ack, 0.1 ms (a batch that catches a group
+#: commit at once) to 1 s (a stalled disk); finest around the 5 to 20 ms
+#: that the group-commit interval and an fsync add up to.
+ACK_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
 )
 
 
@@ -49,6 +76,18 @@ class LatencyHistogram:
         self.count += 1
         self.total += seconds
 
+    def observe_since(self, starts: list[float], now: float) -> None:
+        """One observation per start time: ``now - start`` (a batch of acks at once)."""
+        bounds = self.bounds
+        counts = self.counts
+        total = 0.0
+        for start in starts:
+            seconds = now - start
+            counts[bisect.bisect_left(bounds, seconds)] += 1
+            total += seconds
+        self.count += len(starts)
+        self.total += total
+
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count of observations <= le)`` for each bound, then ``+Inf``."""
         out = []
@@ -68,10 +107,15 @@ class StreamCounters:
     dropped_batches: int = 0
     #: Group commits that synced this stream, and how long each fsync took.
     fsync: LatencyHistogram | None = None
+    #: Batches acknowledged, and how long each took from its arrival to its
+    #: Ack being written (see :data:`ACK_LATENCY_BUCKETS`).
+    ack_latency: LatencyHistogram | None = None
 
     def __post_init__(self) -> None:
         if self.fsync is None:
             self.fsync = LatencyHistogram()
+        if self.ack_latency is None:
+            self.ack_latency = LatencyHistogram(ACK_LATENCY_BUCKETS)
 
 
 @dataclass(frozen=True, slots=True)

@@ -115,8 +115,13 @@ class Writer:
     producer_id: int
     #: When the writer last sent a batch (seconds, the caller's clock).
     last_active: float
-    #: (next_sequence, end_position) of appended batches not yet acked.
-    pending_acks: deque[tuple[int, int]] = field(default_factory=deque)
+    #: (next_sequence, end_position, arrived) of appended batches not yet
+    #: acked; ``arrived`` is the batch's arrival (``batch_arrived``), None for
+    #: an Ack that answers no batch (the resume Ack of a new writer).
+    pending_acks: deque[tuple[int, int, float | None]] = field(default_factory=deque)
+    #: When the batch being appended now arrived (``time.monotonic()``, set
+    #: by the gateway before each append): its Ack's latency starts there.
+    batch_arrived: float = 0.0
     #: Whether the connection is still there.
     alive: bool = True
     #: The target of the last Plead sent, to avoid repeating it.
@@ -313,6 +318,7 @@ class HeldBatch:
     """A batch the log could not store when it arrived, kept to store later."""
 
     __slots__ = (
+        "arrived",
         "first_sequence",
         "in_channel",
         "record_count",
@@ -329,6 +335,7 @@ class HeldBatch:
         records: bytes,
         timestamp_us: int,
         in_channel: bool,
+        arrived: float,
     ) -> None:
         self.writer = writer
         self.first_sequence = first_sequence
@@ -336,6 +343,7 @@ class HeldBatch:
         self.records = records
         self.timestamp_us = timestamp_us
         self.in_channel = in_channel
+        self.arrived = arrived
 
 
 class HeldBatches:
@@ -465,6 +473,12 @@ class Stream:
         self.last_append = AppendResult(0, 0)
         #: Called after each batch is appended (the gateway offers it to tails).
         self.on_append: Callable[[Stream, Writer, int, memoryview, int], None] | None = None
+        # Arrival times of the batches whose Acks on_durable queued, until
+        # flush_writers has written them out.
+        self._acked_arrivals: list[float] = []
+        #: Called with those arrival times once their Acks are written (the
+        #: gateway's ack latency histogram); the list is reused afterwards.
+        self.on_acks_written: Callable[[Stream, list[float]], None] | None = None
 
     @classmethod
     def open(
@@ -556,7 +570,7 @@ class Stream:
             return
         pending = [end for end, p, _ in self._appends if p == producer]
         if pending:
-            writer.pending_acks.append((self.dedup[producer], pending[-1]))
+            writer.pending_acks.append((self.dedup[producer], pending[-1], None))
         else:
             writer.session.send_global(
                 m.Ack(
@@ -659,7 +673,13 @@ class Stream:
         if self.storage_error is None and not len(self.held):
             try:
                 return self._store(
-                    writer, first_sequence, record_count, records, timestamp_us, in_channel
+                    writer,
+                    first_sequence,
+                    record_count,
+                    records,
+                    timestamp_us,
+                    in_channel,
+                    writer.batch_arrived,
                 )
             except StorageError as exc:
                 # Nothing was written: the log refused before the frame.
@@ -678,6 +698,7 @@ class Stream:
         records: memoryview,
         timestamp_us: int,
         in_channel: bool,
+        arrived: float,
     ) -> AppendOutcome:
         # Against what is stored (held batches being stored count as new).
         next_sequence = self.dedup.get(writer.producer_id, 0)
@@ -686,7 +707,7 @@ class Stream:
             # Already stored: acknowledge it once the log is durable up to now.
             self.duplicate_batches += 1
             end = self.log.tail_position
-            writer.pending_acks.append((next_sequence, end))
+            writer.pending_acks.append((next_sequence, end, arrived))
             if in_channel:
                 self._inflight.append((end, writer))
                 self._process_released()
@@ -701,7 +722,7 @@ class Stream:
         self.last_append = result
         self.dedup[writer.producer_id] = end_sequence
         self._appends.append((result.end_position, writer.producer_id, end_sequence))
-        writer.pending_acks.append((end_sequence, result.end_position))
+        writer.pending_acks.append((end_sequence, result.end_position, arrived))
         if in_channel:
             self._inflight.append((result.end_position, writer))
         self.appended_batches += 1
@@ -719,10 +740,13 @@ class Stream:
             self._durable_dedup[producer] = next_sequence
         # While held, no Ack goes out (they wait in pending_acks): the first
         # Ack or guarantee after STORAGE_FULL tells a producer it is over.
+        arrivals = self._acked_arrivals
         for w in self.writers if self.storage_error is None else ():
             acked = None
             while w.pending_acks and w.pending_acks[0][1] <= durable:
-                acked = w.pending_acks.popleft()[0]
+                acked, _, arrived = w.pending_acks.popleft()
+                if arrived is not None:
+                    arrivals.append(arrived)
             if acked is not None:
                 w.session.send_global(
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
@@ -930,6 +954,10 @@ class Stream:
         flushes = {id(w.session): w.flush for w in self.writers}
         for flush in flushes.values():
             flush()
+        if self._acked_arrivals:
+            if self.on_acks_written is not None:
+                self.on_acks_written(self, self._acked_arrivals)
+            self._acked_arrivals.clear()
 
     # -- failing storage ---------------------------------------------------------------
 
@@ -982,7 +1010,13 @@ class Stream:
         # A copy: ``records`` is a view into the connection's receive buffer.
         self.held.add(
             HeldBatch(
-                writer, first_sequence, record_count, bytes(records), timestamp_us, in_channel
+                writer,
+                first_sequence,
+                record_count,
+                bytes(records),
+                timestamp_us,
+                in_channel,
+                writer.batch_arrived,
             )
         )
 
@@ -1004,6 +1038,7 @@ class Stream:
                     memoryview(batch.records),
                     batch.timestamp_us,
                     batch.in_channel,
+                    batch.arrived,
                 )
             except LogFullError:
                 break  # it waits for the consumer to release space
