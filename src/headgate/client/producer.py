@@ -86,6 +86,8 @@ _KEYED_RECORD_OVERHEAD = 9
 _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
 _MIN_ATTEMPT = 0.5
+# One connection attempt's bound when the producer never gives up.
+_ATTEMPT_WITHOUT_DEADLINE = 10.0
 
 # Codes after which talking to the same gateway again can succeed; any other
 # unscoped Error means this producer cannot be served as it is.
@@ -459,6 +461,9 @@ class Producer:
             to 2 s. A session the gateway closes before it acknowledged a
             batch and within 5 s (or ``reconnect_timeout``, if shorter) of
             its opening is one more failed attempt, not a fresh start.
+            None: never give up (for a device whose gateway may be away for
+            hours); the pauses still grow to 2 s, and each attempt is
+            bounded by 10 s.
         token: the authentication token for a gateway with a tokens file
             (``headgate token`` makes one); sent in Hello.
         ssl: a TLS context (see :func:`headgate.client.tls.client_context`,
@@ -484,7 +489,7 @@ class Producer:
         max_batch_bytes: int = 256 * 1024,
         max_buffered_bytes: int = 64 * 1024 * 1024,
         client_name: str = "headgate-python",
-        reconnect_timeout: float = 30.0,
+        reconnect_timeout: float | None = 30.0,
         token: bytes | str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         server_hostname: str | None = None,
@@ -512,7 +517,7 @@ class Producer:
             raise ValueError(f"max_batch_bytes is too small: {max_batch_bytes}")
         if max_buffered_bytes < 1:
             raise ValueError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
-        if reconnect_timeout < 0:
+        if reconnect_timeout is not None and reconnect_timeout < 0:
             raise ValueError(f"reconnect_timeout must not be negative, got {reconnect_timeout}")
         self._address = GatewayAddress.parse(address)
         #: The producer id the gateway deduplicates by.
@@ -1188,7 +1193,6 @@ class Producer:
         )
         while True:
             deadline = backoff.deadline
-            assert deadline is not None
             try:
                 conn = await self._open(deadline)
             except _Fatal as exc:
@@ -1219,7 +1223,7 @@ class Producer:
             if pause > 0:
                 await asyncio.sleep(pause)
 
-    async def _open(self, deadline: float) -> _Connection:
+    async def _open(self, deadline: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
         session = Session(Role.PRODUCER, data_cost=batch_cost, optimistic=self._optimistic)
         session.send_global(
@@ -1235,7 +1239,12 @@ class Producer:
         try:
             # The attempt right at the deadline still gets a fair chance, so
             # that its error (say, refused) is what the give-up reports.
-            async with asyncio.timeout(max(_MIN_ATTEMPT, deadline - loop.time())):
+            attempt = (
+                _ATTEMPT_WITHOUT_DEADLINE
+                if deadline is None
+                else max(_MIN_ATTEMPT, deadline - loop.time())
+            )
+            async with asyncio.timeout(attempt):
                 transport, conn = await self._address.connect(
                     lambda: _Connection(self, session),
                     ssl=self._ssl,

@@ -78,7 +78,7 @@ class SyncProducer:
         max_batch_bytes: int = 256 * 1024,
         max_buffered_bytes: int = 64 * 1024 * 1024,
         client_name: str = "headgate-python",
-        reconnect_timeout: float = 30.0,
+        reconnect_timeout: float | None = 30.0,
         handoff_records: int = 1000,
         max_pending_records: int = 200_000,
         connect_timeout: float | None = None,
