@@ -13,7 +13,14 @@ takes the gateway's address as ``host:port`` or ``unix:PATH``
 
 from headgate.client.address import GatewayAddress
 from headgate.client.control import ReleaseClient, ReleaseStatistics
-from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
+from headgate.client.errors import (
+    BufferFull,
+    PendingBatch,
+    ProducerError,
+    ProducerGaveUp,
+    SessionRefused,
+    StreamRefused,
+)
 from headgate.client.producer import (
     BatchResult,
     Delivery,
@@ -31,9 +38,11 @@ __all__ = [
     "ClientSecurity",
     "Delivery",
     "GatewayAddress",
+    "PendingBatch",
     "Policy",
     "Producer",
     "ProducerError",
+    "ProducerGaveUp",
     "ProducerStatistics",
     "ReleaseClient",
     "ReleaseStatistics",

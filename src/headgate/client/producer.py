@@ -35,14 +35,21 @@ import bisect
 import secrets
 import ssl as ssl_module
 from collections import deque
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
-from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
+from headgate.client.errors import (
+    BufferFull,
+    PendingBatch,
+    ProducerError,
+    ProducerGaveUp,
+    SessionRefused,
+    StreamRefused,
+)
 from headgate.client.security import ClientSecurity
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
@@ -1071,6 +1078,85 @@ class Producer:
             raise s.failure
         return s
 
+    def _pending_batches(self) -> dict[str, list[PendingBatch]]:
+        """Every stream's records not acknowledged, as batches: what a give-up hands back."""
+        pending: dict[str, list[PendingBatch]] = {}
+        for s in self._streams.values():
+            if s.failure is not None:
+                continue
+            batches = [
+                PendingBatch(
+                    s.name,
+                    None if b.first_sequence < 0 else b.first_sequence,
+                    b.count,
+                    b.block,
+                )
+                for b in (*s.unacked, *s.queue)
+            ]
+            if s.values:
+                block = encode_records(s.values, s.keys)
+                batches.append(PendingBatch(s.name, None, len(s.values), block))
+            if batches:
+                pending[s.name] = batches
+        return pending
+
+    def resend(
+        self, pending: Mapping[str, Iterable[PendingBatch]] | Iterable[PendingBatch]
+    ) -> dict[str, Delivery]:
+        """Send again the batches an earlier producer could not deliver, exactly once.
+
+        ``pending`` is :attr:`ProducerGaveUp.pending` (or its batches in a
+        list). This producer must have the earlier one's ``producer_id``
+        (and ``producer_secret``), and must not have sent on those streams
+        yet. Numbered batches go under their own sequences, so the gateway
+        drops those it stored already (its acknowledgement was lost); the
+        others are numbered after them. Call it from the event loop; await
+        the returned deliveries (one per stream) or :meth:`flush`.
+
+        Raises:
+            ValueError: a stream was already used by this producer, or its
+                numbered batches are out of order or after unnumbered ones.
+        """
+        batches: Iterable[PendingBatch]
+        if isinstance(pending, Mapping):
+            batches = [b for stream_batches in pending.values() for b in stream_batches]
+        else:
+            batches = list(pending)
+        by_stream: dict[str, list[PendingBatch]] = {}
+        for batch in batches:
+            by_stream.setdefault(batch.stream, []).append(batch)
+        for name, stream_batches in by_stream.items():
+            s = self._streams.get(name)
+            if s is not None and (s.next_sequence is not None or s.queue or s.unacked or s.values):
+                raise ValueError(
+                    f"stream {name!r} was already used by this producer; resend() must "
+                    "come before any other send on it"
+                )
+            expected: int | None = None
+            for batch in stream_batches:
+                if batch.first_sequence is None:
+                    expected = -1
+                elif expected == -1 or (expected is not None and batch.first_sequence < expected):
+                    raise ValueError(
+                        f"stream {name!r}: pending batches must be in sequence order, "
+                        "numbered ones first"
+                    )
+                else:
+                    expected = batch.first_sequence + batch.record_count
+        deliveries: dict[str, Delivery] = {}
+        for name, stream_batches in by_stream.items():
+            s = self._stream(name)
+            delivery = deliveries[name] = Delivery(name)
+            for batch in stream_batches:
+                self._enqueue(s, batch.block, batch.record_count, delivery)
+                if batch.first_sequence is not None:
+                    s.queue[-1].first_sequence = batch.first_sequence
+                    delivery._numbered(batch.first_sequence)
+        if self._runner is None:
+            self._start()
+        self._pump()
+        return deliveries
+
     # -- batches ------------------------------------------------------------------
 
     def _arm_linger(self, s: _Stream) -> None:
@@ -1214,9 +1300,12 @@ class Producer:
                 pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
             if pause is None:
                 self._fail(
-                    ProducerError(
+                    ProducerGaveUp(
                         f"gave up on the gateway at {self._address} after trying for "
-                        f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
+                        f"{self._reconnect_timeout:g} s; last error: {self._last_error}",
+                        producer_id=self.producer_id,
+                        producer_secret=self.producer_secret,
+                        pending=self._pending_batches(),
                     )
                 )
                 return
@@ -1418,8 +1507,7 @@ class Producer:
             queue = s.queue
             while queue and 0 <= queue[0].first_sequence < next_sequence:
                 self._acked(s, queue.popleft(), ack.durable_position)
-            if s.next_sequence is None or s.next_sequence < next_sequence:
-                s.next_sequence = next_sequence
+            self._continue_sequence(s, next_sequence)
             self._mark(s)
         else:
             unacked = s.unacked
@@ -1428,6 +1516,30 @@ class Producer:
             while unacked and unacked[0].first_sequence < next_sequence:
                 self._acked(s, unacked.popleft(), ack.durable_position)
         self._wake(s)
+
+    def _continue_sequence(self, s: _Stream, stored_end: int) -> None:
+        """Number on from where the gateway's copy of our sequence ends (``stored_end``).
+
+        The numbered batches still queued (after the stored ones were
+        dropped) must run on from ``stored_end`` without a gap: the gateway
+        refuses a batch that skips ahead. A gap means records the gateway
+        never had are missing from what we hold (batches handed to
+        :meth:`resend` with one missing, a damaged spool entry): since the
+        gateway stores each producer's sequence contiguously, nothing from
+        the gap on was stored, so those batches are numbered afresh.
+        """
+        expected = stored_end
+        renumbered = 0
+        for batch in s.queue:
+            if batch.first_sequence < 0:
+                break
+            if renumbered or batch.first_sequence != expected:
+                batch.first_sequence = -1
+                renumbered += 1
+            else:
+                expected += batch.count
+        if s.next_sequence is None or renumbered or s.next_sequence < expected:
+            s.next_sequence = expected
 
     def _acked(self, s: _Stream, batch: _Batch, durable_position: int) -> None:
         size = len(batch.block)
