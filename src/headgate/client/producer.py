@@ -32,12 +32,15 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
+import os
 import secrets
 import ssl as ssl_module
 from collections import deque
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from headgate.client.address import GatewayAddress
@@ -51,6 +54,7 @@ from headgate.client.errors import (
     StreamRefused,
 )
 from headgate.client.security import ClientSecurity
+from headgate.client.spool import Spool
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -67,6 +71,8 @@ from headgate.protocol.session import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+log = logging.getLogger("headgate.producer")
 
 __all__ = [
     "BatchResult",
@@ -261,6 +267,10 @@ class ProducerStatistics:
     failure: str | None
     #: One snapshot per stream used so far.
     streams: Mapping[str, StreamStatistics]
+    #: Bytes the spool's files take on disk; None without a spool.
+    spool_bytes: int | None = None
+    #: How many times a batch waited because the spool was full.
+    spool_full: int = 0
 
 
 # --- internal state -------------------------------------------------------------
@@ -269,7 +279,7 @@ class ProducerStatistics:
 class _Batch:
     """One sealed batch: its records block and where its records go in the sequence."""
 
-    __slots__ = ("block", "count", "delivery", "first_sequence")
+    __slots__ = ("block", "count", "delivery", "first_sequence", "spooled")
 
     def __init__(self, block: bytes, count: int, delivery: Delivery | None) -> None:
         self.block = block
@@ -278,6 +288,8 @@ class _Batch:
         # Numbered at first transmission, once the gateway said where the
         # stream's sequence resumes; kept for every resend after that.
         self.first_sequence = -1
+        # Written to the spool (under first_sequence, once numbered).
+        self.spooled = False
 
 
 class _Stream:
@@ -305,6 +317,7 @@ class _Stream:
         "sealed_batches",
         "space_waiters",
         "storage_full",
+        "stored_end",
         "unacked",
         "values",
     )
@@ -330,6 +343,8 @@ class _Stream:
         self.sealed_batches = 0
         self.acked_batches = 0
         self.next_sequence: int | None = None
+        # Where the gateway's acknowledged copy of our sequence ends, once known.
+        self.stored_end: int | None = None
         # Per connection: our handle, and whether its initial Ack arrived.
         self.handle: int | None = None
         self.ready = False
@@ -501,7 +516,10 @@ class Producer:
         ssl: ssl_module.SSLContext | None = None,
         server_hostname: str | None = None,
         security: ClientSecurity | None = None,
+        spool: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
+        explicit_id = producer_id
         if security is not None:
             token = security.token_bytes() if token is None else token
             ssl = security.ssl_context() if ssl is None else ssl
@@ -558,6 +576,48 @@ class Producer:
         self._reconnects = 0
         self._last_error: str | None = None
         self._nonce = 0
+        self._spool: Spool | None = None
+        # Streams whose next batch waits for room in the spool; while any
+        # does, sends wait as they do for max_buffered_bytes.
+        self._spool_waiting: list[_Stream] = []
+        self._spool_full = 0
+        if spool is not None:
+            self._open_spool(Path(spool), spool_max_bytes, explicit_id, producer_secret)
+
+    def _open_spool(
+        self, directory: Path, max_bytes: int, explicit_id: int | None, secret: bytes | None
+    ) -> None:
+        """Take the spool's identity (or give it ours) and queue what it holds to be sent again."""
+        spool = Spool(directory, max_bytes)
+        try:
+            if spool.producer_id is not None:
+                if explicit_id is not None and explicit_id != spool.producer_id:
+                    raise ValueError(
+                        f"the spool {directory} belongs to producer id {spool.producer_id}, "
+                        f"not {explicit_id}: leave producer_id out to resume it, or use "
+                        "another spool"
+                    )
+                if secret is not None and spool.producer_secret and secret != spool.producer_secret:
+                    raise ValueError(f"producer_secret is not the one the spool {directory} holds")
+                self.producer_id = spool.producer_id
+                self._secret = spool.producer_secret or self._secret
+            else:
+                spool.write_identity(self.producer_id, self._secret)
+        except BaseException:
+            spool.close()
+            raise
+        self._spool = spool
+        for name, batches in spool.recovered.items():
+            s = self._stream(name)
+            for spooled in batches:
+                self._enqueue(s, spooled.block, spooled.record_count, None)
+                batch = s.queue[-1]
+                batch.spooled = True
+                if spooled.first_sequence is not None:
+                    batch.first_sequence = spooled.first_sequence
+        if spool.recovered:
+            count = sum(b.record_count for batches in spool.recovered.values() for b in batches)
+            log.info("spool %s: %d records to send again", directory, count)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -617,11 +677,13 @@ class Producer:
         """
         if self._closed:
             return
+        delivered = False
         try:
             if self._runner is not None:
                 await self.flush()
+            delivered = True
         finally:
-            await self._shutdown(goodbye=True)
+            await self._shutdown(goodbye=True, delivered=delivered)
 
     async def abort(self) -> None:
         """Close at once; unacknowledged records are lost (their waiters raise)."""
@@ -638,7 +700,7 @@ class Producer:
         else:
             await self.abort()
 
-    async def _shutdown(self, *, goodbye: bool) -> None:
+    async def _shutdown(self, *, goodbye: bool, delivered: bool = False) -> None:
         self._closed = True
         conn = self._conn
         if conn is not None and conn.transport is not None and not conn.transport.is_closing():
@@ -656,6 +718,12 @@ class Producer:
                 if current is not None and current.cancelling():
                     raise
         self._fail(ProducerError("the producer is closed"))
+        spool = self._spool
+        if spool is not None:
+            self._spool = None
+            if delivered:
+                spool.clear()  # the gateway has everything; the identity stays
+            spool.close()
 
     # -- sending ------------------------------------------------------------------
 
@@ -834,6 +902,8 @@ class Producer:
         """
         if s.buffered == 0 and not s.values:
             return True
+        if self._spool_waiting:
+            return False
         return s.buffered + s.open_bytes + needed <= self._max_buffered
 
     async def _wait_room(self, s: _Stream, needed: int) -> None:
@@ -875,7 +945,7 @@ class Producer:
         """
         waiters = s.space_waiters
         if not waiters:
-            s.room = self._max_buffered
+            s.room = 0 if self._spool_waiting else self._max_buffered
             return
         needed, waiter = waiters[0]
         if not waiter.done() and self._has_room(s, needed):
@@ -1078,6 +1148,34 @@ class Producer:
             raise s.failure
         return s
 
+    def _spool_everything(self) -> None:
+        """On giving up: spool every record still held, so that a producer on the spool has them.
+
+        Batches of a stream whose sequence is known are numbered on from it
+        (nothing numbered was sent, so the gateway has none of them); the
+        others are spooled unnumbered and numbered by the producer that
+        resumes. Beyond ``spool_max_bytes`` if need be: they are already
+        held in memory, within ``max_buffered_bytes`` per stream.
+        """
+        spool = self._spool
+        if spool is None:
+            return
+        for s in self._streams.values():
+            if s.failure is not None:
+                continue
+            self._seal(s)
+            for batch in (*s.unacked, *s.queue):
+                if batch.first_sequence < 0 and s.next_sequence is not None:
+                    batch.first_sequence = s.next_sequence
+                    s.next_sequence += batch.count
+                    if batch.delivery is not None:
+                        batch.delivery._numbered(batch.first_sequence)
+                if not batch.spooled:
+                    first = None if batch.first_sequence < 0 else batch.first_sequence
+                    spool.append(s.name, first, batch.count, batch.block)
+                    batch.spooled = True
+        spool.sync()
+
     def _pending_batches(self) -> dict[str, list[PendingBatch]]:
         """Every stream's records not acknowledged, as batches: what a give-up hands back."""
         pending: dict[str, list[PendingBatch]] = {}
@@ -1228,12 +1326,19 @@ class Producer:
             if not s.ready or not queue:
                 continue
             batch = queue[0]
+            spool = self._spool
+            if spool is not None and not batch.spooled and not self._spool_room(s, batch):
+                continue  # an acknowledgement marks the stream again
             if batch.first_sequence < 0:
                 assert s.next_sequence is not None
                 batch.first_sequence = s.next_sequence
                 s.next_sequence += batch.count
                 if batch.delivery is not None:
                     batch.delivery._numbered(batch.first_sequence)
+            if spool is not None and not batch.spooled:
+                # Durable before its bytes leave: _write syncs the spool first.
+                spool.append(s.name, batch.first_sequence, batch.count, batch.block)
+                batch.spooled = True
             # can_send_batch first: a refused send_batch would still have
             # copied the whole batch.
             if not optimistic and not session.can_send_batch(handle, len(batch.block)):
@@ -1251,6 +1356,35 @@ class Producer:
                 self._write(conn)
         self._write(conn)
 
+    def _spool_room(self, s: _Stream, batch: _Batch) -> bool:
+        """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
+        spool = self._spool
+        assert spool is not None
+        if spool.fits(len(batch.block)):
+            return True
+        acked = {t.name: t.stored_end for t in self._streams.values() if t.stored_end is not None}
+        if spool.reclaim(acked) and spool.fits(len(batch.block)):
+            return True
+        if not self._spool_waiting:
+            self._spool_full += 1
+            for t in self._streams.values():
+                if not t.space_waiters:
+                    t.room = 0
+        if s not in self._spool_waiting:
+            self._spool_waiting.append(s)
+        return False
+
+    def _spool_freed(self) -> None:
+        """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
+        waiting = self._spool_waiting
+        if not waiting:
+            return
+        self._spool_waiting = []
+        for s in waiting:
+            self._mark(s)
+        for s in self._streams.values():
+            self._admit(s)
+
     def _spend_slot(self, session: Session, handle: int, block_length: int) -> None:
         # Window policy: a batch takes a whole slot, whatever its size.
         rest = self._slot - session.batch_cost(block_length)
@@ -1261,6 +1395,8 @@ class Producer:
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
         if data and conn.transport is not None and not conn.transport.is_closing():
+            if self._spool is not None and self._spool.needs_sync:
+                self._spool.sync()
             conn.transport.write(data)
             assert self._loop is not None
             conn.last_write = self._loop.time()
@@ -1299,6 +1435,7 @@ class Producer:
                 self._reconnects += 1
                 pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
             if pause is None:
+                self._spool_everything()
                 self._fail(
                     ProducerGaveUp(
                         f"gave up on the gateway at {self._address} after trying for "
@@ -1423,6 +1560,9 @@ class Producer:
         if welcome.producer_secret:
             # Ours from now on: every later Hello proves the id with it.
             self._secret = welcome.producer_secret
+            if self._spool is not None:
+                # Before any batch is spooled (none is numbered before an Ack).
+                self._spool.write_identity(self.producer_id, self._secret)
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
@@ -1499,6 +1639,7 @@ class Producer:
             return
         s.storage_full = None  # no Ack comes while the gateway cannot store
         next_sequence = ack.next_sequence
+        s.stored_end = next_sequence
         if not s.ready:
             # The stream's initial Ack: where the gateway's copy of our
             # sequence ends. Batches below it were stored before (a lost
@@ -1515,6 +1656,9 @@ class Producer:
                 conn.progressed = True
             while unacked and unacked[0].first_sequence < next_sequence:
                 self._acked(s, unacked.popleft(), ack.durable_position)
+        if self._spool is not None:
+            self._spool.acked(s.name, next_sequence)
+            self._spool_freed()
         self._wake(s)
 
     def _continue_sequence(self, s: _Stream, stored_end: int) -> None:
@@ -1540,6 +1684,20 @@ class Producer:
                 expected += batch.count
         if s.next_sequence is None or renumbered or s.next_sequence < expected:
             s.next_sequence = expected
+        spool = self._spool
+        if spool is not None and (
+            renumbered or any(b.spooled and b.first_sequence < 0 for b in s.queue)
+        ):
+            # Spooled under numbers that no longer hold, or under none: number
+            # every queued batch now and replace the stream's spool files.
+            for batch in s.queue:
+                if batch.first_sequence < 0:
+                    batch.first_sequence = s.next_sequence
+                    s.next_sequence += batch.count
+                    if batch.delivery is not None:
+                        batch.delivery._numbered(batch.first_sequence)
+                batch.spooled = True
+            spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
     def _acked(self, s: _Stream, batch: _Batch, durable_position: int) -> None:
         size = len(batch.block)
@@ -1639,4 +1797,6 @@ class Producer:
             last_error=self._last_error,
             failure=str(self._failure) if self._failure is not None else None,
             streams=streams,
+            spool_bytes=None if self._spool is None else self._spool.bytes_used,
+            spool_full=self._spool_full,
         )
