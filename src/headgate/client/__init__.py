@@ -30,6 +30,7 @@ from headgate.client.producer import (
     StreamStatistics,
 )
 from headgate.client.security import ClientSecurity, SecurityError
+from headgate.client.spool import SpoolError
 from headgate.client.sync import SyncProducer
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "ReleaseStatistics",
     "SecurityError",
     "SessionRefused",
+    "SpoolError",
     "StreamRefused",
     "StreamStatistics",
     "SyncProducer",

@@ -224,6 +224,9 @@ class StreamStatistics:
     bytes_sent: int
     #: Records-block bytes acknowledged.
     bytes_acked: int
+    #: Records this producer wrote to its spool (those it found there on
+    #: opening are not counted); 0 without a spool.
+    records_spooled: int
     #: Records in the open batch, not sealed yet.
     open_records: int
     #: Sealed batches waiting for credit or a connection.
@@ -311,6 +314,7 @@ class _Stream:
         "ready",
         "records_acked",
         "records_sent",
+        "records_spooled",
         "refusal_reported",
         "room",
         "scheduled",
@@ -356,6 +360,7 @@ class _Stream:
         # first one's future is resolved when it may go.
         self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self.records_sent = 0
+        self.records_spooled = 0
         self.records_acked = 0
         self.bytes_sent = 0
         self.bytes_acked = 0
@@ -1174,6 +1179,7 @@ class Producer:
                     first = None if batch.first_sequence < 0 else batch.first_sequence
                     spool.append(s.name, first, batch.count, batch.block)
                     batch.spooled = True
+                    s.records_spooled += batch.count
         spool.sync()
 
     def _pending_batches(self) -> dict[str, list[PendingBatch]]:
@@ -1339,6 +1345,7 @@ class Producer:
                 # Durable before its bytes leave: _write syncs the spool first.
                 spool.append(s.name, batch.first_sequence, batch.count, batch.block)
                 batch.spooled = True
+                s.records_spooled += batch.count
             # can_send_batch first: a refused send_batch would still have
             # copied the whole batch.
             if not optimistic and not session.can_send_batch(handle, len(batch.block)):
@@ -1696,7 +1703,9 @@ class Producer:
                     s.next_sequence += batch.count
                     if batch.delivery is not None:
                         batch.delivery._numbered(batch.first_sequence)
-                batch.spooled = True
+                if not batch.spooled:
+                    batch.spooled = True
+                    s.records_spooled += batch.count
             spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
     def _acked(self, s: _Stream, batch: _Batch, durable_position: int) -> None:
@@ -1776,6 +1785,7 @@ class Producer:
                 stream=name,
                 records_sent=s.records_sent,
                 records_acked=s.records_acked,
+                records_spooled=s.records_spooled,
                 bytes_sent=s.bytes_sent,
                 bytes_acked=s.bytes_acked,
                 open_records=len(s.values),
