@@ -518,9 +518,9 @@ def test_send_with_a_spool_that_gave_up_says_where_to_go_on(
     spool = tmp_path / "spool"
     source = tmp_path / "in.txt"
     source.write_text("one\ntwo\nthree\n")
+    absent = ["--gateway", "127.0.0.1:1", "--timeout", "1", "--spool", str(spool)]
     away = subprocess.run(
-        [*HEADGATE, "send", "s", str(source), "--gateway", "127.0.0.1:1", "--timeout", "1"]
-        + ["--spool", str(spool)],
+        [*HEADGATE, "send", "s", str(source), *absent],
         capture_output=True,
         text=True,
         timeout=60,
