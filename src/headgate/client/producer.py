@@ -25,7 +25,10 @@ gateway's copy ends, forgets what that covers and resends the rest with the
 same sequence numbers, which the gateway deduplicates. It tries again with
 backoff and gives up after ``reconnect_timeout`` (see
 :mod:`headgate.client.backoff`), also when the gateway keeps closing
-sessions as soon as they open.
+sessions as soon as they open. Giving up raises :class:`ProducerGaveUp`
+with every unacknowledged batch and its sequence, for :meth:`Producer.resend`;
+with a spool (:mod:`headgate.client.spool`) they are on disk already, written
+before they were sent, for the next producer on the spool.
 """
 
 from __future__ import annotations
@@ -500,6 +503,19 @@ class Producer:
         security: token and TLS settings as one :class:`ClientSecurity`
             (what every client takes); ``token``, ``ssl`` and
             ``server_hostname`` override it. Its token is read here.
+        spool: a directory where every batch is written and fsynced, with
+            its sequence, before it is sent, until the gateway acknowledges
+            it (see :mod:`headgate.client.spool`). A producer created on a
+            spool that holds batches (after a crash, an :meth:`abort` or a
+            give-up, when the producer spools all it holds) takes the
+            spool's producer id and secret and sends them first, under
+            their sequences, so the gateway stores each once. None: no spool.
+        spool_max_bytes: the most bytes the spool's files take; a batch
+            beyond waits, and so do sends, as for ``max_buffered_bytes``.
+
+    Without a spool, a producer that gives up raises
+    :class:`ProducerGaveUp`, whose ``pending`` batches :meth:`resend` sends
+    again exactly once from a producer with the same id and secret.
 
     Use it as ``async with Producer(...) as p:``; leaving the block normally
     flushes and closes, leaving it by an exception aborts.
