@@ -227,3 +227,26 @@ def test_a_damaged_spool_is_named_and_its_intact_entries_are_sent(
         assert values_in_order(read_log(tmp_path / "data", "s"), 4242) == intact
 
     run(scenario(), timeout=20)
+
+
+def test_a_restart_segment_replaces_older_ones_even_if_a_crash_kept_them(tmp_path: Path) -> None:
+    # Batches numbered afresh are written to a RESTART segment before the old
+    # segments are deleted; a crash in between leaves both, and the older
+    # numbering must not come back (it would store the records twice).
+    spool = Spool(tmp_path, 1 << 20)
+    spool.write_identity(7, b"")
+    spool.append("s", None, 2, encode_records([b"a", b"b"]))
+    spool.sync()
+    (old,) = tmp_path.glob("*.seg")
+    kept = old.read_bytes()
+    spool.restart("s", [(40, 2, encode_records([b"a", b"b"]))])
+    assert not old.exists()
+    spool.close()
+    old.write_bytes(kept)  # as if the crash came before the deletion was durable
+    again = Spool(tmp_path, 1 << 20)
+    try:
+        assert [(b.first_sequence, b.record_count) for b in again.recovered["s"]] == [(40, 2)]
+        assert not old.exists()
+        assert again.producer_id == 7
+    finally:
+        again.close()

@@ -700,6 +700,8 @@ class Producer:
             return
         delivered = False
         try:
+            if self._runner is None and any(s.queue for s in self._streams.values()):
+                self._start()  # batches found in the spool still go
             if self._runner is not None:
                 await self.flush()
             delivered = True

@@ -201,10 +201,9 @@ class Spool:
             stream, flags, offset = header
             segment = _Segment(number, path, len(data))
             if flags & _RESTART:
-                for old, _ in entries.pop(stream, []):
-                    old.path.unlink(missing_ok=True)
+                entries.pop(stream, None)
                 for old in self._segments.pop(stream, []):
-                    old.path.unlink(missing_ok=True)
+                    self._delete(old)
             problems = len(self.problems)
             read = self._read_entries(path, data, offset)
             if not read:
