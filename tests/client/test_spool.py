@@ -79,13 +79,15 @@ def test_a_producer_killed_mid_stream_is_resumed_from_its_spool_exactly_once(
                 env=env,
             )
             assert child.stdout is not None
-            sent = acked = 0
-            while sent < 20_000 or acked < 10_000:  # mid-stream, the gateway storing
-                line = await child.stdout.readline()
-                assert line, "the child producer ended early"
-                sent, acked = map(int, line.split())
-            child.send_signal(signal.SIGKILL)
-            await child.wait()
+            try:
+                sent = acked = 0
+                while sent < 20_000 or acked < 10_000:  # mid-stream, the gateway storing
+                    line = await child.stdout.readline()
+                    assert line, "the child producer ended early"
+                    sent, acked = map(int, line.split())
+            finally:
+                child.send_signal(signal.SIGKILL)
+                await child.wait()
         stored = {v for f in read_log(data_dir, "k") for v in f.values}
         in_spool = spooled_values(spool_dir)
         assert in_spool  # the kill left batches the gateway had not acknowledged

@@ -67,6 +67,10 @@ class ProducerGaveUp(ProducerError):
             async with Producer(address, producer_id=gave_up.producer_id,
                                 producer_secret=gave_up.producer_secret) as p:
                 p.resend(gave_up.pending)
+
+    A producer with a spool has written all of them to it on giving up:
+    resume from the spool (a new producer on it), not from ``pending`` as
+    well, since batches never numbered would then be numbered twice.
     """
 
     def __init__(
