@@ -404,6 +404,10 @@ class _Connection(asyncio.Protocol):
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
         self.progressed = False
+        # With a spool: bytes waiting for their entries' fsync, which runs
+        # in a thread while ``syncing``.
+        self.held: list[bytes] = []
+        self.syncing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -1420,11 +1424,52 @@ class Producer:
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
         if data and conn.transport is not None and not conn.transport.is_closing():
-            if self._spool is not None and self._spool.needs_sync:
-                self._spool.sync()
+            if self._spool is not None and (conn.syncing or self._spool.needs_sync):
+                self._write_after_sync(conn, data)
+                return
             conn.transport.write(data)
             assert self._loop is not None
             conn.last_write = self._loop.time()
+
+    def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
+        """Write ``data`` once the spool entries of its batches are durable.
+
+        The fsync runs in a thread, so that acknowledgements and sends go
+        on meanwhile; bytes produced during one wait for the next, in order.
+        """
+        conn.held.append(data)
+        if not conn.syncing:
+            self._start_sync(conn)
+
+    def _start_sync(self, conn: _Connection) -> None:
+        spool = self._spool
+        loop = self._loop
+        assert spool is not None and loop is not None
+        covered, conn.held = conn.held, []
+        conn.syncing = True
+        future = loop.run_in_executor(None, spool.take_sync())
+        future.add_done_callback(lambda done: self._synced(conn, covered, done))
+
+    def _synced(self, conn: _Connection, covered: list[bytes], done: asyncio.Future[None]) -> None:
+        conn.syncing = False
+        if done.cancelled() or done.exception() is not None:
+            error = done.exception() if not done.cancelled() else None
+            self._fail(ProducerError(f"cannot write the spool: {error or 'cancelled'}"))
+            conn.close("the spool failed")
+            return
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            return  # those batches are resent on the next connection
+        transport.write(b"".join(covered))
+        assert self._loop is not None
+        conn.last_write = self._loop.time()
+        if conn.held:
+            spool = self._spool
+            if spool is not None and spool.needs_sync:
+                self._start_sync(conn)
+            else:
+                held, conn.held = conn.held, []
+                transport.write(b"".join(held))
 
     # -- connection management -------------------------------------------------------
 

@@ -55,6 +55,7 @@ import logging
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -377,6 +378,31 @@ class Spool:
             self._sync_directory()
             self._new_files = False
 
+    def take_sync(self) -> Callable[[], None]:
+        """What :meth:`sync` would do, as a function to run in another thread.
+
+        It owns duplicates of the files' descriptors (so that a segment
+        closed or deleted meanwhile cannot pull one from under it) and
+        covers the entries written before this call; later ones wait for
+        the next.
+        """
+        fds = [os.dup(fd) for fd in self._dirty]
+        self._dirty.clear()
+        directory = self.directory if self._new_files else None
+        self._new_files = False
+
+        def sync() -> None:
+            try:
+                for fd in fds:
+                    os.fsync(fd)
+                if directory is not None:
+                    _sync_directory(directory)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
+        return sync
+
     @property
     def needs_sync(self) -> bool:
         """Whether entries were written since the last :meth:`sync`."""
@@ -452,8 +478,12 @@ class Spool:
             segment.fd = None
 
     def _sync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _sync_directory(self.directory)
+
+
+def _sync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
