@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from headgate.client import PendingBatch, Producer, ProducerGaveUp
+from headgate.protocol.records import encode_records
 from tests.client.test_producer import KiB, gateway, read_log, records, run, values_in_order
 
 
@@ -132,5 +133,27 @@ def test_resend_refuses_a_stream_already_used_and_batches_out_of_order(tmp_path:
             late = PendingBatch("other", None, 1, b"")
             with pytest.raises(ValueError, match="sequence order"):
                 p.resend([late, PendingBatch("other", 3, 1, b"")])
+
+    run(scenario())
+
+
+def test_batches_after_a_gap_in_what_is_resent_are_numbered_afresh(tmp_path: Path) -> None:
+    # Sequences 2..4 are missing from what the application kept; the gateway
+    # stores a producer's sequence contiguously, so it holds nothing from the
+    # gap on, and the batches after it go under fresh numbers, once each.
+    first, later = [b"a", b"b"], [b"f", b"g"]
+
+    async def scenario() -> None:
+        async with gateway(tmp_path) as gw, Producer(gw.address, producer_id=99) as p:
+            deliveries = p.resend(
+                [
+                    PendingBatch("s", 0, 2, encode_records(first)),
+                    PendingBatch("s", 5, 2, encode_records(later)),
+                    PendingBatch("s", None, 1, encode_records([b"new"])),
+                ]
+            )
+            await deliveries["s"]
+            assert p.statistics().streams["s"].next_sequence == 5
+        assert values_in_order(read_log(tmp_path, "s"), 99) == [*first, *later, b"new"]
 
     run(scenario())

@@ -435,7 +435,8 @@ class Spool:
         name = stream.encode()
         checked = bytes([flags]) + struct.pack("<I", len(name)) + name
         header = _SEGMENT_HEADER.pack(_SEGMENT_MAGIC, flags, len(name), zlib.crc32(checked))
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC
+        fd = os.open(path, flags, 0o600)  # records, like the identity's secret
         os.write(fd, header + name)
         segment = _Segment(number, path, len(header) + len(name))
         segment.fd = fd
