@@ -8,6 +8,7 @@ held is there exactly once: sequence numbers run on without gap or repeat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -66,7 +67,8 @@ def test_a_producer_killed_mid_stream_is_resumed_from_its_spool_exactly_once(
 
     async def scenario() -> None:
         async with gateway(data_dir) as gw:
-            host, port = gw.address
+            proxy = AckHoldingProxy(gw.address)
+            host, port = await proxy.start()
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
             child = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -85,10 +87,18 @@ def test_a_producer_killed_mid_stream_is_resumed_from_its_spool_exactly_once(
                     line = await child.stdout.readline()
                     assert line, "the child producer ended early"
                     sent, acked = map(int, line.split())
+                # From here the gateway stores batches whose Acks never arrive.
+                proxy.hold = True
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        while line := await child.stdout.readline():
+                            sent, acked = map(int, line.split())
             finally:
                 child.send_signal(signal.SIGKILL)
                 await child.wait()
+                await proxy.close()
         stored = {v for f in read_log(data_dir, "k") for v in f.values}
+        assert len(stored) > acked  # some spooled batches are stored, unacknowledged
         in_spool = spooled_values(spool_dir)
         assert in_spool  # the kill left batches the gateway had not acknowledged
         must_hold = stored | set(in_spool)
