@@ -1365,7 +1365,11 @@ class Producer:
                     batch.delivery._numbered(batch.first_sequence)
             if spool is not None and not batch.spooled:
                 # Durable before its bytes leave: _write syncs the spool first.
-                spool.append(s.name, batch.first_sequence, batch.count, batch.block)
+                try:
+                    spool.append(s.name, batch.first_sequence, batch.count, batch.block)
+                except OSError as exc:
+                    self._spool_failed(exc)
+                    return
                 batch.spooled = True
                 s.records_spooled += batch.count
             # can_send_batch first: a refused send_batch would still have
@@ -1402,6 +1406,14 @@ class Producer:
         if s not in self._spool_waiting:
             self._spool_waiting.append(s)
         return False
+
+    def _spool_failed(self, exc: OSError) -> None:
+        """The spool cannot be written (a full or failing disk): nothing more may be sent."""
+        spool = self._spool
+        where = "" if spool is None else f" {spool.directory}"
+        self._fail(ProducerError(f"cannot write the spool{where}: {exc}"))
+        if self._conn is not None:
+            self._conn.close("the spool failed")
 
     def _spool_freed(self) -> None:
         """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
@@ -1454,8 +1466,7 @@ class Producer:
         conn.syncing = False
         if done.cancelled() or done.exception() is not None:
             error = done.exception() if not done.cancelled() else None
-            self._fail(ProducerError(f"cannot write the spool: {error or 'cancelled'}"))
-            conn.close("the spool failed")
+            self._spool_failed(error if isinstance(error, OSError) else OSError(str(error)))
             return
         transport = conn.transport
         if transport is None or transport.is_closing():
@@ -1505,7 +1516,10 @@ class Producer:
                 self._reconnects += 1
                 pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
             if pause is None:
-                self._spool_everything()
+                try:
+                    self._spool_everything()
+                except OSError as exc:
+                    log.error("cannot write the spool on giving up: %s", exc)
                 self._fail(
                     ProducerGaveUp(
                         f"gave up on the gateway at {self._address} after trying for "
