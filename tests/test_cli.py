@@ -510,3 +510,38 @@ def test_send_says_when_its_stream_stays_full_and_why(tmp_path: Path) -> None:
     said = next((x for x in lines if "is full" in x), "".join(lines))
     assert said.startswith("headgate send: events is full for 2 s: its log is full"), said
     assert "until the stream's consumer" in said
+
+
+def test_send_with_a_spool_that_gave_up_says_where_to_go_on(
+    served: tuple[str, Path, subprocess.Popen[str]], tmp_path: Path
+) -> None:
+    address, data, _ = served
+    spool = tmp_path / "spool"
+    source = tmp_path / "in.txt"
+    source.write_text("one\ntwo\nthree\n")
+    absent = ["--gateway", "127.0.0.1:1", "--timeout", "1", "--spool", str(spool)]
+    away = subprocess.run(
+        [*HEADGATE, "send", "s", str(source), *absent],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert away.returncode == 1, away.stderr
+    assert f"The spool {spool} keeps every record not acknowledged" in away.stderr
+    assert "input from line 1" in away.stderr  # it gave up before taking any
+    assert "Traceback" not in away.stderr
+    again = subprocess.run(
+        [*HEADGATE, "send", "s", str(source), "--gateway", address, "--spool", str(spool)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.startswith("3 records ("), again.stdout
+    assert sorted(spool.glob("*.seg")) == []  # all acknowledged: nothing kept
+    reader = LogReader.open(data / "streams" / "s")
+    values: list[bytes] = []
+    for frame in reader.read(reader.start_position()):
+        values += decode_records(frame.payload).to_lists()[0]
+    reader.close()
+    assert values == [b"one", b"two", b"three"]

@@ -368,6 +368,14 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     show_default=True,
     help="Seconds to keep trying to reach the gateway before giving up.",
 )
+@click.option(
+    "--spool",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep unacknowledged records in this directory, so that a send cut short "
+    "(Ctrl-C, a crash, a gateway away past --timeout) is resumed by the next send "
+    "with the same --spool, each record stored once; the input goes on from the line "
+    "it reports.",
+)
 @_security_options
 def send(
     stream: str,
@@ -378,6 +386,7 @@ def send(
     producer_id: int | None,
     producer_secret: str | None,
     timeout: float,
+    spool: Path | None,
     **options: Any,
 ) -> None:
     """Send the lines of SOURCE (a file, or - for stdin) as records of STREAM.
@@ -387,7 +396,7 @@ def send(
     On Ctrl-C it reports what was acknowledged, the input line to go on
     from, and the producer id to go on with (exit status 130).
     """
-    from headgate.client import GatewayAddress, ProducerError
+    from headgate.client import GatewayAddress, ProducerError, SpoolError
     from headgate.send import SendOptions, run_send
 
     try:
@@ -411,11 +420,14 @@ def send(
             raise click.UsageError(f"--producer-secret must be 1 to {MAX_SECRET_BYTES} bytes")
     security = _security(options)
     send_options = SendOptions(
-        gateway, stream, fmt, policy, producer_id, secret, timeout, security=security
+        gateway, stream, fmt, policy, producer_id, secret, timeout, security=security, spool=spool
     )
     try:
         report = asyncio.run(run_send(send_options, source))
     except ProducerError as exc:
+        click.echo(f"headgate send: {exc}", err=True)
+        sys.exit(1)
+    except (SpoolError, ValueError) as exc:
         click.echo(f"headgate send: {exc}", err=True)
         sys.exit(1)
     if report.interrupted:

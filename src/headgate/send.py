@@ -18,13 +18,14 @@ import threading
 from array import array
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, BinaryIO, Final
 
 from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-from headgate.client import Producer
+from headgate.client import Producer, ProducerError, ProducerGaveUp
 from headgate.client.producer import Policy
 from headgate.client.security import ClientSecurity
 
@@ -61,6 +62,8 @@ class SendOptions:
     security: ClientSecurity = field(default_factory=ClientSecurity)
     #: Show a progress line on stderr (only where stderr is a terminal).
     progress: bool = True
+    #: The producer's spool directory (see Producer's spool), or None.
+    spool: Path | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +76,9 @@ class SendReport:
     sent: int = 0
     #: Records that went to the gateway at least once.
     transmitted: int = 0
+    #: Records written to the spool (with --spool): sent again by the next
+    #: send on the same spool, so the input goes on after them.
+    spooled: int = 0
     #: Records (and their bytes) the gateway acknowledged durable.
     acked: int = 0
     bytes_acked: int = 0
@@ -127,6 +133,14 @@ class SendReport:
         """What an interrupted send stored, and where its input should go on from."""
         if not self.connected:
             return f"interrupted before gateway {self.gateway} answered; nothing was sent"
+        if self.spooled:
+            done = self.line_of_record(self.spooled)
+            return (
+                f"interrupted: {self.acked:,} of {self.sent:,} records acknowledged durable on "
+                f"{self.stream}; input up to line {done:,} is acknowledged or spooled (the "
+                f"next send with the same --spool sends it again, each record once); go on "
+                f"from line {done + 1:,}"
+            )
         done = self.line_of_record(self.acked) if self.acked else 0
         stored = f"go on from line {done + 1:,}"
         if done:
@@ -383,6 +397,7 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
         client_name="headgate-send",
         reconnect_timeout=options.timeout,
         security=options.security,
+        spool=options.spool,
     )
     report.producer_id = producer.producer_id
     ctrl_c = _CtrlC()
@@ -394,6 +409,16 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
             await producer.abort()  # what was not acknowledged by now is given up
         else:
             await producer.close()
+    except ProducerGaveUp as exc:
+        await producer.abort()
+        if options.spool is None:
+            raise
+        # Everything the producer took is in the spool now (see Producer).
+        line = report.line_of_record(report.sent) + 1 if report.sent else 1
+        raise ProducerError(
+            f"{exc}. The spool {options.spool} keeps every record not acknowledged: send "
+            f"again with the same --spool and the input from line {line:,}"
+        ) from exc
     except BaseException:
         await producer.abort()
         raise
@@ -403,5 +428,6 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
     if stats is not None:
         report.acked, report.bytes_acked = stats.records_acked, stats.bytes_acked
         report.transmitted = stats.records_sent
+        report.spooled = stats.records_spooled
     report.producer_secret = producer.producer_secret
     return report

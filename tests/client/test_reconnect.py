@@ -10,17 +10,21 @@ another one holds did.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
+from pathlib import Path
 
 import pytest
 
 from headgate.client import Producer, ProducerError, ReleaseClient
 from headgate.client.backoff import Backoff
+from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
+from headgate.gateway import Gateway
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.session import HelloReceived, Role, Session
-from tests.client.test_producer import MiB, run
+from tests.client.test_producer import MiB, read_log, run, values_in_order
 
 # --- the schedule, with time as an argument ------------------------------------------
 
@@ -173,5 +177,35 @@ def test_a_release_client_backs_off_from_a_gateway_that_closes_every_session() -
                 assert 2 <= gateway.connections <= 10, gateway.connections
             finally:
                 await asyncio.to_thread(client.close, 0.1)
+
+    run(scenario(), timeout=10)
+
+
+def test_a_producer_without_a_reconnect_timeout_waits_for_a_gateway_that_comes_late(
+    tmp_path: Path,
+) -> None:
+    # Past any short timeout (2.5 s here) a producer with None still waits,
+    # backing off, and delivers once the gateway appears on its port.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def scenario() -> None:
+        p = Producer(("127.0.0.1", port), reconnect_timeout=None)
+        p.send_nowait("late", b"first")  # waits for the session, does not block
+        await asyncio.sleep(2.5)
+        assert not p.connected
+        assert p.statistics().failure is None
+        config = GatewayConfig(listen=("127.0.0.1", port), data_dir=tmp_path)
+        gw = Gateway(config)
+        await gw.start()
+        try:
+            await p.send("late", b"second")
+            await p.flush()
+            producer_id = p.producer_id
+            await p.close()
+        finally:
+            await gw.stop()
+        assert values_in_order(read_log(tmp_path, "late"), producer_id) == [b"first", b"second"]
 
     run(scenario(), timeout=10)

@@ -13,7 +13,14 @@ takes the gateway's address as ``host:port`` or ``unix:PATH``
 
 from headgate.client.address import GatewayAddress
 from headgate.client.control import ReleaseClient, ReleaseStatistics
-from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
+from headgate.client.errors import (
+    BufferFull,
+    PendingBatch,
+    ProducerError,
+    ProducerGaveUp,
+    SessionRefused,
+    StreamRefused,
+)
 from headgate.client.producer import (
     BatchResult,
     Delivery,
@@ -23,6 +30,7 @@ from headgate.client.producer import (
     StreamStatistics,
 )
 from headgate.client.security import ClientSecurity, SecurityError
+from headgate.client.spool import SpoolError
 from headgate.client.sync import SyncProducer
 
 __all__ = [
@@ -31,14 +39,17 @@ __all__ = [
     "ClientSecurity",
     "Delivery",
     "GatewayAddress",
+    "PendingBatch",
     "Policy",
     "Producer",
     "ProducerError",
+    "ProducerGaveUp",
     "ProducerStatistics",
     "ReleaseClient",
     "ReleaseStatistics",
     "SecurityError",
     "SessionRefused",
+    "SpoolError",
     "StreamRefused",
     "StreamStatistics",
     "SyncProducer",

@@ -25,25 +25,40 @@ gateway's copy ends, forgets what that covers and resends the rest with the
 same sequence numbers, which the gateway deduplicates. It tries again with
 backoff and gives up after ``reconnect_timeout`` (see
 :mod:`headgate.client.backoff`), also when the gateway keeps closing
-sessions as soon as they open.
+sessions as soon as they open. Giving up raises :class:`ProducerGaveUp`
+with every unacknowledged batch and its sequence, for :meth:`Producer.resend`;
+with a spool (:mod:`headgate.client.spool`) they are on disk already, written
+before they were sent, for the next producer on the spool.
 """
 
 from __future__ import annotations
 
 import asyncio
 import bisect
+import logging
+import os
 import secrets
 import ssl as ssl_module
+import time
 from collections import deque
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
-from headgate.client.errors import BufferFull, ProducerError, SessionRefused, StreamRefused
+from headgate.client.errors import (
+    BufferFull,
+    PendingBatch,
+    ProducerError,
+    ProducerGaveUp,
+    SessionRefused,
+    StreamRefused,
+)
 from headgate.client.security import ClientSecurity
+from headgate.client.spool import Spool
 from headgate.costs import batch_cost
 from headgate.latency import LatencyWindow
 from headgate.protocol import messages as m
@@ -61,6 +76,8 @@ from headgate.protocol.session import (
 
 if TYPE_CHECKING:
     import pyarrow as pa
+
+log = logging.getLogger("headgate.producer")
 
 __all__ = [
     "BatchResult",
@@ -87,6 +104,8 @@ _KEYED_RECORD_OVERHEAD = 9
 _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
 _MIN_ATTEMPT = 0.5
+# One connection attempt's bound when the producer never gives up.
+_ATTEMPT_WITHOUT_DEADLINE = 10.0
 
 # Codes after which talking to the same gateway again can succeed; any other
 # unscoped Error means this producer cannot be served as it is.
@@ -210,6 +229,9 @@ class StreamStatistics:
     bytes_sent: int
     #: Records-block bytes acknowledged.
     bytes_acked: int
+    #: Records this producer wrote to its spool (those it found there on
+    #: opening are not counted); 0 without a spool.
+    records_spooled: int
     #: Records in the open batch, not sealed yet.
     open_records: int
     #: Sealed batches waiting for credit or a connection.
@@ -263,6 +285,10 @@ class ProducerStatistics:
     failure: str | None
     #: One snapshot per stream used so far.
     streams: Mapping[str, StreamStatistics]
+    #: Bytes the spool's files take on disk; None without a spool.
+    spool_bytes: int | None = None
+    #: How many times a batch waited because the spool was full.
+    spool_full: int = 0
 
 
 # --- internal state -------------------------------------------------------------
@@ -271,7 +297,7 @@ class ProducerStatistics:
 class _Batch:
     """One sealed batch: its records block and where its records go in the sequence."""
 
-    __slots__ = ("block", "count", "delivery", "first_sequence", "opened_at")
+    __slots__ = ("block", "count", "delivery", "first_sequence", "opened_at", "spooled")
 
     def __init__(
         self, block: bytes, count: int, delivery: Delivery | None, opened_at: float
@@ -285,6 +311,8 @@ class _Batch:
         # Numbered at first transmission, once the gateway said where the
         # stream's sequence resumes; kept for every resend after that.
         self.first_sequence = -1
+        # Written to the spool (under first_sequence, once numbered).
+        self.spooled = False
 
 
 class _Stream:
@@ -308,12 +336,14 @@ class _Stream:
         "ready",
         "records_acked",
         "records_sent",
+        "records_spooled",
         "refusal_reported",
         "room",
         "scheduled",
         "sealed_batches",
         "space_waiters",
         "storage_full",
+        "stored_end",
         "unacked",
         "values",
     )
@@ -343,6 +373,8 @@ class _Stream:
         self.sealed_batches = 0
         self.acked_batches = 0
         self.next_sequence: int | None = None
+        # Where the gateway's acknowledged copy of our sequence ends, once known.
+        self.stored_end: int | None = None
         # Per connection: our handle, and whether its initial Ack arrived.
         self.handle: int | None = None
         self.ready = False
@@ -354,6 +386,7 @@ class _Stream:
         # first one's future is resolved when it may go.
         self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
         self.records_sent = 0
+        self.records_spooled = 0
         self.records_acked = 0
         self.bytes_sent = 0
         self.bytes_acked = 0
@@ -394,6 +427,10 @@ class _Connection(asyncio.Protocol):
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
         self.progressed = False
+        # With a spool: bytes waiting for their entries' fsync, which runs
+        # in a thread while ``syncing``.
+        self.held: list[bytes] = []
+        self.syncing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
@@ -481,6 +518,9 @@ class Producer:
             to 2 s. A session the gateway closes before it acknowledged a
             batch and within 5 s (or ``reconnect_timeout``, if shorter) of
             its opening is one more failed attempt, not a fresh start.
+            None: never give up (for a device whose gateway may be away for
+            hours); the pauses still grow to 2 s, and each attempt is
+            bounded by 10 s.
         token: the authentication token for a gateway with a tokens file
             (``headgate token`` makes one); sent in Hello.
         ssl: a TLS context (see :func:`headgate.client.tls.client_context`,
@@ -490,6 +530,19 @@ class Producer:
         security: token and TLS settings as one :class:`ClientSecurity`
             (what every client takes); ``token``, ``ssl`` and
             ``server_hostname`` override it. Its token is read here.
+        spool: a directory where every batch is written and fsynced, with
+            its sequence, before it is sent, until the gateway acknowledges
+            it (see :mod:`headgate.client.spool`). A producer created on a
+            spool that holds batches (after a crash, an :meth:`abort` or a
+            give-up, when the producer spools all it holds) takes the
+            spool's producer id and secret and sends them first, under
+            their sequences, so the gateway stores each once. None: no spool.
+        spool_max_bytes: the most bytes the spool's files take; a batch
+            beyond waits, and so do sends, as for ``max_buffered_bytes``.
+
+    Without a spool, a producer that gives up raises
+    :class:`ProducerGaveUp`, whose ``pending`` batches :meth:`resend` sends
+    again exactly once from a producer with the same id and secret.
 
     Use it as ``async with Producer(...) as p:``; leaving the block normally
     flushes and closes, leaving it by an exception aborts.
@@ -506,12 +559,15 @@ class Producer:
         max_batch_bytes: int = 256 * 1024,
         max_buffered_bytes: int = 64 * 1024 * 1024,
         client_name: str = "headgate-python",
-        reconnect_timeout: float = 30.0,
+        reconnect_timeout: float | None = 30.0,
         token: bytes | str | None = None,
         ssl: ssl_module.SSLContext | None = None,
         server_hostname: str | None = None,
         security: ClientSecurity | None = None,
+        spool: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
+        explicit_id = producer_id
         if security is not None:
             token = security.token_bytes() if token is None else token
             ssl = security.ssl_context() if ssl is None else ssl
@@ -534,7 +590,7 @@ class Producer:
             raise ValueError(f"max_batch_bytes is too small: {max_batch_bytes}")
         if max_buffered_bytes < 1:
             raise ValueError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
-        if reconnect_timeout < 0:
+        if reconnect_timeout is not None and reconnect_timeout < 0:
             raise ValueError(f"reconnect_timeout must not be negative, got {reconnect_timeout}")
         self._address = GatewayAddress.parse(address)
         #: The producer id the gateway deduplicates by.
@@ -568,6 +624,51 @@ class Producer:
         self._reconnects = 0
         self._last_error: str | None = None
         self._nonce = 0
+        self._spool: Spool | None = None
+        # Streams whose next batch waits for room in the spool; while any
+        # does, sends wait as they do for max_buffered_bytes.
+        self._spool_waiting: list[_Stream] = []
+        self._spool_full = 0
+        if spool is not None:
+            self._open_spool(Path(spool), spool_max_bytes, explicit_id, producer_secret)
+
+    def _open_spool(
+        self, directory: Path, max_bytes: int, explicit_id: int | None, secret: bytes | None
+    ) -> None:
+        """Take the spool's identity (or give it ours) and queue what it holds to be sent again."""
+        spool = Spool(directory, max_bytes)
+        try:
+            if spool.producer_id is not None:
+                if explicit_id is not None and explicit_id != spool.producer_id:
+                    raise ValueError(
+                        f"the spool {directory} belongs to producer id {spool.producer_id}, "
+                        f"not {explicit_id}: leave producer_id out to resume it, or use "
+                        "another spool"
+                    )
+                if secret is not None and spool.producer_secret and secret != spool.producer_secret:
+                    raise ValueError(f"producer_secret is not the one the spool {directory} holds")
+                self.producer_id = spool.producer_id
+                self._secret = spool.producer_secret or self._secret
+            else:
+                spool.write_identity(self.producer_id, self._secret)
+        except BaseException:
+            spool.close()
+            raise
+        self._spool = spool
+        # Latency of a batch found in the spool counts from now (the loop's
+        # clock is the monotonic one): when it was first sent is not known.
+        now = time.monotonic()
+        for name, batches in spool.recovered.items():
+            s = self._stream(name)
+            for spooled in batches:
+                self._enqueue(s, spooled.block, spooled.record_count, None, now)
+                batch = s.queue[-1]
+                batch.spooled = True
+                if spooled.first_sequence is not None:
+                    batch.first_sequence = spooled.first_sequence
+        if spool.recovered:
+            count = sum(b.record_count for batches in spool.recovered.values() for b in batches)
+            log.info("spool %s: %d records to send again", directory, count)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -627,11 +728,15 @@ class Producer:
         """
         if self._closed:
             return
+        delivered = False
         try:
+            if self._runner is None and any(s.queue for s in self._streams.values()):
+                self._start()  # batches found in the spool still go
             if self._runner is not None:
                 await self.flush()
+            delivered = True
         finally:
-            await self._shutdown(goodbye=True)
+            await self._shutdown(goodbye=True, delivered=delivered)
 
     async def abort(self) -> None:
         """Close at once; unacknowledged records are lost (their waiters raise)."""
@@ -648,7 +753,7 @@ class Producer:
         else:
             await self.abort()
 
-    async def _shutdown(self, *, goodbye: bool) -> None:
+    async def _shutdown(self, *, goodbye: bool, delivered: bool = False) -> None:
         self._closed = True
         conn = self._conn
         if conn is not None and conn.transport is not None and not conn.transport.is_closing():
@@ -666,6 +771,12 @@ class Producer:
                 if current is not None and current.cancelling():
                     raise
         self._fail(ProducerError("the producer is closed"))
+        spool = self._spool
+        if spool is not None:
+            self._spool = None
+            if delivered:
+                spool.clear()  # the gateway has everything; the identity stays
+            spool.close()
 
     # -- sending ------------------------------------------------------------------
 
@@ -844,6 +955,8 @@ class Producer:
         """
         if s.buffered == 0 and not s.values:
             return True
+        if self._spool_waiting:
+            return False
         return s.buffered + s.open_bytes + needed <= self._max_buffered
 
     async def _wait_room(self, s: _Stream, needed: int) -> None:
@@ -885,7 +998,7 @@ class Producer:
         """
         waiters = s.space_waiters
         if not waiters:
-            s.room = self._max_buffered
+            s.room = 0 if self._spool_waiting else self._max_buffered
             return
         needed, waiter = waiters[0]
         if not waiter.done() and self._has_room(s, needed):
@@ -1090,6 +1203,115 @@ class Producer:
             raise s.failure
         return s
 
+    def _spool_everything(self) -> None:
+        """On giving up: spool every record still held, so that a producer on the spool has them.
+
+        Batches of a stream whose sequence is known are numbered on from it
+        (nothing numbered was sent, so the gateway has none of them); the
+        others are spooled unnumbered and numbered by the producer that
+        resumes. Beyond ``spool_max_bytes`` if need be: they are already
+        held in memory, within ``max_buffered_bytes`` per stream.
+        """
+        spool = self._spool
+        if spool is None:
+            return
+        for s in self._streams.values():
+            if s.failure is not None:
+                continue
+            self._seal(s)
+            for batch in (*s.unacked, *s.queue):
+                if batch.first_sequence < 0 and s.next_sequence is not None:
+                    batch.first_sequence = s.next_sequence
+                    s.next_sequence += batch.count
+                    if batch.delivery is not None:
+                        batch.delivery._numbered(batch.first_sequence)
+                if not batch.spooled:
+                    first = None if batch.first_sequence < 0 else batch.first_sequence
+                    spool.append(s.name, first, batch.count, batch.block)
+                    batch.spooled = True
+                    s.records_spooled += batch.count
+        spool.sync()
+
+    def _pending_batches(self) -> dict[str, list[PendingBatch]]:
+        """Every stream's records not acknowledged, as batches: what a give-up hands back."""
+        pending: dict[str, list[PendingBatch]] = {}
+        for s in self._streams.values():
+            if s.failure is not None:
+                continue
+            batches = [
+                PendingBatch(
+                    s.name,
+                    None if b.first_sequence < 0 else b.first_sequence,
+                    b.count,
+                    b.block,
+                )
+                for b in (*s.unacked, *s.queue)
+            ]
+            if s.values:
+                block = encode_records(s.values, s.keys)
+                batches.append(PendingBatch(s.name, None, len(s.values), block))
+            if batches:
+                pending[s.name] = batches
+        return pending
+
+    def resend(
+        self, pending: Mapping[str, Iterable[PendingBatch]] | Iterable[PendingBatch]
+    ) -> dict[str, Delivery]:
+        """Send again the batches an earlier producer could not deliver, exactly once.
+
+        ``pending`` is :attr:`ProducerGaveUp.pending` (or its batches in a
+        list). This producer must have the earlier one's ``producer_id``
+        (and ``producer_secret``), and must not have sent on those streams
+        yet. Numbered batches go under their own sequences, so the gateway
+        drops those it stored already (its acknowledgement was lost); the
+        others are numbered after them. Call it from the event loop; await
+        the returned deliveries (one per stream) or :meth:`flush`.
+
+        Raises:
+            ValueError: a stream was already used by this producer, or its
+                numbered batches are out of order or after unnumbered ones.
+        """
+        batches: Iterable[PendingBatch]
+        if isinstance(pending, Mapping):
+            batches = [b for stream_batches in pending.values() for b in stream_batches]
+        else:
+            batches = list(pending)
+        by_stream: dict[str, list[PendingBatch]] = {}
+        for batch in batches:
+            by_stream.setdefault(batch.stream, []).append(batch)
+        for name, stream_batches in by_stream.items():
+            s = self._streams.get(name)
+            if s is not None and (s.next_sequence is not None or s.queue or s.unacked or s.values):
+                raise ValueError(
+                    f"stream {name!r} was already used by this producer; resend() must "
+                    "come before any other send on it"
+                )
+            expected: int | None = None
+            for batch in stream_batches:
+                if batch.first_sequence is None:
+                    expected = -1
+                elif expected == -1 or (expected is not None and batch.first_sequence < expected):
+                    raise ValueError(
+                        f"stream {name!r}: pending batches must be in sequence order, "
+                        "numbered ones first"
+                    )
+                else:
+                    expected = batch.first_sequence + batch.record_count
+        deliveries: dict[str, Delivery] = {}
+        now = time.monotonic()  # the loop's clock; resent batches are timed from here
+        for name, stream_batches in by_stream.items():
+            s = self._stream(name)
+            delivery = deliveries[name] = Delivery(name)
+            for batch in stream_batches:
+                self._enqueue(s, batch.block, batch.record_count, delivery, now)
+                if batch.first_sequence is not None:
+                    s.queue[-1].first_sequence = batch.first_sequence
+                    delivery._numbered(batch.first_sequence)
+        if self._runner is None:
+            self._start()
+        self._pump()
+        return deliveries
+
     # -- batches ------------------------------------------------------------------
 
     def _arm_linger(self, s: _Stream) -> None:
@@ -1165,12 +1387,24 @@ class Producer:
             if not s.ready or not queue:
                 continue
             batch = queue[0]
+            spool = self._spool
+            if spool is not None and not batch.spooled and not self._spool_room(s, batch):
+                continue  # an acknowledgement marks the stream again
             if batch.first_sequence < 0:
                 assert s.next_sequence is not None
                 batch.first_sequence = s.next_sequence
                 s.next_sequence += batch.count
                 if batch.delivery is not None:
                     batch.delivery._numbered(batch.first_sequence)
+            if spool is not None and not batch.spooled:
+                # Durable before its bytes leave: _write syncs the spool first.
+                try:
+                    spool.append(s.name, batch.first_sequence, batch.count, batch.block)
+                except OSError as exc:
+                    self._spool_failed(exc)
+                    return
+                batch.spooled = True
+                s.records_spooled += batch.count
             # can_send_batch first: a refused send_batch would still have
             # copied the whole batch.
             if not optimistic and not session.can_send_batch(handle, len(batch.block)):
@@ -1188,6 +1422,43 @@ class Producer:
                 self._write(conn)
         self._write(conn)
 
+    def _spool_room(self, s: _Stream, batch: _Batch) -> bool:
+        """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
+        spool = self._spool
+        assert spool is not None
+        if spool.fits(len(batch.block)):
+            return True
+        acked = {t.name: t.stored_end for t in self._streams.values() if t.stored_end is not None}
+        if spool.reclaim(acked) and spool.fits(len(batch.block)):
+            return True
+        if not self._spool_waiting:
+            self._spool_full += 1
+            for t in self._streams.values():
+                if not t.space_waiters:
+                    t.room = 0
+        if s not in self._spool_waiting:
+            self._spool_waiting.append(s)
+        return False
+
+    def _spool_failed(self, exc: OSError) -> None:
+        """The spool cannot be written (a full or failing disk): nothing more may be sent."""
+        spool = self._spool
+        where = "" if spool is None else f" {spool.directory}"
+        self._fail(ProducerError(f"cannot write the spool{where}: {exc}"))
+        if self._conn is not None:
+            self._conn.close("the spool failed")
+
+    def _spool_freed(self) -> None:
+        """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
+        waiting = self._spool_waiting
+        if not waiting:
+            return
+        self._spool_waiting = []
+        for s in waiting:
+            self._mark(s)
+        for s in self._streams.values():
+            self._admit(s)
+
     def _spend_slot(self, session: Session, handle: int, block_length: int) -> None:
         # Window policy: a batch takes a whole slot, whatever its size.
         rest = self._slot - session.batch_cost(block_length)
@@ -1198,9 +1469,51 @@ class Producer:
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
         if data and conn.transport is not None and not conn.transport.is_closing():
+            if self._spool is not None and (conn.syncing or self._spool.needs_sync):
+                self._write_after_sync(conn, data)
+                return
             conn.transport.write(data)
             assert self._loop is not None
             conn.last_write = self._loop.time()
+
+    def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
+        """Write ``data`` once the spool entries of its batches are durable.
+
+        The fsync runs in a thread, so that acknowledgements and sends go
+        on meanwhile; bytes produced during one wait for the next, in order.
+        """
+        conn.held.append(data)
+        if not conn.syncing:
+            self._start_sync(conn)
+
+    def _start_sync(self, conn: _Connection) -> None:
+        spool = self._spool
+        loop = self._loop
+        assert spool is not None and loop is not None
+        covered, conn.held = conn.held, []
+        conn.syncing = True
+        future = loop.run_in_executor(None, spool.take_sync())
+        future.add_done_callback(lambda done: self._synced(conn, covered, done))
+
+    def _synced(self, conn: _Connection, covered: list[bytes], done: asyncio.Future[None]) -> None:
+        conn.syncing = False
+        if done.cancelled() or done.exception() is not None:
+            error = done.exception() if not done.cancelled() else None
+            self._spool_failed(error if isinstance(error, OSError) else OSError(str(error)))
+            return
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            return  # those batches are resent on the next connection
+        transport.write(b"".join(covered))
+        assert self._loop is not None
+        conn.last_write = self._loop.time()
+        if conn.held:
+            spool = self._spool
+            if spool is not None and spool.needs_sync:
+                self._start_sync(conn)
+            else:
+                held, conn.held = conn.held, []
+                transport.write(b"".join(held))
 
     # -- connection management -------------------------------------------------------
 
@@ -1216,7 +1529,6 @@ class Producer:
         )
         while True:
             deadline = backoff.deadline
-            assert deadline is not None
             try:
                 conn = await self._open(deadline)
             except _Fatal as exc:
@@ -1237,17 +1549,24 @@ class Producer:
                 self._reconnects += 1
                 pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
             if pause is None:
+                try:
+                    self._spool_everything()
+                except OSError as exc:
+                    log.error("cannot write the spool on giving up: %s", exc)
                 self._fail(
-                    ProducerError(
+                    ProducerGaveUp(
                         f"gave up on the gateway at {self._address} after trying for "
-                        f"{self._reconnect_timeout:g} s; last error: {self._last_error}"
+                        f"{self._reconnect_timeout:g} s; last error: {self._last_error}",
+                        producer_id=self.producer_id,
+                        producer_secret=self.producer_secret,
+                        pending=self._pending_batches(),
                     )
                 )
                 return
             if pause > 0:
                 await asyncio.sleep(pause)
 
-    async def _open(self, deadline: float) -> _Connection:
+    async def _open(self, deadline: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
         session = Session(Role.PRODUCER, data_cost=batch_cost, optimistic=self._optimistic)
         session.send_global(
@@ -1263,7 +1582,12 @@ class Producer:
         try:
             # The attempt right at the deadline still gets a fair chance, so
             # that its error (say, refused) is what the give-up reports.
-            async with asyncio.timeout(max(_MIN_ATTEMPT, deadline - loop.time())):
+            attempt = (
+                _ATTEMPT_WITHOUT_DEADLINE
+                if deadline is None
+                else max(_MIN_ATTEMPT, deadline - loop.time())
+            )
+            async with asyncio.timeout(attempt):
                 transport, conn = await self._address.connect(
                     lambda: _Connection(self, session),
                     ssl=self._ssl,
@@ -1353,6 +1677,9 @@ class Producer:
         if welcome.producer_secret:
             # Ours from now on: every later Hello proves the id with it.
             self._secret = welcome.producer_secret
+            if self._spool is not None:
+                # Before any batch is spooled (none is numbered before an Ack).
+                self._spool.write_identity(self.producer_id, self._secret)
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
@@ -1429,6 +1756,7 @@ class Producer:
             return
         s.storage_full = None  # no Ack comes while the gateway cannot store
         next_sequence = ack.next_sequence
+        s.stored_end = next_sequence
         assert self._loop is not None
         now = self._loop.time()
         if not s.ready:
@@ -1439,8 +1767,7 @@ class Producer:
             queue = s.queue
             while queue and 0 <= queue[0].first_sequence < next_sequence:
                 self._acked(s, queue.popleft(), ack.durable_position, now)
-            if s.next_sequence is None or s.next_sequence < next_sequence:
-                s.next_sequence = next_sequence
+            self._continue_sequence(s, next_sequence)
             self._mark(s)
         else:
             unacked = s.unacked
@@ -1448,7 +1775,50 @@ class Producer:
                 conn.progressed = True
             while unacked and unacked[0].first_sequence < next_sequence:
                 self._acked(s, unacked.popleft(), ack.durable_position, now)
+        if self._spool is not None:
+            self._spool.acked(s.name, next_sequence)
+            self._spool_freed()
         self._wake(s)
+
+    def _continue_sequence(self, s: _Stream, stored_end: int) -> None:
+        """Number on from where the gateway's copy of our sequence ends (``stored_end``).
+
+        The numbered batches still queued (after the stored ones were
+        dropped) must run on from ``stored_end`` without a gap: the gateway
+        refuses a batch that skips ahead. A gap means records the gateway
+        never had are missing from what we hold (batches handed to
+        :meth:`resend` with one missing, a damaged spool entry): since the
+        gateway stores each producer's sequence contiguously, nothing from
+        the gap on was stored, so those batches are numbered afresh.
+        """
+        expected = stored_end
+        renumbered = 0
+        for batch in s.queue:
+            if batch.first_sequence < 0:
+                break
+            if renumbered or batch.first_sequence != expected:
+                batch.first_sequence = -1
+                renumbered += 1
+            else:
+                expected += batch.count
+        if s.next_sequence is None or renumbered or s.next_sequence < expected:
+            s.next_sequence = expected
+        spool = self._spool
+        if spool is not None and (
+            renumbered or any(b.spooled and b.first_sequence < 0 for b in s.queue)
+        ):
+            # Spooled under numbers that no longer hold, or under none: number
+            # every queued batch now and replace the stream's spool files.
+            for batch in s.queue:
+                if batch.first_sequence < 0:
+                    batch.first_sequence = s.next_sequence
+                    s.next_sequence += batch.count
+                    if batch.delivery is not None:
+                        batch.delivery._numbered(batch.first_sequence)
+                if not batch.spooled:
+                    batch.spooled = True
+                    s.records_spooled += batch.count
+            spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
     def _acked(self, s: _Stream, batch: _Batch, durable_position: int, now: float) -> None:
         s.latency.observe(now - batch.opened_at, now)
@@ -1531,6 +1901,7 @@ class Producer:
                 stream=name,
                 records_sent=s.records_sent,
                 records_acked=s.records_acked,
+                records_spooled=s.records_spooled,
                 bytes_sent=s.bytes_sent,
                 bytes_acked=s.bytes_acked,
                 open_records=len(s.values),
@@ -1556,4 +1927,6 @@ class Producer:
             last_error=self._last_error,
             failure=str(self._failure) if self._failure is not None else None,
             streams=streams,
+            spool_bytes=None if self._spool is None else self._spool.bytes_used,
+            spool_full=self._spool_full,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import ssl as ssl_module
 import threading
 from collections import deque
@@ -78,7 +79,7 @@ class SyncProducer:
         max_batch_bytes: int = 256 * 1024,
         max_buffered_bytes: int = 64 * 1024 * 1024,
         client_name: str = "headgate-python",
-        reconnect_timeout: float = 30.0,
+        reconnect_timeout: float | None = 30.0,
         handoff_records: int = 1000,
         max_pending_records: int = 200_000,
         connect_timeout: float | None = None,
@@ -86,6 +87,8 @@ class SyncProducer:
         ssl: ssl_module.SSLContext | None = None,
         server_hostname: str | None = None,
         security: ClientSecurity | None = None,
+        spool: str | os.PathLike[str] | None = None,
+        spool_max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
         self._producer = Producer(
             address,
@@ -101,6 +104,8 @@ class SyncProducer:
             ssl=ssl,
             server_hostname=server_hostname,
             security=security,
+            spool=spool,
+            spool_max_bytes=spool_max_bytes,
         )
         self._linger = max(linger_ms / 1000.0, 0.001)
         self._handoff = max(1, handoff_records)
