@@ -95,7 +95,7 @@ class Case:
 
 def fill(data_dir: Path, case: Case, term_length: int) -> int:
     """Write the case's logs; return the number of frames written."""
-    per_stream = case.total // case.streams
+    per_stream = case.total // case.streams // 8 * 8
     count = max(1, per_stream // frame_cost(case.frame))
     payload = os.urandom(case.frame)
     written = 0
@@ -223,7 +223,7 @@ def run_case(args: argparse.Namespace, case: Case, base: Path) -> None:
             flush=True,
         )
         port = free_port()
-        capacity = case.total // case.streams + 4 * args.term_length
+        capacity = case.total // case.streams // 8 * 8 + 4 * args.term_length
         first = start_gateway(data_dir, port, capacity, args.term_length)
         print(f"  first start (then SIGKILL)    welcome {first[1] * 1000:7.0f} ms", flush=True)
         modes = ["warm"] if args.no_cold else ["warm", "cold"]
