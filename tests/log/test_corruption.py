@@ -363,3 +363,34 @@ def _store_positions(directory: Path, durable: int, release: int) -> None:
     with (directory / "meta").open("r+b") as f:
         f.seek(128)
         f.write(pair + struct.pack("<I", zlib.crc32(pair)))
+
+
+def test_bytes_anywhere_after_the_tail_are_zeroed_in_the_page_cache_or_on_disk(
+    tmp_path: Path,
+) -> None:
+    # Recovery reads only what the file system reports as data after the
+    # tail; bytes a killed writer left far away (in the page cache only, or
+    # written back) must still be found, whatever lies in between.
+    term_length = 1024 * 1024
+    with StreamLog.open(tmp_path, term_length=term_length, capacity=4 * term_length) as log:
+        tail = log.append(
+            b"x" * 100, producer_id=1, first_sequence=0, record_count=1, timestamp_us=0
+        )
+        tail_position = log.tail_position
+        log.sync()
+    path = term_path(tmp_path, 0)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\x07" * 16, 300 * 1024)  # page cache only: never synced
+        os.pwrite(fd, b"\x09" * 8, term_length - 8)  # the term's last word, written back
+        os.fsync(fd)
+        os.posix_fadvise(fd, term_length - 4096, 4096, os.POSIX_FADV_DONTNEED)
+        os.pwrite(fd, b"\x05" * 3, 700 * 1024 + 1)  # and once more in the page cache
+    finally:
+        os.close(fd)
+    with StreamLog.open(tmp_path, term_length=term_length, capacity=4 * term_length) as log:
+        assert log.recovery is not None
+        assert log.tail_position == tail_position == tail.end_position
+        assert log.recovery.zeroed_bytes == 16 + 8 + 3
+    rest = path.read_bytes()[tail_position:]
+    assert rest == bytes(len(rest))
