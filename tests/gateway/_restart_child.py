@@ -18,7 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from headgate.gateway import streams
+from headgate.gateway import dedup
 from headgate.gateway.streams import AppendOutcome, Stream, Writer
 from headgate.protocol.records import encode_records
 
@@ -53,7 +53,7 @@ def send(stream: Stream, writer: Writer, sequence: int) -> AppendOutcome:
 
 def main() -> None:
     data_dir, batches, every, unsynced, end = sys.argv[1:]
-    setattr(streams, "SNAPSHOT_EVERY_BYTES", int(every))  # noqa: B010 (a Final, for the test)
+    setattr(dedup, "SNAPSHOT_EVERY_BYTES", int(every))  # noqa: B010 (a Final, for the test)
     stream = open_stream(Path(data_dir))
     writer = make_writer()
     first = stream.dedup.get(PRODUCER, 0)

@@ -72,10 +72,11 @@ from typing import TYPE_CHECKING, Any
 
 from headgate.gateway.accounts import Account
 from headgate.gateway.dedup import (
-    SNAPSHOT_EVERY_BYTES,
+    SNAPSHOT_AT_OPEN_FRAMES,
     DedupSnapshot,
     SnapshotUnreadable,
     load_snapshot,
+    snapshot_due,
     write_snapshot,
 )
 from headgate.log import (
@@ -449,6 +450,8 @@ class Stream:
         self._durable_dedup_position = 0
         # The position the snapshot on disk covers (None: no snapshot written).
         self._snapshot_position: int | None = None
+        # Frames settled into _durable_dedup since the snapshot on disk.
+        self._frames_since_snapshot = 0
         #: Frame headers read at open to rebuild the dedup state (the start-up
         #: work that grows with the log, bounded by the snapshot).
         self.recovered_frames = 0
@@ -560,7 +563,8 @@ class Stream:
         self._durable_dedup_position = tail
         if snapshot is not None and snapshot.position is not None and start == snapshot.position:
             self._snapshot_position = start
-        if tail - start >= SNAPSHOT_EVERY_BYTES:
+        self._frames_since_snapshot = scanned
+        if scanned >= SNAPSHOT_AT_OPEN_FRAMES:
             # So that the next start does not read these headers again.
             self._try_snapshot()
 
@@ -585,6 +589,7 @@ class Stream:
         while self._appends and self._appends[0][0] <= durable:
             _, producer, next_sequence = self._appends.popleft()
             self._durable_dedup[producer] = next_sequence
+            self._frames_since_snapshot += 1
         self._durable_dedup_position = max(self._durable_dedup_position, durable)
 
     def _write_snapshot(self) -> None:
@@ -594,6 +599,7 @@ class Stream:
         position = self._durable_dedup_position
         write_snapshot(self._state_file, DedupSnapshot(position, dict(self._durable_dedup)))
         self._snapshot_position = position
+        self._frames_since_snapshot = 0
 
     def _try_snapshot(self) -> None:
         """Write a snapshot where it only saves work later: a failure is a warning."""
@@ -792,7 +798,10 @@ class Stream:
         self._sync_failed = False
         self._settle_durable()
         durable = self.log.durable_position
-        if self._durable_dedup_position - (self._snapshot_position or 0) >= SNAPSHOT_EVERY_BYTES:
+        if snapshot_due(
+            self._frames_since_snapshot,
+            self._durable_dedup_position - (self._snapshot_position or 0),
+        ):
             # Bounds what the next start reads (see headgate.gateway.dedup).
             self._try_snapshot()
         # While held, no Ack goes out (they wait in pending_acks): the first
