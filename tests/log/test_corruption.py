@@ -208,21 +208,30 @@ def test_a_flipped_byte_in_old_history_is_reported_at_read(tmp_path: Path) -> No
             list(log.scan_headers(0))
 
 
-def test_a_flipped_byte_in_the_durable_term_stops_recovery(tmp_path: Path) -> None:
+def test_a_flipped_byte_in_the_durable_term_is_reported_at_read_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    # Recovery reads only after the durable position (restart work must not
+    # grow with what is stored), so damage to durable history in the last
+    # term, as in older terms, shows when it is read; recovery neither cuts
+    # nor zeroes it.
     frames = build(tmp_path)
-    tail_term = frames[-1][1] // TERM
-    # Recovery checks every frame of the term holding the durable position.
+    tail = frames[-1][1]
+    tail_term = tail // TERM
     position = next(p for p, _, _ in frames if p // TERM == tail_term)
     term = term_path(tmp_path, tail_term)
     flip(term, position % TERM + 40)
-    with pytest.raises(LogCorruptError) as caught:
-        StreamLog.open(tmp_path)
-    assert caught.value.path == str(term)
-    assert caught.value.offset == position % TERM
-    assert "reported durable" in str(caught.value)
-    # The damaged log stays as it was: a second try says the same.
-    with pytest.raises(LogCorruptError):
-        StreamLog.open(tmp_path)
+    damaged = term.read_bytes()
+    with StreamLog.open(tmp_path) as log:
+        assert log.recovery is not None
+        assert log.recovery.scanned_from == tail
+        assert log.tail_position == tail
+        with pytest.raises(LogCorruptError) as caught:
+            log.read(0)
+        assert caught.value.path == str(term)
+        assert caught.value.offset == position % TERM
+        assert "checksum mismatch" in str(caught.value)
+    assert term.read_bytes() == damaged
 
 
 def test_a_truncated_term_is_reported(tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ why each is safe) are in LOG.md, "Recovery"; in short:
 
 1. The durable/release pair in the metadata page is believed only if its
    checksum holds, and then only as a lower bound for the tail.
-2. The scan starts at the first byte of the term holding the durable position
-   (a term start is always a frame boundary) and checks every frame's
+2. The scan starts at the durable position (a frame boundary, below which
+   everything was fsynced before it was stored) and checks every frame's
    checksum until the first one that is not whole and intact: that is the tail.
 3. A tail below the durable position means history that was reported durable
    is damaged: :class:`LogCorruptError`, naming the file and offset.
@@ -52,7 +52,7 @@ class RecoveryReport:
     tail: int
     #: The release position recovery settled on.
     release: int
-    #: Where the frame-by-frame check started (the durable position's term).
+    #: Where the frame-by-frame check started (the durable position).
     scanned_from: int
     #: Whether the stored durable/release pair passed its checksum.
     positions_trusted: bool
@@ -124,7 +124,11 @@ class LogRecovery:
                 os.unlink(self._files.pop(term_id))
 
         scanner = FrameScanner(self._directory, self._term_length, self._lookup)
-        scan_from = max(term_start(term_id_of(durable, shift), shift), release)
+        # Frames before the durable position were fsynced before it was
+        # stored: only what came after can be torn (see LOG.md, "What
+        # recovery reads"). Their file must still reach that far.
+        scan_from = max(durable, release)
+        self._check_reaches(scan_from, durable)
         tail, cut = self._find_tail(scanner, scan_from, durable)
         tail_term = term_id_of(tail, shift)
 
@@ -180,6 +184,27 @@ class LogRecovery:
                 self._meta.path,
                 POSITIONS_OFFSET,
                 f"stored positions durable={durable} release={release} are impossible",
+            )
+
+    def _check_reaches(self, position: int, durable: int) -> None:
+        """The term file holding ``position`` must exist up to it (a term start needs nothing)."""
+        offset = term_offset_of(position, self._term_length)
+        if offset == 0:
+            return
+        term_id = term_id_of(position, self._shift)
+        term = self._lookup(term_id)
+        if term is None:
+            raise LogCorruptError(
+                self._directory / term_file_name(term_id),
+                0,
+                f"term file is missing; positions up to {durable} were reported durable",
+            )
+        if term.size < offset:
+            raise LogCorruptError(
+                term.path,
+                term.size,
+                f"term file is truncated to {term.size} bytes; "
+                f"positions up to {durable} were reported durable",
             )
 
     def _find_tail(self, scanner: FrameScanner, start: int, durable: int) -> tuple[int, str | None]:
