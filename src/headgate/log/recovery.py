@@ -129,6 +129,10 @@ class LogRecovery:
         # recovery reads"). Their file must still reach that far.
         scan_from = max(durable, release)
         self._check_reaches(scan_from, durable)
+        # Asked before the scan reads anything: readahead of the scan's reads
+        # fills the page cache with zeros past the tail, which then counts
+        # as data (see _data_ranges); what is a hole now stays zeros.
+        ranges = self._data_ranges_from(scan_from)
         tail, cut = self._find_tail(scanner, scan_from, durable)
         tail_term = term_id_of(tail, shift)
 
@@ -147,7 +151,7 @@ class LogRecovery:
                     f"term file is truncated to {term.size} bytes of {self._term_length}",
                 )
 
-        zeroed = self._cut_after(tail, tail_term)
+        zeroed = self._cut_after(tail, tail_term, ranges.get(tail_term))
         # Frames after the old durable position may still be only in the page
         # cache (a killed process leaves them there); from here on they count
         # as durable, so they go to disk first. Older terms already are, and
@@ -222,8 +226,26 @@ class LogRecovery:
             return problem.position, None if committed_nothing else problem.reason
         raise AssertionError("the scan ends at a problem")  # pragma: no cover
 
-    def _cut_after(self, tail: int, tail_term: int) -> int:
-        """Zero the tail's term after the tail, delete later terms, create the tail's term."""
+    def _data_ranges_from(self, position: int) -> dict[int, list[tuple[int, int]]]:
+        """Per term file from ``position`` on, the ranges that may not be zeros."""
+        first = term_id_of(position, self._shift)
+        ranges = {}
+        for term_id, path in self._files.items():
+            if term_id < first:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                start = term_offset_of(position, self._term_length) if term_id == first else 0
+                ranges[term_id] = list(_data_ranges(fd, start, self._term_length))
+            finally:
+                os.close(fd)
+        return ranges
+
+    def _cut_after(self, tail: int, tail_term: int, ranges: list[tuple[int, int]] | None) -> int:
+        """Zero the tail's term after the tail, delete later terms, create the tail's term.
+
+        ``ranges`` are the tail term's data ranges before the scan (None: not known).
+        """
         for term_id in [t for t in self._files if t > tail_term]:
             term = self._open.pop(term_id, None)
             if term is not None:
@@ -239,7 +261,10 @@ class LogRecovery:
         if term.size < self._term_length:
             term.extend(self._term_length)
             self._extended = True
-        return _zero_after(term, term_offset_of(tail, self._term_length), self._term_length)
+        start = term_offset_of(tail, self._term_length)
+        if ranges is None:
+            ranges = list(_data_ranges(term.fd, start, self._term_length))
+        return _zero_after(term, [(max(a, start), b) for a, b in ranges if b > start])
 
     def _lookup(self, term_id: int) -> TermFile | None:
         term = self._open.get(term_id)
@@ -258,10 +283,10 @@ class LogRecovery:
         return term
 
 
-def _zero_after(term: TermFile, start: int, end: int) -> int:
-    """Zero every non-zero byte of ``term`` in ``[start, end)``; return how many there were.
+def _zero_after(term: TermFile, ranges: list[tuple[int, int]]) -> int:
+    """Zero every non-zero byte of ``term`` in ``ranges``; return how many there were.
 
-    Only the ranges the file system reports as data are read (see
+    The ranges are those the file system reports as data (see
     :func:`_data_ranges`): after the tail a term is nearly always untouched
     reserved space, so this costs a few system calls instead of reading up
     to a whole term per stream.
@@ -269,7 +294,7 @@ def _zero_after(term: TermFile, start: int, end: int) -> int:
     zeroed = 0
     mapped = term.mapped
     chunk = len(_ZERO_CHUNK)
-    for first, last in _data_ranges(term.fd, start, end):
+    for first, last in ranges:
         for offset in range(first, last, chunk):
             stop = min(offset + chunk, last)
             held = mapped[offset:stop]
