@@ -80,12 +80,10 @@ def parse_list(kind: type, text: str) -> list[int]:
 
 
 def human(size: int) -> str:
-    for unit, factor in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+    units = (("GiB", 1024**3), ("GB", 1000**3), ("MiB", 1024**2), ("MB", 1000**2), ("KiB", 1024))
+    for unit, factor in units:
         if size >= factor and size % factor == 0:
             return f"{size // factor} {unit}"
-    for unit, factor in (("GB", 1000**3), ("MB", 1000**2)):
-        if size >= factor:
-            return f"{size / factor:g} {unit}"
     return f"{size} B"
 
 
