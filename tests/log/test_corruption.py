@@ -403,3 +403,18 @@ def test_bytes_anywhere_after_the_tail_are_zeroed_in_the_page_cache_or_on_disk(
         assert log.recovery.zeroed_bytes == 16 + 8 + 3
     rest = path.read_bytes()[tail_position:]
     assert rest == bytes(len(rest))
+
+
+def test_recovery_checks_only_the_frames_after_the_durable_position(tmp_path: Path) -> None:
+    # Restart work follows what changed since the last group commit, not
+    # what is stored: the frames before the durable position were fsynced.
+    durable, tail = crash(tmp_path, synced=30, unsynced=30)
+    assert durable % TERM != 0  # inside a term, whose start the scan no longer starts from
+    with StreamLog.open(tmp_path) as log:
+        assert log.recovery is not None
+        assert log.recovery.scanned_from == durable
+        assert log.tail_position == tail
+    # A clean close leaves nothing to check.
+    with StreamLog.open(tmp_path) as log:
+        assert log.recovery is not None
+        assert log.recovery.scanned_from == log.tail_position == tail
