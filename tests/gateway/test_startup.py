@@ -32,3 +32,31 @@ def test_start_imports_the_records_accelerator_before_any_batch(tmp_path: Path) 
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"]
+
+
+def test_serving_imports_no_spark_pandas_or_rich(tmp_path: Path) -> None:
+    # Each of them costs start-up time (hundreds of ms for pyspark), and
+    # the gateway needs none of them to serve.
+    script = textwrap.dedent(
+        f"""
+        import asyncio, sys
+        import headgate.cli
+        from headgate.config import GatewayConfig
+        from headgate.gateway import Gateway
+
+        async def main() -> None:
+            gateway = Gateway(GatewayConfig(data_dir={str(tmp_path)!r}, listen=("127.0.0.1", 0)))
+            await gateway.start()
+            gateway.stream("s")
+            await gateway.stop()
+
+        asyncio.run(main())
+        heavy = ("pyspark", "pandas", "rich", "pyarrow", "py4j")
+        print(sorted(name for name in sys.modules if name.split(".")[0] in heavy))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]

@@ -208,21 +208,30 @@ def test_a_flipped_byte_in_old_history_is_reported_at_read(tmp_path: Path) -> No
             list(log.scan_headers(0))
 
 
-def test_a_flipped_byte_in_the_durable_term_stops_recovery(tmp_path: Path) -> None:
+def test_a_flipped_byte_in_the_durable_term_is_reported_at_read_and_left_alone(
+    tmp_path: Path,
+) -> None:
+    # Recovery reads only after the durable position (restart work must not
+    # grow with what is stored), so damage to durable history in the last
+    # term, as in older terms, shows when it is read; recovery neither cuts
+    # nor zeroes it.
     frames = build(tmp_path)
-    tail_term = frames[-1][1] // TERM
-    # Recovery checks every frame of the term holding the durable position.
+    tail = frames[-1][1]
+    tail_term = tail // TERM
     position = next(p for p, _, _ in frames if p // TERM == tail_term)
     term = term_path(tmp_path, tail_term)
     flip(term, position % TERM + 40)
-    with pytest.raises(LogCorruptError) as caught:
-        StreamLog.open(tmp_path)
-    assert caught.value.path == str(term)
-    assert caught.value.offset == position % TERM
-    assert "reported durable" in str(caught.value)
-    # The damaged log stays as it was: a second try says the same.
-    with pytest.raises(LogCorruptError):
-        StreamLog.open(tmp_path)
+    damaged = term.read_bytes()
+    with StreamLog.open(tmp_path) as log:
+        assert log.recovery is not None
+        assert log.recovery.scanned_from == tail
+        assert log.tail_position == tail
+        with pytest.raises(LogCorruptError) as caught:
+            log.read(0)
+        assert caught.value.path == str(term)
+        assert caught.value.offset == position % TERM
+        assert "checksum mismatch" in str(caught.value)
+    assert term.read_bytes() == damaged
 
 
 def test_a_truncated_term_is_reported(tmp_path: Path) -> None:
@@ -363,3 +372,49 @@ def _store_positions(directory: Path, durable: int, release: int) -> None:
     with (directory / "meta").open("r+b") as f:
         f.seek(128)
         f.write(pair + struct.pack("<I", zlib.crc32(pair)))
+
+
+def test_bytes_anywhere_after_the_tail_are_zeroed_in_the_page_cache_or_on_disk(
+    tmp_path: Path,
+) -> None:
+    # Recovery reads only what the file system reports as data after the
+    # tail; bytes a killed writer left far away (in the page cache only, or
+    # written back) must still be found, whatever lies in between.
+    term_length = 1024 * 1024
+    with StreamLog.open(tmp_path, term_length=term_length, capacity=4 * term_length) as log:
+        tail = log.append(
+            b"x" * 100, producer_id=1, first_sequence=0, record_count=1, timestamp_us=0
+        )
+        tail_position = log.tail_position
+        log.sync()
+    path = term_path(tmp_path, 0)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, b"\x07" * 16, 300 * 1024)  # page cache only: never synced
+        os.pwrite(fd, b"\x09" * 8, term_length - 8)  # the term's last word, written back
+        os.fsync(fd)
+        os.posix_fadvise(fd, term_length - 4096, 4096, os.POSIX_FADV_DONTNEED)
+        os.pwrite(fd, b"\x05" * 3, 700 * 1024 + 1)  # and once more in the page cache
+    finally:
+        os.close(fd)
+    with StreamLog.open(tmp_path, term_length=term_length, capacity=4 * term_length) as log:
+        assert log.recovery is not None
+        assert log.tail_position == tail_position == tail.end_position
+        assert log.recovery.zeroed_bytes == 16 + 8 + 3
+    rest = path.read_bytes()[tail_position:]
+    assert rest == bytes(len(rest))
+
+
+def test_recovery_checks_only_the_frames_after_the_durable_position(tmp_path: Path) -> None:
+    # Restart work follows what changed since the last group commit, not
+    # what is stored: the frames before the durable position were fsynced.
+    durable, tail = crash(tmp_path, synced=30, unsynced=30)
+    assert durable % TERM != 0  # inside a term, whose start the scan no longer starts from
+    with StreamLog.open(tmp_path) as log:
+        assert log.recovery is not None
+        assert log.recovery.scanned_from == durable
+        assert log.tail_position == tail
+    # A clean close leaves nothing to check.
+    with StreamLog.open(tmp_path) as log:
+        assert log.recovery is not None
+        assert log.recovery.scanned_from == log.tail_position == tail

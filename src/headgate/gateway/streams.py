@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import logging
 import os
 from collections import deque
@@ -72,6 +71,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from headgate.gateway.accounts import Account
+from headgate.gateway.dedup import (
+    SNAPSHOT_AT_OPEN_FRAMES,
+    DedupSnapshot,
+    SnapshotUnreadable,
+    load_snapshot,
+    snapshot_due,
+    write_snapshot,
+)
 from headgate.log import (
     AppendResult,
     LogError,
@@ -452,6 +459,15 @@ class Stream:
         self.dedup: dict[int, int] = {}
         #: producer id -> next sequence, over everything durable.
         self._durable_dedup: dict[int, int] = {}
+        # Every frame ending at or before this position is in _durable_dedup.
+        self._durable_dedup_position = 0
+        # The position the snapshot on disk covers (None: no snapshot written).
+        self._snapshot_position: int | None = None
+        # Frames settled into _durable_dedup since the snapshot on disk.
+        self._frames_since_snapshot = 0
+        #: Frame headers read at open to rebuild the dedup state (the start-up
+        #: work that grows with the log, bounded by the snapshot).
+        self.recovered_frames = 0
         self._appends: deque[tuple[int, int, int]] = deque()  # (end, producer, next_seq)
         # Batches in channel buffers, in log order: (end position, writer).
         self._inflight: deque[tuple[int, Writer]] = deque()
@@ -492,9 +508,9 @@ class Stream:
     ) -> Stream:
         """Open (or create) the stream's log and rebuild its dedup state.
 
-        Dedup state comes from two places: a snapshot written before history is
-        reclaimed (so resends of batches Spark already released are still
-        recognised), and the headers of every frame still in the log.
+        Dedup state comes from two places: a snapshot (see
+        :mod:`headgate.gateway.dedup`) that covers the log up to a position,
+        and the headers of the frames after that position.
         """
         directory, state_file = stream_files(data_dir, name)
         stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
@@ -503,18 +519,51 @@ class Stream:
         return stream
 
     def _recover_dedup(self) -> None:
+        release = self.log.release_position
+        tail = self.log.tail_position
         try:
-            raw = json.loads(self._state_file.read_text())
-            snapshot = {int(k): int(v) for k, v in raw.items()}
-        except FileNotFoundError:
-            snapshot = {}
-        except (OSError, ValueError, AttributeError) as exc:
-            raise LogError(f"producer state {self._state_file} is unreadable: {exc}") from exc
-        for header in self.log.scan_headers(self.log.release_position, verify=False):
-            end = header.first_sequence + header.record_count
-            if end > snapshot.get(header.producer_id, 0):
-                snapshot[header.producer_id] = end
-        for producer, end in snapshot.items():
+            snapshot = load_snapshot(self._state_file)
+        except SnapshotUnreadable as exc:
+            log.warning(
+                "stream %s: producer state unreadable, rebuilt from the log alone; "
+                "a producer resending batches already released may store them again: %s",
+                self.name,
+                exc,
+            )
+            snapshot = None
+        producers = {} if snapshot is None else snapshot.producers
+        start = release
+        if snapshot is not None and snapshot.position is not None:
+            if release <= snapshot.position <= tail:
+                start = snapshot.position
+            else:
+                # Written for another life of this log (or the log was damaged
+                # and cut below it): it cannot say which headers to skip.
+                log.warning(
+                    "stream %s: producer state covers position %d, outside the log "
+                    "[%d, %d]; reading every frame header",
+                    self.name,
+                    snapshot.position,
+                    release,
+                    tail,
+                )
+        try:
+            scanned = self._scan_dedup(producers, start)
+        except LogError as exc:
+            if start == release:
+                raise
+            # Not a frame boundary of this log: trust only the log itself.
+            log.warning(
+                "stream %s: producer state position %d is not a frame of the log (%s); "
+                "reading every frame header",
+                self.name,
+                start,
+                exc,
+            )
+            start = release
+            scanned = self._scan_dedup(producers, start)
+        self.recovered_frames = scanned
+        for producer, end in producers.items():
             if end > m.SEQUENCE_LIMIT:
                 # Stored before batches past the limit were refused: an Ack
                 # could not carry it. That id can add nothing more here.
@@ -525,19 +574,57 @@ class Stream:
                     producer,
                     end,
                 )
-                snapshot[producer] = m.SEQUENCE_LIMIT
-        self.dedup = dict(snapshot)
-        self._durable_dedup = dict(snapshot)
+                producers[producer] = m.SEQUENCE_LIMIT
+        self.dedup = dict(producers)
+        self._durable_dedup = dict(producers)
+        # Recovery made everything up to the tail durable.
+        self._durable_dedup_position = tail
+        if snapshot is not None and snapshot.position is not None and start == snapshot.position:
+            self._snapshot_position = start
+        self._frames_since_snapshot = scanned
+        if scanned >= SNAPSHOT_AT_OPEN_FRAMES:
+            # So that the next start does not read these headers again.
+            self._try_snapshot()
+
+    def _scan_dedup(self, producers: dict[int, int], start: int) -> int:
+        """Fold the headers from ``start`` to the tail into ``producers``; return how many."""
+        scanned = 0
+        found: dict[int, int] = {}
+        for header in self.log.scan_headers(start, verify=False):
+            scanned += 1
+            end = header.first_sequence + header.record_count
+            if end > found.get(header.producer_id, 0):
+                found[header.producer_id] = end
+        # Only once the whole scan succeeded: a failed one changes nothing.
+        for producer, end in found.items():
+            if end > producers.get(producer, 0):
+                producers[producer] = end
+        return scanned
+
+    def _settle_durable(self) -> None:
+        """Move every append the log made durable into the durable dedup state."""
+        durable = self.log.durable_position
+        while self._appends and self._appends[0][0] <= durable:
+            _, producer, next_sequence = self._appends.popleft()
+            self._durable_dedup[producer] = next_sequence
+            self._frames_since_snapshot += 1
+        self._durable_dedup_position = max(self._durable_dedup_position, durable)
 
     def _write_snapshot(self) -> None:
+        """Write the durable dedup state and the position it covers (raises OSError)."""
         # Only durable state: a batch that a crash loses must be accepted again.
-        self._state_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self._state_file.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            json.dump({str(k): v for k, v in self._durable_dedup.items()}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._state_file)
+        self._settle_durable()
+        position = self._durable_dedup_position
+        write_snapshot(self._state_file, DedupSnapshot(position, dict(self._durable_dedup)))
+        self._snapshot_position = position
+        self._frames_since_snapshot = 0
+
+    def _try_snapshot(self) -> None:
+        """Write a snapshot where it only saves work later: a failure is a warning."""
+        try:
+            self._write_snapshot()
+        except OSError as exc:
+            log.warning("stream %s: producer state not saved: %s", self.name, exc)
 
     # -- writers --------------------------------------------------------------
 
@@ -734,10 +821,14 @@ class Stream:
     def on_durable(self) -> None:
         """After a group commit: send the acks that durability now allows."""
         self._sync_failed = False
+        self._settle_durable()
         durable = self.log.durable_position
-        while self._appends and self._appends[0][0] <= durable:
-            _, producer, next_sequence = self._appends.popleft()
-            self._durable_dedup[producer] = next_sequence
+        if snapshot_due(
+            self._frames_since_snapshot,
+            self._durable_dedup_position - (self._snapshot_position or 0),
+        ):
+            # Bounds what the next start reads (see headgate.gateway.dedup).
+            self._try_snapshot()
         # While held, no Ack goes out (they wait in pending_acks): the first
         # Ack or guarantee after STORAGE_FULL tells a producer it is over.
         arrivals = self._acked_arrivals
@@ -1123,4 +1214,16 @@ class Stream:
         )
 
     def close(self) -> None:
+        """Make the log durable, save the dedup state at its tail, close the log.
+
+        After a clean stop the next start reads no frame header at all.
+        """
+        try:
+            self.log.sync()
+        except LogError as exc:
+            log.warning("stream %s: last group commit failed at close: %s", self.name, exc)
+        else:
+            self._settle_durable()
+            if self._durable_dedup_position != self._snapshot_position:
+                self._try_snapshot()
         self.log.close()

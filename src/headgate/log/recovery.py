@@ -7,8 +7,8 @@ why each is safe) are in LOG.md, "Recovery"; in short:
 
 1. The durable/release pair in the metadata page is believed only if its
    checksum holds, and then only as a lower bound for the tail.
-2. The scan starts at the first byte of the term holding the durable position
-   (a term start is always a frame boundary) and checks every frame's
+2. The scan starts at the durable position (a frame boundary, below which
+   everything was fsynced before it was stored) and checks every frame's
    checksum until the first one that is not whole and intact: that is the tail.
 3. A tail below the durable position means history that was reported durable
    is damaged: :class:`LogCorruptError`, naming the file and offset.
@@ -19,7 +19,9 @@ why each is safe) are in LOG.md, "Recovery"; in short:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -37,7 +39,9 @@ from headgate.log.position import (
 from headgate.log.scanner import FrameProblem, FrameScanner
 from headgate.log.term import TermFile, fsync_directory, list_term_files, term_file_name
 
-_ZERO_CHUNK: Final = bytes(64 * 1024)
+#: Bytes compared (and zeroed) at a time after the tail: a slice of the map is
+#: a ``memcpy`` and the comparison a ``memcmp``, both in C.
+_ZERO_CHUNK: Final = bytes(1024 * 1024)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +52,7 @@ class RecoveryReport:
     tail: int
     #: The release position recovery settled on.
     release: int
-    #: Where the frame-by-frame check started (the durable position's term).
+    #: Where the frame-by-frame check started (the durable position).
     scanned_from: int
     #: Whether the stored durable/release pair passed its checksum.
     positions_trusted: bool
@@ -120,7 +124,15 @@ class LogRecovery:
                 os.unlink(self._files.pop(term_id))
 
         scanner = FrameScanner(self._directory, self._term_length, self._lookup)
-        scan_from = max(term_start(term_id_of(durable, shift), shift), release)
+        # Frames before the durable position were fsynced before it was
+        # stored: only what came after can be torn (see LOG.md, "What
+        # recovery reads"). Their file must still reach that far.
+        scan_from = max(durable, release)
+        self._check_reaches(scan_from, durable)
+        # Asked before the scan reads anything: readahead of the scan's reads
+        # fills the page cache with zeros past the tail, which then counts
+        # as data (see _data_ranges); what is a hole now stays zeros.
+        ranges = self._data_ranges_from(scan_from)
         tail, cut = self._find_tail(scanner, scan_from, durable)
         tail_term = term_id_of(tail, shift)
 
@@ -139,7 +151,7 @@ class LogRecovery:
                     f"term file is truncated to {term.size} bytes of {self._term_length}",
                 )
 
-        zeroed = self._cut_after(tail, tail_term)
+        zeroed = self._cut_after(tail, tail_term, ranges.get(tail_term))
         # Frames after the old durable position may still be only in the page
         # cache (a killed process leaves them there); from here on they count
         # as durable, so they go to disk first. Older terms already are, and
@@ -178,6 +190,27 @@ class LogRecovery:
                 f"stored positions durable={durable} release={release} are impossible",
             )
 
+    def _check_reaches(self, position: int, durable: int) -> None:
+        """The term file holding ``position`` must exist up to it (a term start needs nothing)."""
+        offset = term_offset_of(position, self._term_length)
+        if offset == 0:
+            return
+        term_id = term_id_of(position, self._shift)
+        term = self._lookup(term_id)
+        if term is None:
+            raise LogCorruptError(
+                self._directory / term_file_name(term_id),
+                0,
+                f"term file is missing; positions up to {durable} were reported durable",
+            )
+        if term.size < offset:
+            raise LogCorruptError(
+                term.path,
+                term.size,
+                f"term file is truncated to {term.size} bytes; "
+                f"positions up to {durable} were reported durable",
+            )
+
     def _find_tail(self, scanner: FrameScanner, start: int, durable: int) -> tuple[int, str | None]:
         try:
             for _ in scanner.frames(start, MAX_POSITION):
@@ -193,8 +226,26 @@ class LogRecovery:
             return problem.position, None if committed_nothing else problem.reason
         raise AssertionError("the scan ends at a problem")  # pragma: no cover
 
-    def _cut_after(self, tail: int, tail_term: int) -> int:
-        """Zero the tail's term after the tail, delete later terms, create the tail's term."""
+    def _data_ranges_from(self, position: int) -> dict[int, list[tuple[int, int]]]:
+        """Per term file from ``position`` on, the ranges that may not be zeros."""
+        first = term_id_of(position, self._shift)
+        ranges = {}
+        for term_id, path in self._files.items():
+            if term_id < first:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                start = term_offset_of(position, self._term_length) if term_id == first else 0
+                ranges[term_id] = list(_data_ranges(fd, start, self._term_length))
+            finally:
+                os.close(fd)
+        return ranges
+
+    def _cut_after(self, tail: int, tail_term: int, ranges: list[tuple[int, int]] | None) -> int:
+        """Zero the tail's term after the tail, delete later terms, create the tail's term.
+
+        ``ranges`` are the tail term's data ranges before the scan (None: not known).
+        """
         for term_id in [t for t in self._files if t > tail_term]:
             term = self._open.pop(term_id, None)
             if term is not None:
@@ -210,17 +261,10 @@ class LogRecovery:
         if term.size < self._term_length:
             term.extend(self._term_length)
             self._extended = True
-        zeroed = 0
-        view = term.view
-        chunk = len(_ZERO_CHUNK)
-        offset = term_offset_of(tail, self._term_length)
-        while offset < self._term_length:
-            end = min(offset + chunk, self._term_length)
-            if view[offset:end] != _ZERO_CHUNK[: end - offset]:
-                zeroed += end - offset - bytes(view[offset:end]).count(0)
-                view[offset:end] = _ZERO_CHUNK[: end - offset]
-            offset = end
-        return zeroed
+        start = term_offset_of(tail, self._term_length)
+        if ranges is None:
+            ranges = list(_data_ranges(term.fd, start, self._term_length))
+        return _zero_after(term, [(max(a, start), b) for a, b in ranges if b > start])
 
     def _lookup(self, term_id: int) -> TermFile | None:
         term = self._open.get(term_id)
@@ -237,3 +281,50 @@ class LogRecovery:
             )
         self._open[term_id] = term
         return term
+
+
+def _zero_after(term: TermFile, ranges: list[tuple[int, int]]) -> int:
+    """Zero every non-zero byte of ``term`` in ``ranges``; return how many there were.
+
+    The ranges are those the file system reports as data (see
+    :func:`_data_ranges`): after the tail a term is nearly always untouched
+    reserved space, so this costs a few system calls instead of reading up
+    to a whole term per stream.
+    """
+    zeroed = 0
+    mapped = term.mapped
+    chunk = len(_ZERO_CHUNK)
+    for first, last in ranges:
+        for offset in range(first, last, chunk):
+            stop = min(offset + chunk, last)
+            held = mapped[offset:stop]
+            if held != _ZERO_CHUNK[: stop - offset]:
+                zeroed += stop - offset - held.count(0)
+                term.view[offset:stop] = _ZERO_CHUNK[: stop - offset]
+    return zeroed
+
+
+def _data_ranges(fd: int, start: int, end: int) -> Iterator[tuple[int, int]]:
+    """The ranges of ``[start, end)`` that may hold a byte other than zero.
+
+    ``lseek(SEEK_DATA)`` and ``SEEK_HOLE`` name the file's holes, and a hole
+    reads as zeros by definition: whatever is not in a hole is reported as
+    data, including pages only in the page cache (a killed writer's last
+    frames, stored or written but never written back). Reserved, unwritten
+    extents that nobody wrote or read count as holes on ext4, XFS and tmpfs.
+    A file system that cannot tell reports everything as data, or refuses
+    (``EINVAL``); then the whole range is read.
+    """
+    offset = start
+    while offset < end:
+        try:
+            data = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:  # ENXIO: only holes from here to the end
+                yield offset, end
+            return
+        if data >= end:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), end)
+        yield data, hole
+        offset = hole
