@@ -531,6 +531,20 @@ class Measured:
     def ratio(self) -> float:
         return self.attacked / self.base if self.base else 0.0
 
+    @property
+    def pair_ratio(self) -> float:
+        """The median over the A B pairs of attacked / alone, each pair run back to back.
+
+        Steadier than :attr:`ratio` when the machine's other load changes
+        from pair to pair: each run alone is compared with the attacked run
+        right after it.
+        """
+        pairs = [
+            attacked / alone if alone else 0.0
+            for alone, attacked in zip(self.base_rates, self.attacked_rates, strict=False)
+        ]
+        return statistics.median(pairs) if pairs else 0.0
+
     def answer(self) -> str:
         """What the attacker was told, in a few words."""
         codes: dict[int, int] = {}
@@ -589,7 +603,6 @@ async def measure(
     # producer's first connection costs are paid.
     warm = await good_run(arena, stream, ledger.next_record, 0.1, 2_000)
     await ledger.check(arena, warm)
-    result.base_memory = arena.memory()
     for _ in range(rounds):
         cpu, wall = arena.cpu(), time.monotonic()
         alone = await good_run(arena, stream, ledger.next_record, seconds, max_records)
@@ -599,6 +612,10 @@ async def measure(
         await ledger.check(arena, alone)
         if alone.failure:
             result.failures.append("alone: " + alone.failure)
+        if not result.base_memory:
+            # The level before the attack, once the good producer ran at full
+            # speed: its own buffers (TLS, the receive ring) are not the attack's.
+            result.base_memory = arena.memory()
         await attacker.start(name, arena.target(stream))
         await asyncio.sleep(0.1)
         sampler = asyncio.get_running_loop().create_task(_sample_memory(arena, result))

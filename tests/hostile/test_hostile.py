@@ -11,9 +11,10 @@ A B A B (``harness.measure``). Then, for each attack:
   level before the attack, sampled all through the attack (plus
   ``CONNECTION_MEMORY`` for each connection beyond 40 that an attack holds);
 * the good producer kept at least ``THROUGHPUT_RATIO`` of its throughput: the
-  median of its attacked runs over the median of its runs alone, taken in
-  turns, so that a machine busy for other reasons slows both alike, while a
-  producer that an attack starves falls far below (an attack that looks
+  median over pairs of runs (alone, then attacked, back to back) of attacked
+  over alone, so that a machine busy for other reasons slows both runs of a
+  pair alike, while a producer that an attack starves falls far below in
+  every pair (an attack that looks
   harmful after ``ROUNDS`` pairs is measured for up to ``MORE_ROUNDS`` more,
   and the medians of all pairs decide);
 * the good producer lost nothing: its stream holds every record it sent,
@@ -116,7 +117,7 @@ def harmed(name: str, result: Measured) -> bool:
     """Whether the good producer looks harmed: slowed below the floor, or held past the deadline."""
     if name in DEADLINE_BOUND_S:
         return lost_time(result) > DEADLINE_BOUND_S[name] + DEADLINE_SLACK_S
-    return result.ratio < THROUGHPUT_RATIO
+    return result.pair_ratio < THROUGHPUT_RATIO
 
 
 def lost_time(result: Measured) -> float:
@@ -163,7 +164,8 @@ async def test_the_gateway_survives_the_attack_and_the_good_producer_is_unharmed
     result = await attacked(served, name)
     print(
         f"\n{name}: good producer {result.attacked:,.0f} rec/s attacked, "
-        f"{result.base:,.0f} alone (ratio {result.ratio:.2f}), lost {result.lost}, "
+        f"{result.base:,.0f} alone (ratio {result.ratio:.2f}, by pairs {result.pair_ratio:.2f}), "
+        f"lost {result.lost}, "
         f"gateway RssAnon +{(result.peak_memory - result.base_memory) / 1024:,.0f} KiB, "
         f"attacker: {result.answer()}, {result.seconds:.1f} s"
     )
@@ -182,8 +184,8 @@ async def test_the_gateway_survives_the_attack_and_the_good_producer_is_unharmed
         )
     else:
         assert not harmed(name, result), (
-            f"the good producer was starved: {result.attacked_rates} rec/s attacked, "
-            f"{result.base_rates} alone"
+            f"the good producer was starved (median ratio of pairs {result.pair_ratio:.2f}): "
+            f"{result.attacked_rates} rec/s attacked, {result.base_rates} alone"
         )
     for report in result.reports:
         for got in report["errors"]:
