@@ -34,7 +34,7 @@ def test_failures_older_than_the_window_are_forgotten_and_streams_count_apart() 
 
 
 def write_checkpoint(root: Path, batches: dict[int, dict[str, int]], committed: list[int]) -> Path:
-    """Files laid out as Spark's offset and commit logs are (version, metadata, one line a source)."""
+    """Spark's offset and commit logs as laid out: version, metadata, a line per source."""
     (root / "offsets").mkdir(parents=True)
     (root / "commits").mkdir()
     for batch_id, end in batches.items():
@@ -98,5 +98,5 @@ def test_spark_scratch_space_is_under_the_checkpoints_unless_set(tmp_path: Path)
 )
 def test_a_scratch_space_that_holds_data_is_refused(tmp_path: Path, local_dir: str) -> None:
     # It is emptied at every start: pointing it at data would delete the data.
-    with pytest.raises(ConfigError, match="local_dir .* emptied at every start"):
+    with pytest.raises(ConfigError, match=r"local_dir .* emptied at every start"):
         pipeline_config_from_dict(config(tmp_path, local_dir=str(tmp_path / local_dir)))
