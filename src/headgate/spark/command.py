@@ -28,8 +28,10 @@ from headgate.config import ConfigError
 from headgate.spark.pipeline import (
     Pipeline,
     PipelineConfig,
+    check_definitions,
     error_text,
     load_pipeline_config,
+    release_committed,
     spark_session,
 )
 from headgate.spark.restarts import RestartPolicy
@@ -91,17 +93,21 @@ def run_pipeline(
 
     # A session that already runs in this process (a notebook, the tests) is
     # reused and left running; one started here is stopped here.
+    check_definitions(config, write_new=False)  # Pipeline.start records them
+    client = (
+        ReleaseClient(config.gateway, security=config.security)
+        if config.gateway is not None
+        else None
+    )
+    if client is not None:
+        # Before Spark starts: the last release before a kill may be lost.
+        release_committed(config, client.release)
     owned = SparkContext._active_spark_context is None
     echo("starting Spark ..." if owned else "using the running Spark session")
     local_dir = config.spark_local_dir() if owned else None
     if local_dir is not None:
         _empty_scratch(local_dir)
     spark = spark_session("headgate-pipeline", local_dir=local_dir)
-    client = (
-        ReleaseClient(config.gateway, security=config.security)
-        if config.gateway is not None
-        else None
-    )
     pipeline = Pipeline(spark, config, release=client.release if client is not None else None)
     status = 0
     try:

@@ -241,12 +241,15 @@ def query_definition(config: PipelineConfig, stream: str) -> dict[str, Any]:
     }
 
 
-def check_definitions(config: PipelineConfig) -> None:
+def check_definitions(config: PipelineConfig, *, write_new: bool = True) -> None:
     """Refuse a checkpoint made for another definition of its query; record new ones.
 
     Resuming a checkpoint under a new format, schema or transform would write
     rows of two shapes into one dataset (or into another one), which a reader
     then miscounts without a word.
+
+    ``write_new``: False only checks, for a caller that has not yet had the
+    definitions checked by Spark's analyser (a bad schema must not be recorded).
 
     Raises:
         ConfigError: a stream's checkpoint belongs to another definition; the
@@ -273,6 +276,8 @@ def check_definitions(config: PipelineConfig) -> None:
                     f"To start over, delete {checkpoint} and {config.output(spec.name)}, "
                     "or give the stream a new checkpoint and output directory"
                 )
+            continue
+        if not write_new:
             continue
         # A new checkpoint, or one from before definitions were recorded
         # (adopted as it is): record what it is for.
@@ -801,6 +806,23 @@ def committed_positions(checkpoint: Path) -> dict[str, int]:
     return {}
 
 
+def release_committed(config: PipelineConfig, release: Release) -> dict[str, int]:
+    """Release every stream's committed position (:func:`committed_positions`); return them.
+
+    Needs no Spark, so ``headgate pipeline`` calls it before Spark starts
+    (about ten seconds on a busy machine): producers held back while the
+    pipeline was down get their credit back then, not after the first batch.
+    Call it after :func:`check_definitions`: a checkpoint made for another
+    definition must not release anything.
+    """
+    released: dict[str, int] = {}
+    for spec in config.streams:
+        for stream, position in committed_positions(config.checkpoint(spec.name)).items():
+            release(stream, position)
+            released[stream] = position
+    return released
+
+
 #: A key the pipeline leaves in the data source's shared environment once it is settled.
 _SETTLED_MARK = "HEADGATE_SOURCE_ENVIRONMENT_SETTLED"
 
@@ -938,10 +960,7 @@ class Pipeline:
 
     def _release_checkpoints(self) -> None:
         """Release what each checkpoint records as committed, before any batch runs."""
-        for spec in self.config.streams:
-            positions = committed_positions(self.config.checkpoint(spec.name))
-            for stream, position in positions.items():
-                self._release_once(stream, position)
+        release_committed(self.config, self._release_once)
 
     def _release_once(self, stream: str, position: int) -> None:
         """Send a release unless one at or past ``position`` went out already."""
