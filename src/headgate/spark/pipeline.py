@@ -24,6 +24,8 @@ shows every key)::
     gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
     token_env = "HEADGATE_TOKEN"        # a gateway with tokens: admin (releases), read
     tls_ca_file = "ca.pem"              # a TLS gateway, verified with this CA
+    local_dir = "./spark-scratch"       # spark.local.dir, emptied at start
+                                        # (default <checkpoint_dir>/_spark-local)
 
     [streams.ticks]
     format = "json"
