@@ -98,7 +98,7 @@ def main() -> None:
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and count(checkpoint) < 3:
         time.sleep(0.2)
-    first.send_signal(signal.SIGKILL)
+    os.killpg(first.pid, signal.SIGKILL)
     first.wait(30)
     # 2. The log fills up while nothing reads it.
     last, since = -1, time.monotonic()
@@ -158,6 +158,7 @@ def spawn(config: Path, log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,  # killed with its JVM, as a machine's end would
         )
 
 

@@ -3,7 +3,8 @@
 A real gateway in this process, a producer writing two streams the whole
 time (one parsed as JSON with some bad records, one raw), and the pipeline
 as a subprocess of its own (its own Spark driver). The pipeline is killed
-three times while its batches run and started again each time; the last run
+three times while its batches run (the whole process group: the
+driver's JVM and Python workers too) and started again each time; the last run
 is stopped with SIGTERM once everything sent has been acknowledged. Then
 every record is in Parquet or in the dead letters exactly once, by its id,
 and no run of the pipeline failed or restarted a query: every restart worked
@@ -72,14 +73,14 @@ class Load:
 
     def _run(self) -> None:
         try:
-            while not self.stop.is_set() and self.sent < 60_000:
+            while not self.stop.is_set() and self.sent < 80_000:
                 first = self.sent
                 for stream in ("alpha", "beta"):
                     self.producer.send_many(
                         stream, [record(stream, n) for n in range(first, first + 200)]
                     )
                 self.sent += 200
-                time.sleep(0.02)
+                time.sleep(0.08)  # 2,500 records/s a stream while the gateway takes them
         except BaseException as exc:  # reported by the test
             self.errors.append(exc)
 
@@ -99,6 +100,10 @@ def start_pipeline(config: Path, log: Path) -> subprocess.Popen[bytes]:
             stdout=out,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # Its own process group: the kill takes Spark's JVM and Python
+            # workers with it, as a machine's or container's end would, and
+            # none of them gets to clean up.
+            start_new_session=True,
         )
 
 
@@ -155,7 +160,7 @@ def test_a_pipeline_killed_mid_batch_again_and_again_restarts_and_counts_exactly
                 wait_for_new_batches(process, outputs, before, logs[run])
                 time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a batch
             finally:
-                process.send_signal(signal.SIGKILL)
+                os.killpg(process.pid, signal.SIGKILL)
                 process.wait(30)
             left_by_kills |= {p.name for p in scratch.iterdir()} if scratch.is_dir() else set()
         assert left_by_kills, "a killed driver leaves its scratch behind; the test expected some"
