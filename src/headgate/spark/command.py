@@ -15,6 +15,7 @@ partition columns with Spark's analyser, before any query starts.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import threading
 import time
@@ -27,10 +28,13 @@ from headgate.config import ConfigError
 from headgate.spark.pipeline import (
     Pipeline,
     PipelineConfig,
+    check_definitions,
     error_text,
     load_pipeline_config,
+    release_committed,
     spark_session,
 )
+from headgate.spark.restarts import RestartPolicy
 
 Echo = Callable[[str], None]
 
@@ -75,10 +79,13 @@ def run_pipeline(
     echo: Echo,
     status_seconds: float = 10.0,
     stop: threading.Event | None = None,
+    restarts: RestartPolicy | None = None,
 ) -> int:
     """Run the configured queries until they are done (``available_now``) or stopped.
 
     ``stop``: set it to stop (SIGTERM and Ctrl-C set it too, in the main thread).
+    ``restarts``: when a failed query starts again from its checkpoint, and
+    when the pipeline exits instead (:class:`RestartPolicy`'s defaults).
     """
     from pyspark import SparkContext
 
@@ -86,14 +93,21 @@ def run_pipeline(
 
     # A session that already runs in this process (a notebook, the tests) is
     # reused and left running; one started here is stopped here.
-    owned = SparkContext._active_spark_context is None
-    echo("starting Spark ..." if owned else "using the running Spark session")
-    spark = spark_session("headgate-pipeline")
+    check_definitions(config, write_new=False)  # Pipeline.start records them
     client = (
         ReleaseClient(config.gateway, security=config.security)
         if config.gateway is not None
         else None
     )
+    if client is not None:
+        # Before Spark starts: the last release before a kill may be lost.
+        release_committed(config, client.release)
+    owned = SparkContext._active_spark_context is None
+    echo("starting Spark ..." if owned else "using the running Spark session")
+    local_dir = config.spark_local_dir() if owned else None
+    if local_dir is not None:
+        _empty_scratch(local_dir)
+    spark = spark_session("headgate-pipeline", local_dir=local_dir)
     pipeline = Pipeline(spark, config, release=client.release if client is not None else None)
     status = 0
     try:
@@ -112,7 +126,9 @@ def run_pipeline(
         )
         stop = stop if stop is not None else threading.Event()
         with _stop_on_signals(stop):
-            failure = _wait(pipeline, available_now, echo, status_seconds, stop)
+            failure = _wait(
+                pipeline, available_now, echo, status_seconds, stop, restarts or RestartPolicy()
+            )
         if stop.is_set():
             echo("stopping: letting the running micro-batches finish (up to 60 s) ...")
         elif failure is not None:
@@ -136,19 +152,41 @@ def run_pipeline(
 
 
 def _wait(
-    pipeline: Pipeline, available_now: bool, echo: Echo, every: float, stop: threading.Event
+    pipeline: Pipeline,
+    available_now: bool,
+    echo: Echo,
+    every: float,
+    stop: threading.Event,
+    restarts: RestartPolicy,
 ) -> str | None:
-    """Wait for the queries (or ``stop``); return why one failed, or None."""
+    """Wait for the queries (or ``stop``); restart failed ones; return why one failed for good."""
     last = time.monotonic()
+    due: dict[str, float] = {}  # stream -> when its failed query starts again
     while not stop.is_set():
-        running = 0
+        now = time.monotonic()
+        for name, when in list(due.items()):
+            if when > now:
+                continue
+            del due[name]
+            try:
+                pipeline.restart_query(name)
+            except Exception as exc:  # Spark refused it: a failure like any other
+                failure = _failed(name, error_text(exc), restarts, due, echo)
+                if failure is not None:
+                    return failure
+        running = len(due)  # waiting to start again
         for name, query in pipeline.queries.items():
+            if name in due:
+                continue
             if query.isActive:
                 running += 1
                 continue
             error = query.exception()
             if error is not None:
-                return f"the query of stream {name} failed: {error_text(error)}"
+                failure = _failed(name, error_text(error), restarts, due, echo)
+                if failure is not None:
+                    return failure
+                running += 1
         if running == 0:
             if not available_now:
                 return "every query stopped"
@@ -161,6 +199,37 @@ def _wait(
             pipeline.spark.streams.awaitAnyTermination(0.5)
         pipeline.spark.streams.resetTerminated()
     return None
+
+
+def _failed(
+    name: str, error: str, restarts: RestartPolicy, due: dict[str, float], echo: Echo
+) -> str | None:
+    """Schedule a failed query's restart with a one-line warning, or return the final failure."""
+    delay = restarts.failed(name, time.monotonic())
+    if delay is None:
+        return (
+            f"the query of stream {name} failed: {error} "
+            f"({restarts.max_restarts} restarts within {restarts.window:.0f} s did not help)"
+        )
+    echo(
+        f"warning: the query of stream {name} failed: {error}; restarting it from its "
+        f"checkpoint in {delay:g} s ({restarts.recent(name)} of {restarts.max_restarts} "
+        f"restarts within {restarts.window:.0f} s)"
+    )
+    due[name] = time.monotonic() + delay
+    return None
+
+
+def _empty_scratch(local_dir: Path) -> None:
+    """Remove what an earlier run's Spark left in ``local_dir`` (killed drivers never do)."""
+    if local_dir.is_dir():
+        for entry in local_dir.iterdir():
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    entry.unlink()
+    local_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _status_line(pipeline: Pipeline) -> str:

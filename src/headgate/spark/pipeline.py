@@ -24,6 +24,8 @@ shows every key)::
     gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
     token_env = "HEADGATE_TOKEN"        # a gateway with tokens: admin (releases), read
     tls_ca_file = "ca.pem"              # a TLS gateway, verified with this CA
+    local_dir = "./spark-scratch"       # spark.local.dir, emptied at start
+                                        # (default <checkpoint_dir>/_spark-local)
 
     [streams.ticks]
     format = "json"
@@ -138,6 +140,7 @@ _TOP_KEYS = (
     "read_through_gateway",
     "output_dir",
     "checkpoint_dir",
+    "local_dir",
     "streams",
     *_SECURITY_KEYS,
 )
@@ -180,6 +183,9 @@ class PipelineConfig:
     gateway: str | None = None
     output_dir: Path = field(default=Path())
     checkpoint_dir: Path = field(default=Path())
+    #: Spark's scratch space (``spark.local.dir``); None for ``<checkpoint_dir>/_spark-local``.
+    #: ``headgate pipeline`` empties it at start: only its own earlier runs write there.
+    local_dir: Path | None = None
     #: Read the logs through ``gateway`` instead of from ``data_dir``.
     read_through_gateway: bool = False
     #: The token's source and TLS settings for ``gateway`` (releases and reads).
@@ -200,6 +206,18 @@ class PipelineConfig:
 
     def dead_letters(self, stream: str) -> Path:
         return self.output_dir / "_dead_letters" / stream
+
+    def spark_local_dir(self) -> Path:
+        """Where Spark keeps shuffle and block files (``blockmgr-*``, ``spark-*``).
+
+        Under the pipeline's own checkpoint directory by default, so that what
+        a killed driver leaves behind is found and removed by the next start,
+        not piled up in the system's temp folder. No stream can be named
+        ``_spark-local`` (names start with a letter or a digit).
+        """
+        if self.local_dir is not None:
+            return self.local_dir
+        return self.checkpoint_dir / "_spark-local"
 
 
 #: The file in each stream's checkpoint that records what the query was made for.
@@ -225,12 +243,15 @@ def query_definition(config: PipelineConfig, stream: str) -> dict[str, Any]:
     }
 
 
-def check_definitions(config: PipelineConfig) -> None:
+def check_definitions(config: PipelineConfig, *, write_new: bool = True) -> None:
     """Refuse a checkpoint made for another definition of its query; record new ones.
 
     Resuming a checkpoint under a new format, schema or transform would write
     rows of two shapes into one dataset (or into another one), which a reader
     then miscounts without a word.
+
+    ``write_new``: False only checks, for a caller that has not yet had the
+    definitions checked by Spark's analyser (a bad schema must not be recorded).
 
     Raises:
         ConfigError: a stream's checkpoint belongs to another definition; the
@@ -257,6 +278,8 @@ def check_definitions(config: PipelineConfig) -> None:
                     f"To start over, delete {checkpoint} and {config.output(spec.name)}, "
                     "or give the stream a new checkpoint and output directory"
                 )
+            continue
+        if not write_new:
             continue
         # A new checkpoint, or one from before definitions were recorded
         # (adopted as it is): record what it is for.
@@ -442,16 +465,31 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
     checkpoint_dir = _path(
         raw.get("checkpoint_dir", str(data_dir / "checkpoints")), f"{where}: checkpoint_dir"
     )
+    local_dir = raw.get("local_dir")
     config = PipelineConfig(
         data_dir=data_dir,
         streams=streams,
         gateway=gateway,
         output_dir=output_dir,
         checkpoint_dir=checkpoint_dir,
+        local_dir=None if local_dir is None else _path(local_dir, f"{where}: local_dir"),
         read_through_gateway=through,
         security=security,
         origin=where,
     )
+    # The scratch space is emptied at every start: it must hold nothing else.
+    scratch = config.spark_local_dir().resolve()
+    kept = [("data_dir", data_dir), ("output_dir", output_dir), ("checkpoint_dir", checkpoint_dir)]
+    for stream in streams:
+        kept.append((f"streams.{stream.name} output", config.output(stream.name)))
+        kept.append((f"streams.{stream.name} checkpoint", config.checkpoint(stream.name)))
+    for what, kept_place in kept:
+        resolved = kept_place.resolve()
+        if resolved == scratch or scratch in resolved.parents:
+            raise ConfigError(
+                f"{where}: local_dir {scratch} would hold the {what} ({resolved}); "
+                "it is emptied at every start, so give it a directory of its own"
+            )
     # Two queries sharing a checkpoint or an output would corrupt each other.
     for kind, place in (("output", config.output), ("checkpoint", config.checkpoint)):
         seen: dict[Path, str] = {}
@@ -466,15 +504,22 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
     return config
 
 
-def spark_session(app_name: str = "headgate") -> Any:
-    """A local SparkSession set up for headgate (workers use this interpreter)."""
+def spark_session(app_name: str = "headgate", *, local_dir: Path | None = None) -> Any:
+    """A local SparkSession set up for headgate (workers use this interpreter).
+
+    ``local_dir``: Spark's scratch space (``spark.local.dir``) instead of the
+    system's temp folder. It applies only when this call starts Spark; a
+    session that already runs keeps its own.
+    """
     from pyspark.sql import SparkSession
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    builder = SparkSession.builder.master("local[2]")
+    if local_dir is not None:
+        builder = builder.config("spark.local.dir", str(local_dir))
     spark = (
-        SparkSession.builder.master("local[2]")
-        .appName(app_name)
+        builder.appName(app_name)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "2")
@@ -723,6 +768,121 @@ def check_pipeline(spark: Any, config: PipelineConfig) -> dict[str, _Plan]:
         restore()
 
 
+def committed_positions(checkpoint: Path) -> dict[str, int]:
+    """The end positions of the last batch a query's checkpoint records as committed.
+
+    Spark writes ``offsets/N`` (the planned end of batch N: a version line, a
+    metadata line, then one line per source) before it runs the batch, and
+    ``commits/N`` after. The release that followed ``commits/N`` may not have
+    reached the gateway before a kill; sending it again at start costs
+    nothing (the gateway ignores a release that does not move forward) and
+    gives producers their credit back before Spark's first batch, which can
+    take minutes over a full log. Anything unreadable counts as nothing
+    committed: the listener releases after the first batch, as before.
+    """
+    commits = checkpoint / "commits"
+    try:
+        done = sorted((int(f.name) for f in commits.iterdir() if f.name.isdigit()), reverse=True)
+    except OSError:
+        return {}
+    for batch_id in done:
+        try:
+            lines = (checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
+        except OSError:
+            continue
+        positions: dict[str, int] = {}
+        for line in lines[2:]:
+            try:
+                offset = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(offset, dict):
+                positions.update(
+                    {
+                        str(k): v
+                        for k, v in offset.items()
+                        if isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                    }
+                )
+        return positions
+    return {}
+
+
+def release_committed(config: PipelineConfig, release: Release) -> dict[str, int]:
+    """Release every stream's committed position (:func:`committed_positions`); return them.
+
+    Needs no Spark, so ``headgate pipeline`` calls it before Spark starts
+    (about ten seconds on a busy machine): producers held back while the
+    pipeline was down get their credit back then, not after the first batch.
+    Call it after :func:`check_definitions`: a checkpoint made for another
+    definition must not release anything.
+    """
+    released: dict[str, int] = {}
+    for spec in config.streams:
+        for stream, position in committed_positions(config.checkpoint(spec.name)).items():
+            release(stream, position)
+            released[stream] = position
+    return released
+
+
+#: A key the pipeline leaves in the data source's shared environment once it is settled.
+_SETTLED_MARK = "HEADGATE_SOURCE_ENVIRONMENT_SETTLED"
+
+
+def _settle_source_environment(spark: Any) -> None:
+    """Work around a Spark race that fails a query's batch with "Illegal size N of collection".
+
+    Spark keeps one environment map (a Scala ``mutable.HashMap``) for the
+    ``headgate`` data source in the whole JVM, shared by every query that
+    reads it. Each query's start (``PythonStreamingSourceRunner.init``) puts
+    its worker settings into that very map, and every task of every batch
+    serializes it (inside the partition reader factory). When one query's
+    start changes the map's structure while another query's batch is being
+    serialized, the serializer counts fewer entries than it announced and the
+    job fails with ``Task serialization failed: IllegalStateException:
+    Illegal size 5 of collection, expected 7``. A restart over a full log hits
+    it: the first query's batch runs while the next queries start.
+
+    The structure changes in two cases only: a key put for the first time
+    (the first start in this JVM), and a put that finds the map at its
+    growth threshold (the growth check comes before the key is looked up,
+    so the second start grows it). Growing the map well beyond its entries
+    now, before any query of ours runs, leaves only the first start's new
+    keys; :meth:`Pipeline.start` lets that start finish before the other
+    queries begin. Where Spark has no such map (another version, Spark
+    Connect), this does nothing.
+    """
+    try:
+        source = (
+            spark._jsparkSession.sessionState().dataSourceManager().lookupDataSource("headgate")
+        )
+        environment = source.dataSourceCls().envVars()
+        if environment.containsKey(_SETTLED_MARK):
+            return
+        # A Scala or Java hash map never shrinks: 64 extra keys grow its table
+        # to room for about 96, far above the dozen settings a start puts.
+        fillers = [f"HEADGATE_SETTLING_{i}" for i in range(64)]
+        for key in fillers:
+            environment.put(key, "")
+        for key in fillers:
+            environment.remove(key)
+        environment.put(_SETTLED_MARK, "1")
+    except Exception:  # not the JVM this works around
+        log.debug("no shared data source environment to settle", exc_info=True)
+
+
+def _await_source_start(query: Any, timeout: float = 120.0) -> None:
+    """Wait until ``query`` has created its source (its Python reader runs), or ended."""
+    import time
+
+    starting = ("Initializing StreamExecution", "Initializing sources")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and query.isActive:
+        if query.status.get("message") not in starting:
+            return
+        time.sleep(0.05)
+
+
 class Pipeline:
     """Runs the configured queries and reports progress back as releases.
 
@@ -747,6 +907,8 @@ class Pipeline:
         self.committed: dict[str, int] = {}
         self._lock = threading.Lock()
         self._listener: Any = None
+        self._plans: dict[str, _Plan] = {}
+        self._available_now = False
 
     def start(self, *, available_now: bool = False) -> None:
         """Check every stream, then start one query per stream.
@@ -782,8 +944,37 @@ class Pipeline:
 
         self._listener = _Progress()
         self.spark.streams.addListener(self._listener)
-        for stream in self.config.streams:
+        self._plans = plans
+        self._available_now = available_now
+        self._release_checkpoints()
+        _settle_source_environment(self.spark)
+        for index, stream in enumerate(self.config.streams):
             self.queries[stream.name] = self._start_query(plans[stream.name], available_now)
+            if index == 0:
+                # The first start in this JVM adds keys to the environment
+                # that every batch serializes (see _settle_source_environment):
+                # no other query may be in a batch meanwhile.
+                _await_source_start(self.queries[stream.name])
+
+    def restart_query(self, stream: str) -> None:
+        """Start a stream's query again, from its checkpoint (after it failed)."""
+        self.queries[stream] = self._start_query(self._plans[stream], self._available_now)
+
+    def _release_checkpoints(self) -> None:
+        """Release what each checkpoint records as committed, before any batch runs."""
+        release_committed(self.config, self._release_once)
+
+    def _release_once(self, stream: str, position: int) -> None:
+        """Send a release unless one at or past ``position`` went out already."""
+        with self._lock:
+            if position <= self.committed.get(stream, -1):
+                return
+            self.committed[stream] = position
+        if self._release is not None:
+            try:
+                self._release(stream, int(position))
+            except Exception:  # never let it kill Spark's listener thread
+                log.exception("releasing %s at %d failed", stream, position)
 
     def _on_progress(self, progress: Any) -> None:
         # Fires in the driver after the batch's commit, the last batch included.
@@ -793,15 +984,7 @@ class Pipeline:
                 continue
             offsets = json.loads(end) if isinstance(end, str) else end
             for stream, position in offsets.items():
-                with self._lock:
-                    if position <= self.committed.get(stream, -1):
-                        continue
-                    self.committed[stream] = position
-                if self._release is not None:
-                    try:
-                        self._release(stream, int(position))
-                    except Exception:  # never let it kill Spark's listener thread
-                        log.exception("releasing %s at %d failed", stream, position)
+                self._release_once(stream, position)
 
     def _start_query(self, plan: _Plan, available_now: bool) -> Any:
         stream = plan.stream
