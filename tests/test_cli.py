@@ -21,6 +21,8 @@ from headgate.cli import main
 from headgate.log import LogReader
 from headgate.protocol.records import decode_records
 
+from .serving import serve, stop
+
 HEADGATE = [sys.executable, "-m", "headgate.cli"]
 
 
@@ -466,23 +468,14 @@ def test_send_says_when_its_stream_stays_full_and_why(tmp_path: Path) -> None:
         '[gateway]\nterm_length = "64KiB"\nmax_message_size = "16KiB"\n'
         '[streams.events]\ncapacity = "128KiB"\n'
     )
-    data = tmp_path / "data"
-    gateway = subprocess.Popen(
-        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data), "-c", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    gateway, address = serve(tmp_path / "data", "-c", str(config))
     try:
-        assert gateway.stdout is not None
-        line = gateway.stdout.readline()
-        assert line.startswith("listening on "), (line, gateway.stderr)
         source = tmp_path / "in.jsonl"
         source.write_bytes(
             b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * 200) for i in range(5000))
         )
         sender = subprocess.Popen(
-            [*HEADGATE, "send", "events", str(source), "--gateway", line.split()[-1]],
+            [*HEADGATE, "send", "events", str(source), "--gateway", address],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -505,8 +498,7 @@ def test_send_says_when_its_stream_stays_full_and_why(tmp_path: Path) -> None:
                 sender.kill()
                 sender.wait(10)
     finally:
-        gateway.kill()
-        gateway.wait(10)
+        stop(gateway)
     said = next((x for x in lines if "is full" in x), "".join(lines))
     assert said.startswith("headgate send: events is full for 2 s: its log is full"), said
     assert "until the stream's consumer" in said

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,30 +12,9 @@ from click.testing import CliRunner
 
 from headgate.cli import main
 
-HEADGATE = [sys.executable, "-m", "headgate.cli"]
-
-
-def _serve(data: Path) -> tuple[subprocess.Popen[str], str]:
-    proc = subprocess.Popen(
-        [*HEADGATE, "serve", "--listen", "127.0.0.1:0", "--data-dir", str(data)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.startswith("listening on "), line
-    return proc, line.split()[-1]
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+from .serving import HEADGATE
+from .serving import serve as _serve
+from .serving import stop as _stop
 
 
 @pytest.fixture
