@@ -324,7 +324,7 @@ class _Demo:
         )
 
     def end_load(self) -> None:
-        """Stop the load now: no send starts after this returns."""
+        """Stop the load: its tasks are cancelled on the producer's loop, which does it next."""
         if self.load_started is None or self.stop_load is None:
             return
         if not self.acked_under_load:
