@@ -36,3 +36,14 @@ def stop(proc: subprocess.Popen[str]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+
+
+def serve_with_metrics(data: Path, *extra: str) -> tuple[subprocess.Popen[str], str, str]:
+    """:func:`serve` with ``--metrics`` on a free port; also the metrics ``host:port``."""
+    proc, address = serve(data, "--metrics", "127.0.0.1:0", *extra)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.startswith("metrics on http://"):
+        stop(proc)
+        raise AssertionError(f"no metrics endpoint: {line!r}")
+    return proc, address, line.split("//")[1].split("/")[0]

@@ -14,6 +14,8 @@ from rich.console import Console
 
 from headgate.top import Snapshot, as_json, render, render_to_fit
 
+from .serving import serve_with_metrics
+
 HEADGATE = [sys.executable, "-m", "headgate.cli"]
 
 
@@ -99,30 +101,12 @@ def test_json_has_every_metric_a_rate_and_no_infinity() -> None:
 
 
 def test_top_once_format_json_reads_a_running_gateway(tmp_path: Path) -> None:
-    proc = subprocess.Popen(
-        [
-            *HEADGATE,
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(tmp_path / "data"),
-            "--metrics",
-            "127.0.0.1:0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, address, metrics = serve_with_metrics(tmp_path / "data")
     try:
-        assert proc.stdout is not None
-        listening = proc.stdout.readline()
-        assert listening.startswith("listening on "), listening
-        metrics = proc.stdout.readline().split("//")[1].split("/")[0]
         source = tmp_path / "in.txt"
         source.write_text("".join(f"line {i}\n" for i in range(300)))
         sent = subprocess.run(
-            [*HEADGATE, "send", "scripted", str(source), "--gateway", listening.split()[-1]],
+            [*HEADGATE, "send", "scripted", str(source), "--gateway", address],
             capture_output=True,
             text=True,
             timeout=60,

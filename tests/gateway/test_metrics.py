@@ -22,6 +22,8 @@ from headgate.protocol.records import encode_records
 from headgate.top import MetricsUnavailable, Snapshot, fetch, parse, render
 from tests.gateway.test_gateway import RawPeer, config
 
+from ..serving import serve_with_metrics
+
 pytestmark = pytest.mark.timeout(60)
 
 HEADGATE = [sys.executable, "-m", "headgate.cli"]
@@ -146,32 +148,12 @@ def test_top_says_clearly_when_the_gateway_cannot_be_reached(
 
 def test_serve_with_metrics_and_top_once_show_a_stream(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    proc = subprocess.Popen(
-        [
-            *HEADGATE,
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
-            str(data),
-            "--metrics",
-            "127.0.0.1:0",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, address, metrics_address = serve_with_metrics(data)
     try:
-        assert proc.stdout is not None
-        listening = proc.stdout.readline()
-        assert listening.startswith("listening on "), listening
-        metrics = proc.stdout.readline()
-        assert metrics.startswith("metrics on http://"), metrics
-        metrics_address = metrics.split("//")[1].split("/")[0]
         source = tmp_path / "in.txt"
         source.write_text("".join(f"line {i}\n" for i in range(300)))
         sent = subprocess.run(
-            [*HEADGATE, "send", "topped", str(source), "--gateway", listening.split()[-1]],
+            [*HEADGATE, "send", "topped", str(source), "--gateway", address],
             capture_output=True,
             text=True,
             timeout=60,
