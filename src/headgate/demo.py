@@ -219,6 +219,7 @@ class _Demo:
         self.load_started: float | None = None
         self.load_seconds = 0.0
         self.acked_under_load: dict[str, int] = {}
+        self._last_producer_streams: dict[str, Any] = {}
         self.completed = False
 
     # -- phases -----------------------------------------------------------------
@@ -382,6 +383,8 @@ class _Demo:
                 ending = self.producer.close() if self.completed else self.producer.abort()
                 with contextlib.suppress(Exception):
                     self.prod_thread.run(ending, 30)
+                with contextlib.suppress(Exception):
+                    self.producer_streams()  # the final figures, before its loop goes
             self.prod_thread.stop()
         if self.pipeline is not None:
             with contextlib.suppress(Exception):
@@ -405,10 +408,24 @@ class _Demo:
 
         thread.call(apply)
 
+    def producer_streams(self) -> dict[str, Any]:
+        """The producer's per-stream statistics, taken on its own loop (they change there)."""
+        producer, thread = self.producer, self.prod_thread
+        if producer is None or thread is None:
+            return {}
+
+        async def snapshot() -> dict[str, Any]:
+            return dict(producer.statistics().streams)
+
+        try:
+            streams: dict[str, Any] = thread.run(snapshot(), 10)
+        except RuntimeError:  # its loop is already closed: the last figures stand
+            return self._last_producer_streams
+        self._last_producer_streams = streams
+        return streams
+
     def acked(self) -> dict[str, int]:
-        if self.producer is None:
-            return {s: 0 for s in STREAMS}
-        stats = self.producer.statistics().streams
+        stats = self.producer_streams()
         return {s: stats[s].records_acked if s in stats else 0 for s in STREAMS}
 
     def gateway_stats(self) -> dict[str, StreamStatistics]:
@@ -448,7 +465,7 @@ class _Demo:
                 raise DemoFailed(f"the load failed: {load.exception()}")
 
     def summaries(self) -> list[StreamSummary]:
-        stats = self.producer.statistics().streams if self.producer is not None else {}
+        stats = self.producer_streams()
         pipeline = self.pipeline
         elapsed = max(self.load_seconds, 1e-6)
         return [
@@ -475,7 +492,7 @@ class _Demo:
     ) -> Table:
         gw = gw if gw is not None else self.gateway_stats()
         acked = self.acked()
-        producer = self.producer.statistics().streams if self.producer is not None else {}
+        producer = self.producer_streams()
         states = self.query_states()
         max_frame = demo_gateway_config(self.data_dir).max_message_size
         table = Table(title=title)
