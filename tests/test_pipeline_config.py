@@ -62,6 +62,8 @@ def no_spark(monkeypatch: pytest.MonkeyPatch) -> None:
             ["streams.b and streams.a share the output directory"],
         ),
         ("[streams.a\n", ["not valid TOML"]),
+        ("missing_streams = 'later'\n" + GOOD_STREAM, ["missing_streams must be 'fail' or 'wait'"]),
+        ("missing_streams = true\n" + GOOD_STREAM, ["missing_streams must be 'fail' or 'wait'"]),
     ],
 )
 def test_a_bad_file_is_refused_with_its_name_and_key(
@@ -96,6 +98,11 @@ def test_the_example_file_is_valid_and_the_help_shows_an_example() -> None:
     assert ticks.partition_by == ("symbol",) and ticks.max_bytes_per_trigger == 16 * 1024**2
     assert dict(config.stream("accounting").options) == {"sep": ";", "nullValue": "-"}
     assert config.gateway == "127.0.0.1:7878"
+    # It is started before its producers (README): it waits for its streams.
+    assert config.missing_streams == "wait"
+    assert load_pipeline_config(EXAMPLE.with_name("compose") / "pipeline.toml").missing_streams == (
+        "wait"
+    )
     assert config.output("ticks") == Path("headgate-data/parquet/ticks")
     assert config.checkpoint("audit") == Path("headgate-data/checkpoints/audit")
     result = CliRunner().invoke(main, ["pipeline", "--help"])

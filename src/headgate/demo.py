@@ -254,7 +254,14 @@ class _Demo:
             self.spark.udf.register("slow_score", slow_score, "int")
             self.pipeline = Pipeline(
                 self.spark,
-                pipeline_config_from_dict({"data_dir": str(self.data_dir), "streams": PIPELINE}),
+                pipeline_config_from_dict(
+                    # Spark starts before the producers create the streams.
+                    {
+                        "data_dir": str(self.data_dir),
+                        "missing_streams": "wait",
+                        "streams": PIPELINE,
+                    }
+                ),
                 release=self._release,
             )
             try:

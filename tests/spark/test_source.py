@@ -28,7 +28,12 @@ from headgate.protocol.records import encode_records
 from headgate.spark import SCHEMA, SourceError
 from headgate.spark.decode import StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import StreamLogs, StreamSelection, admit, plan_slices
-from headgate.spark.source import HeadgatePartition, HeadgateStreamReader, SourceOptions
+from headgate.spark.source import (
+    HeadgatePartition,
+    HeadgateStreamReader,
+    SourceOptions,
+    missing_streams_error,
+)
 
 TERM = 4096  # small terms: ranges cross many terms and padding
 BASE_TIME_US = 1_700_000_000_000_000
@@ -183,6 +188,62 @@ def test_options_are_checked_when_the_source_is_created(data_dir: Path) -> None:
     )
     refused(options(data_dir, maxRecordsPerTrigger="0"), "must be positive")
     refused(options(data_dir, maxBytesPerTrigger="lots"), "must be an integer")
+    assert parsed.missing_streams == "fail"
+    assert (
+        SourceOptions.parse(options(data_dir, streams="a", missingStreams=" Wait")).missing_streams
+        == "wait"
+    )
+    refused(
+        options(data_dir, streams="a", missingStreams="later"), "must be fail or wait, got 'later'"
+    )
+    refused(options(data_dir, missingStreams="wait"), "'missingStreams' applies to .*'streams'")
+    refused(
+        options(data_dir, streamPattern="a.*", missingStreams="fail"),
+        "'missingStreams' applies to .*'streams'",
+    )
+
+
+def test_a_named_stream_that_does_not_exist_is_refused_unless_told_to_wait(
+    data_dir: Path,
+) -> None:
+    for name in ("a", "b"):
+        make_stream(data_dir, name).append([2])
+    (data_dir / "streams" / "half-made").mkdir()  # not a log yet: not a stream
+    named = options(data_dir, streams="a,nosuch,half-made")
+    refused = HeadgateStreamReader(SourceOptions.parse(named))
+    try:
+        with pytest.raises(SourceError) as error:
+            refused.initialOffset()
+    finally:
+        refused.stop()
+    assert str(error.value).startswith(
+        "headgate: streams 'nosuch', 'half-made' do not exist "
+        f"(data directory {data_dir} has a, b). "
+    )
+    assert "missingStreams to 'wait'" in str(error.value) and "\n" not in str(error.value)
+    # A query that resumes a checkpoint is checked at its first latestOffset;
+    # a stream its offset already holds is not "missing" but gone (its own message).
+    resumed = HeadgateStreamReader(SourceOptions.parse(options(data_dir, streams="a,gone")))
+    try:
+        with pytest.raises(SourceError, match=r"stream 'gone' does not exist"):
+            resumed.latestOffset({"a": 0}, resumed.getDefaultReadLimit())
+        with pytest.raises(SourceError, match=r"stream 'gone': its log directory .* is gone"):
+            resumed.latestOffset({"a": 0, "gone": 64}, resumed.getDefaultReadLimit())
+    finally:
+        resumed.stop()
+    waiting = HeadgateStreamReader(SourceOptions.parse({**named, "missingStreams": "wait"}))
+    try:
+        assert waiting.initialOffset() == {"a": 0}
+    finally:
+        waiting.stop()
+
+
+def test_the_missing_stream_message_lists_at_most_twenty_streams() -> None:
+    existing = [f"s{i:02d}" for i in range(25)]
+    line = missing_streams_error(["x"], existing, "gateway h:1")
+    assert "stream 'x' does not exist (gateway h:1 has s00, s01," in line
+    assert "s19 and 5 more)" in line and "s20" not in line
+    assert "(gateway h:1 has no streams yet)" in missing_streams_error(["x"], [], "gateway h:1")
 
 
 # --- without Spark: admission, splitting, decoding -------------------------------------

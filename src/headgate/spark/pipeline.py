@@ -24,6 +24,7 @@ shows every key)::
     gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
     token_env = "HEADGATE_TOKEN"        # a gateway with tokens: admin (releases), read
     tls_ca_file = "ca.pem"              # a TLS gateway, verified with this CA
+    missing_streams = "wait"            # a stream not there yet: wait for it ("fail")
     local_dir = "./spark-scratch"       # spark.local.dir, emptied at start
                                         # (default <checkpoint_dir>/_spark-local)
 
@@ -60,6 +61,7 @@ from typing import Any
 
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.config import ConfigError, parse_size
+from headgate.spark.planning import MISSING_STREAMS
 
 Release = Callable[[str, int], None]
 
@@ -141,6 +143,7 @@ _TOP_KEYS = (
     "output_dir",
     "checkpoint_dir",
     "local_dir",
+    "missing_streams",
     "streams",
     *_SECURITY_KEYS,
 )
@@ -190,6 +193,10 @@ class PipelineConfig:
     read_through_gateway: bool = False
     #: The token's source and TLS settings for ``gateway`` (releases and reads).
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    #: A stream that does not exist when its query starts: ``fail`` the query
+    #: (a misspelt name), or ``wait`` for its first producer (the source's
+    #: ``missingStreams`` option).
+    missing_streams: str = "fail"
     #: What error messages call this configuration (its file name).
     origin: str = "pipeline"
 
@@ -454,6 +461,12 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
     if through and gateway is None:
         raise ConfigError(f"{where}: read_through_gateway = true needs a gateway address")
     security = _security_from_dict(raw, gateway is not None, where)
+    missing = raw.get("missing_streams", "fail")
+    if missing not in MISSING_STREAMS:
+        raise ConfigError(
+            f"{where}: missing_streams must be {' or '.join(map(repr, MISSING_STREAMS))}, "
+            f"got {missing!r}"
+        )
     streams_raw = raw.get("streams")
     if not isinstance(streams_raw, dict) or not streams_raw:
         raise ConfigError(f"{where}: needs at least one [streams.NAME] table")
@@ -475,6 +488,7 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
         local_dir=None if local_dir is None else _path(local_dir, f"{where}: local_dir"),
         read_through_gateway=through,
         security=security,
+        missing_streams=missing,
         origin=where,
     )
     # The scratch space is emptied at every start: it must hold nothing else.
@@ -988,7 +1002,11 @@ class Pipeline:
 
     def _start_query(self, plan: _Plan, available_now: bool) -> Any:
         stream = plan.stream
-        reader = self.spark.readStream.format("headgate").option("streams", stream.name)
+        reader = (
+            self.spark.readStream.format("headgate")
+            .option("streams", stream.name)
+            .option("missingStreams", self.config.missing_streams)
+        )
         if self.config.read_through_gateway:
             from headgate.spark.source import security_options
 

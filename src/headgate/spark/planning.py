@@ -33,6 +33,11 @@ SCAN_PAGE_BYTES = 4 * 1024 * 1024
 
 Offset = dict[str, int]
 
+#: The values of the source's option ``missingStreams`` (the pipeline file's
+#: ``missing_streams``): refuse a named stream that does not exist when the
+#: query starts, or read it once it appears.
+MISSING_STREAMS = ("fail", "wait")
+
 
 def sorted_offset(positions: Mapping[str, int]) -> Offset:
     """An offset with its keys in the fixed (sorted) order Spark needs."""
@@ -61,6 +66,8 @@ class Logs(Protocol):
     gateway (:class:`~headgate.spark.remote.GatewayLogs`)."""
 
     def discover(self) -> list[str]: ...
+    def names(self) -> list[str]: ...
+    def where(self) -> str: ...
     def earliest(self, stream: str) -> int: ...
     def latest(self, stream: str, *, read_up_to: int | None = None) -> int: ...
     def term_length(self, stream: str) -> int: ...
@@ -111,6 +118,28 @@ class StreamLogs:
                     continue
             found.append(entry.name)
         return sorted(found)
+
+    def names(self) -> list[str]:
+        """Every stream log, selected or not, sorted: for messages (none is opened).
+
+        A log is a directory with its metadata file, written last when a
+        stream is created.
+        """
+        from headgate.log.metadata import META_FILE_NAME
+
+        try:
+            entries = list(os.scandir(os.path.join(self.data_dir, "streams")))
+        except OSError:
+            return []
+        return sorted(
+            e.name
+            for e in entries
+            if e.is_dir() and os.path.exists(os.path.join(e.path, META_FILE_NAME))
+        )
+
+    def where(self) -> str:
+        """Where the logs are, for messages."""
+        return f"data directory {self.data_dir}"
 
     def reader(self, stream: str, *, read_up_to: int | None = None) -> Any:
         """The open reader of ``stream``; :class:`SourceError` if its log is gone.

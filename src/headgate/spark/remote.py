@@ -102,6 +102,14 @@ class GatewayLogs:
         self._refresh()
         return sorted(s for s in self._infos if self.selection.matches(s))
 
+    def names(self) -> list[str]:
+        """Every stream the gateway listed last, selected or not, sorted: for messages."""
+        return sorted(self._infos)
+
+    def where(self) -> str:
+        """Where the logs are, for messages."""
+        return f"gateway {self.gateway}"
+
     def earliest(self, stream: str) -> int:
         return self._info(stream).start_position
 

@@ -28,6 +28,13 @@ Options:
     A comma-separated list of stream names, or a regex a whole name must
     match. Without either, every stream. Streams that appear later are read
     from their start (or from ``startingOffsets`` if it names them).
+``missingStreams``
+    What a query does when a stream that ``streams`` names does not exist
+    when it starts: ``fail`` (default) fails it at once, naming the missing
+    streams and those that exist (a misspelt name would otherwise read
+    nothing, without a word); ``wait`` reads such a stream from its start
+    once a producer creates it (a query started before its producers). Only
+    with ``streams``: a ``streamPattern`` always takes streams as they appear.
 ``startingOffsets``
     ``earliest`` (default), ``latest``, or JSON ``{"stream": position}``;
     streams the JSON does not name start at their earliest retained position.
@@ -68,7 +75,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +104,7 @@ from pyspark.sql.types import (
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import (
+    MISSING_STREAMS,
     Logs,
     Offset,
     StreamLogs,
@@ -171,6 +179,8 @@ class SourceOptions:
     max_bytes: int | None = None
     bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    #: ``fail`` or ``wait``: see ``missingStreams``.
+    missing_streams: str = "fail"
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
@@ -208,6 +218,17 @@ class SourceOptions:
                 raise ValueError(
                     f"headgate: option 'streamPattern' is not a regex: {error}"
                 ) from None
+        missing = options.get("missingstreams", "fail").strip().lower()
+        if missing not in MISSING_STREAMS:
+            raise ValueError(
+                f"headgate: option 'missingStreams' must be fail or wait, "
+                f"got {options['missingstreams']!r}"
+            )
+        if "missingstreams" in options and names is None:
+            raise ValueError(
+                "headgate: option 'missingStreams' applies to the streams that option "
+                "'streams' names (a streamPattern takes streams as they appear)"
+            )
         selection = StreamSelection(
             names=None
             if names is None
@@ -229,7 +250,29 @@ class SourceOptions:
             bytes_per_partition=_positive(options, "bytesPerPartition")
             or DEFAULT_BYTES_PER_PARTITION,
             security=security,
+            missing_streams=missing,
         )
+
+
+#: How many stream names a message lists before it says how many more there are.
+_NAMES_SHOWN = 20
+
+
+def missing_streams_error(missing: Sequence[str], existing: Sequence[str], where: str) -> str:
+    """The one line that refuses named streams that do not exist, and says what does."""
+    quoted = ", ".join(map(repr, missing))
+    subject = f"stream {quoted} does" if len(missing) == 1 else f"streams {quoted} do"
+    if existing:
+        shown = ", ".join(existing[:_NAMES_SHOWN])
+        more = len(existing) - _NAMES_SHOWN
+        has = f"{where} has {shown}{f' and {more} more' if more > 0 else ''}"
+    else:
+        has = f"{where} has no streams yet"
+    return (
+        f"headgate: {subject} not exist ({has}). A producer's first send creates a stream: "
+        "check the name, or start the producers first, or set option missingStreams to "
+        "'wait' (pipeline file: missing_streams = \"wait\") to read it once it appears"
+    )
 
 
 #: Option (lower case, as Spark hands them over) -> its spelling in messages.
@@ -258,6 +301,7 @@ _KNOWN_OPTIONS = {
         "maxRecordsPerTrigger",
         "maxBytesPerTrigger",
         "bytesPerPartition",
+        "missingStreams",
     )
 } | _SECURITY_OPTIONS
 
@@ -374,6 +418,23 @@ class _Planner:
         # that latestOffset and partitions agree for a stream first seen now.
         self._first: dict[str, int] = {}
 
+    def refuse_missing_streams(self, known: Iterable[str] = ()) -> None:
+        """Fail if a stream that option ``streams`` names does not exist (``missingStreams``).
+
+        ``known``: streams a checkpoint's offset already holds; one of those
+        that is gone gets its own message (the position the query read it to).
+
+        Raises:
+            SourceError: one line naming the missing streams and those there are.
+        """
+        names = self.options.selection.names
+        if names is None or self.options.missing_streams == "wait":
+            return
+        found = set(self.logs.discover()) | set(known)
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise SourceError(missing_streams_error(missing, self.logs.names(), self.logs.where()))
+
     def starting_offset(self) -> Offset:
         starting = self.options.starting
         streams = self.logs.discover()
@@ -441,6 +502,8 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._planner: _Planner | None = None
         #: The AvailableNow target: latest positions when the query started.
         self._target: Offset | None = None
+        #: Whether the streams that option ``streams`` names were found (once a query).
+        self._streams_checked = False
 
     # Spark pickles the reader to run read() in executors; the planner's open
     # logs stay behind (read() opens its own).
@@ -456,7 +519,15 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._planner = _Planner(self._options)
         return self._planner
 
+    def _check_streams(self, known: Iterable[str] = ()) -> None:
+        # At the query's start: initialOffset for a new query, the first
+        # latestOffset for one that resumes a checkpoint.
+        if not self._streams_checked:
+            self.planner.refuse_missing_streams(known)
+            self._streams_checked = True
+
     def initialOffset(self) -> Offset:
+        self._check_streams()
         return self.planner.starting_offset()
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -471,6 +542,7 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable()
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        self._check_streams(start)
         ranges, carried = self.planner.ranges(start, self._target)
         max_records, max_bytes = self._limits(limit)
         if max_records is None and max_bytes is None:
@@ -523,6 +595,7 @@ class HeadgateBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         planner = _Planner(self._options)
         try:
+            planner.refuse_missing_streams()
             start = planner.starting_offset()
             ending = self._options.ending
             end = {
