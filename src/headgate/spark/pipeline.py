@@ -527,6 +527,8 @@ def spark_session(app_name: str = "headgate", *, local_dir: Path | None = None) 
     """
     from pyspark.sql import SparkSession
 
+    # An installed headgate does the first line at every interpreter start
+    # (setup.py's .pth file); a source tree on PYTHONPATH has no .pth.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master("local[2]")
