@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,27 @@ def test_a_checkpoint_is_refused_for_another_definition_of_its_query(tmp_path: P
         check_definitions(config(output=str(tmp_path / "elsewhere")))
     # Refusing changed nothing: the original definition still resumes.
     check_definitions(first)
+    # A checkpoint of a headgate whose rows had no index column (issue 14)
+    # would mix two shapes in one dataset: refused, saying so.
+    older = json.loads(record.read_text())
+    del older["columns"]
+    record.write_text(json.dumps(older))
+    with pytest.raises(ConfigError) as before_index:
+        check_definitions(first)
+    assert (
+        "(columns changed; rows now carry stream, position, index, producer, sequence, "
+        "ingest_time). To start over, delete"
+    ) in str(before_index.value)
+    # So is a checkpoint that Spark used under a headgate that recorded no definition.
+    record.unlink()
+    (first.checkpoint("audit") / "offsets").mkdir()
+    (first.checkpoint("audit") / "offsets" / "0").write_text("v1\n{}\n{}\n")
+    with pytest.raises(ConfigError, match=r"was made by an older headgate, whose rows lacked"):
+        check_definitions(first)
+    assert not record.exists()
+    check_definitions(config(output=str(tmp_path / "new-out"), checkpoint=str(tmp_path / "ck")))
+    with pytest.raises(ConfigError, match=r"older headgate"):
+        check_definitions(first, write_new=False)  # the check before Spark's analyser, too
     # A record that is not JSON is named, not a traceback.
     record.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):

@@ -462,7 +462,8 @@ def send(
     "start",
     default="now",
     show_default=True,
-    help="now (new records only), earliest, or a log position to start at.",
+    help="now (new records only), earliest, or a record address to start at: "
+    "POSITION[:INDEX], as --format json prints them.",
 )
 @click.option("--sample", type=click.IntRange(min=1), default=1, help="Show one batch in N.")
 @click.option(
@@ -471,7 +472,8 @@ def send(
     type=click.Choice(["raw", "json"]),
     default="raw",
     show_default=True,
-    help="raw: one value per line; json: one object per record, with its position.",
+    help="raw: one value per line; json: one object per record, with its address "
+    "(position and index).",
 )
 @click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
 @_security_options
@@ -491,6 +493,7 @@ def tail(
     {"missed_batches": N} lines with --format json).
     """
     from headgate.client.reader import ReaderError
+    from headgate.log.address import AddressError
     from headgate.tail import TailOptions, explain, parse_start, run_tail
 
     if not is_valid_name(stream):
@@ -506,6 +509,9 @@ def tail(
         asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
         click.echo(f"headgate tail: {explain(exc, tail_options)}", err=True)
+        sys.exit(1)
+    except AddressError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         pass

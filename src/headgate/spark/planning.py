@@ -26,12 +26,18 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from headgate.log.address import ADDRESS_FORM, AddressError, RecordAddress
 from headgate.spark.decode import SourceError, StreamSlice, check_retained, stream_directory
 
 #: Bytes of frames the driver reads per call when it scans frame headers.
 SCAN_PAGE_BYTES = 4 * 1024 * 1024
 
-Offset = dict[str, int]
+#: A stream's value in an offset: the log position to read from (a frame
+#: boundary), or the text ``"POSITION:INDEX"`` of a record address
+#: (:mod:`headgate.log.address`) when a query starts inside a frame
+#: (``startingOffsets``); Spark keeps that text until the query reads the frame.
+OffsetValue = int | str
+Offset = dict[str, OffsetValue]
 
 #: The values of the source's option ``missingStreams`` (the pipeline file's
 #: ``missing_streams``): refuse a named stream that does not exist when the
@@ -39,9 +45,34 @@ Offset = dict[str, int]
 MISSING_STREAMS = ("fail", "wait")
 
 
-def sorted_offset(positions: Mapping[str, int]) -> Offset:
+def sorted_offset(positions: Mapping[str, OffsetValue]) -> Offset:
     """An offset with its keys in the fixed (sorted) order Spark needs."""
-    return {name: int(positions[name]) for name in sorted(positions)}
+    return {name: offset_value(offset_address(positions[name])) for name in sorted(positions)}
+
+
+def offset_address(value: object) -> RecordAddress:
+    """The record address an offset's value stands for; AddressError if it is none.
+
+    Offsets come back from Spark's checkpoint as JSON: a position is a
+    number, an address inside a frame is its text.
+    """
+    if isinstance(value, bool):
+        raise AddressError(f"{value!r} is not a record address")
+    if isinstance(value, int):
+        return RecordAddress(value)
+    if isinstance(value, str):
+        return RecordAddress.parse(value)
+    raise AddressError(f"{value!r} is not a record address ({ADDRESS_FORM})")
+
+
+def offset_value(address: RecordAddress) -> OffsetValue:
+    """How an offset holds ``address``: a number for the start of a frame, else its text."""
+    return str(address) if address.index else address.position
+
+
+def offset_position(value: OffsetValue) -> int:
+    """The log position an offset's value reads from (its frame's, for an address)."""
+    return offset_address(value).position
 
 
 @dataclass(frozen=True, slots=True)

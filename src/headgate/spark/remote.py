@@ -180,14 +180,19 @@ def read_remote_slice(
         batches = reader.fetch(piece.stream, piece.start, piece.end)
         page: list[Any] = []
         page_start = piece.start
+
+        def decoded() -> pa.RecordBatch:
+            skip = piece.skip if page_start == piece.start else 0
+            return frames_to_batch(piece.stream, page, schema, skip=skip)
+
         try:
             for batch in batches:
                 page.append(batch.to_frame())
                 if batch.end_position - page_start >= page_bytes:
-                    yield from _slices(frames_to_batch(piece.stream, page, schema))
+                    yield from _slices(decoded())
                     page, page_start = [], batch.end_position
             if page:
-                yield from _slices(frames_to_batch(piece.stream, page, schema))
+                yield from _slices(decoded())
         except ReaderError as error:
             raise SourceError(
                 f"stream {piece.stream!r}: fetching positions {piece.start} to {piece.end} "
