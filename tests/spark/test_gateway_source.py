@@ -109,6 +109,26 @@ def test_batch_read_through_a_gateway_matches_the_local_read(
     assert sorted(rows) == sorted(tuple(r) for r in local.select(*columns).collect())
 
 
+def test_a_read_through_a_gateway_starts_exactly_at_a_record_address(
+    spark: SparkSession, gateway: RunningGateway
+) -> None:
+    def read(**extra: str) -> list[tuple[int, int, bytes]]:
+        reader = spark.read.format("headgate").option("gateway", gateway.address)
+        for key, value in {"streams": "alpha", **extra}.items():
+            reader = reader.option(key, value)
+        rows = reader.load().select("position", "index", "value").collect()
+        return sorted((r.position, r["index"], bytes(r.value)) for r in rows)
+
+    everything = read()
+    assert [v for _, _, v in everything] == expected_values("alpha")
+    # A record in the middle of a batch of several: its address is in the output.
+    at = next(i for i, (_, index, _) in enumerate(everything) if index == 2 and i > RECORDS // 2)
+    position, index, _ = everything[at]
+    assert read(startingOffsets=json.dumps({"alpha": f"{position}:{index}"})) == everything[at:]
+    with pytest.raises(Exception, match=rf"record address {position}:999 is past the end of"):
+        read(startingOffsets=json.dumps({"alpha": f"{position}:999"}))
+
+
 def test_streaming_available_now_through_a_gateway_with_admission_control(
     spark: SparkSession, gateway: RunningGateway, tmp_path: Path
 ) -> None:

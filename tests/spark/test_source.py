@@ -407,6 +407,10 @@ def test_starting_offsets_take_record_addresses_and_refuse_anything_else(data_di
     ]:
         with pytest.raises(ValueError, match=rf"option 'startingOffsets': stream 'a': .*{why}"):
             starting(hostile)
+    with pytest.raises(ValueError, match=r"must be 'earliest' or 'latest' or a JSON object"):
+        SourceOptions.parse(options(data_dir, startingOffsets='{"a": ' + "9" * 5000 + "}"))
+    with pytest.raises(ValueError, match=r"position 9{20}\.\.\.\(4000 digits\) is outside"):
+        starting(10**4000 - 1)
     with pytest.raises(ValueError, match=r"endingOffsets.*'4096:2' is inside a batch"):
         SourceOptions.parse(options(data_dir, endingOffsets='{"a": "4096:2"}'))
     assert SourceOptions.parse(options(data_dir, endingOffsets='{"a": "64:0"}')).ending == {"a": 64}

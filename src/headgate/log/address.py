@@ -48,9 +48,11 @@ class RecordAddress:
 
     def __post_init__(self) -> None:
         if not 0 <= self.position <= MAX_POSITION:
-            raise AddressError(f"position {self.position} is outside 0 to {MAX_POSITION}")
+            raise AddressError(
+                f"position {_shown(str(self.position))} is outside 0 to {MAX_POSITION}"
+            )
         if not 0 <= self.index < MAX_INDEX:
-            raise AddressError(f"index {self.index} is outside 0 to {MAX_INDEX - 1}")
+            raise AddressError(f"index {_shown(str(self.index))} is outside 0 to {MAX_INDEX - 1}")
 
     @classmethod
     def parse(cls, text: str) -> RecordAddress:
@@ -58,11 +60,11 @@ class RecordAddress:
         match = _ADDRESS.fullmatch(text.strip())
         if match is None:
             raise AddressError(f"{text!r} is not a record address ({ADDRESS_FORM})")
-        position, index = int(match[1]), int(match[2] or 0)
+        position, index = _bounded(match[1], MAX_POSITION), _bounded(match[2] or "0", MAX_INDEX)
         if position > MAX_POSITION:
-            raise AddressError(f"position {match[1]} is larger than a log position can be")
+            raise AddressError(f"position {_shown(match[1])} is larger than a log position can be")
         if index >= MAX_INDEX:
-            raise AddressError(f"index {match[2]} is larger than a batch can hold")
+            raise AddressError(f"index {_shown(match[2])} is larger than a batch can hold")
         return cls(position, index)
 
     def __str__(self) -> str:
@@ -86,3 +88,18 @@ class RecordAddress:
                 f"at position {self.position} holds {record_count} record"
                 f"{'' if record_count == 1 else 's'} (indexes 0 to {record_count - 1})"
             )
+
+
+def _bounded(digits: str, limit: int) -> int:
+    """The number ``digits`` says, or ``limit + 1`` for one with more digits than ``limit``.
+
+    ``int()`` of a few thousand digits costs quadratic time, and Python refuses
+    more than 4,300 with its own ValueError: a hostile address gets neither.
+    """
+    digits = digits.lstrip("0") or "0"
+    return limit + 1 if len(digits) > len(str(limit)) else int(digits)
+
+
+def _shown(digits: str) -> str:
+    """Digits for a message, cut short when a hostile input is long."""
+    return digits if len(digits) <= 40 else f"{digits[:20]}...({len(digits)} digits)"

@@ -170,7 +170,7 @@ def _positions(name: str, text: str, words: Sequence[str], *, addresses: bool) -
         return text.strip().lower()
     try:
         parsed = json.loads(text)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or a number of more digits than Python converts
         parsed = None
     if not isinstance(parsed, dict):
         example = ' or {"orders": "4096:2"} (a record address)' if addresses else ""
