@@ -1,7 +1,9 @@
 """Driver side: which streams exist, where they end, and how a range is cut up.
 
 An *offset* is a dict from stream name to log position, in sorted name order
-(Spark compares offsets as JSON strings). Positions are frame boundaries.
+(Spark compares offsets as JSON strings). Positions are frame boundaries; a
+query that starts at a record inside a frame holds that record's address
+text (``"4096:2"``) for its stream until it reads the frame.
 
 Two pieces of policy live here:
 
