@@ -866,7 +866,7 @@ def nats_consumer(conn: Connection, url: str, timing: Timing, streams: list[str]
                     continue
                 try:
                     messages = await subs[stream].fetch(256, timeout=0.05)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either
                     continue
                 for message in messages:
                     timeline.add(stream, len(message.data))
@@ -976,7 +976,12 @@ async def run_nats(timing: Timing, solo: bool, binary: str | None) -> Result:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
                 await task
-        result.buckets = await asyncio.to_thread(parent.recv)
+        if not await asyncio.to_thread(parent.poll, 30.0):
+            sampler.stop()
+            consumer.kill()
+            result.skipped = "failed: the consumer process sent no result (see its error above)"
+            return result
+        result.buckets = parent.recv()
         consumer.join(5)
         result.peak_rss = sampler.stop()
         result.memory = sampler.over_time(t0)
