@@ -25,6 +25,16 @@ Systems, all on 127.0.0.1 in this run:
   installed): XADD to A and B on one connection; A's reader stops XREADing.
 * ZeroMQ PUSH/PULL with a high-water mark: one PUSH socket; the PULL side
   hands A's messages to A's consumer, whose queue fills while it stalls.
+* NATS JetStream (``nats-server -js`` started here on a free port, if
+  installed; ``--nats-server PATH`` picks another): A and B are work-queue
+  streams on the file store, each holding at most the headgate log's capacity,
+  ``discard: new``, so a full stream refuses publishes ("maximum bytes
+  exceeded") instead of dropping old messages. One connection publishes both,
+  one message per record, at most 8 batches of acks outstanding per stream;
+  a refused message is published again after a pause (20 ms, doubling to
+  320 ms). The consumer pulls and acknowledges each message (a work queue
+  deletes what is acknowledged: its release); A's stops pulling. How durable
+  an ack is depends on the server: see ``bench/natsjs.py``.
 
 Figures, per system:
 
@@ -33,7 +43,7 @@ Figures, per system:
 * ``A overshoot/drops``: what A sent that the receiver could not put where
   it belongs: headgate's bytes held in gateway memory beyond the log (window,
   xonxoff) or dropped; bytes stuck in kernel buffers (TCP); A's backlog in
-  Redis memory; messages queued in ZeroMQ.
+  Redis memory; messages queued in ZeroMQ; JetStream's refused publishes.
 * ``peak RSS``: the receiving process (gateway, h2 server, Redis, TCP reader,
   ZeroMQ puller); the
   gateway's budget is its RSS before the load plus each stream's mapped log

@@ -37,6 +37,17 @@ per-record call (``await client.send(stream, value)``) and bulk call; it has
 no flow control beyond TCP's. The baseline's latency runs use the same rate
 as headgate's.
 
+NATS JetStream, in the same run where a ``nats-server`` is installed
+(``--nats-server PATH`` picks one, ``--no-nats`` skips it; without one the
+report says so in one line): a file-store stream per run, one message per
+record, each awaiting its PubAck asynchronously with at most 4,000
+outstanding (row 1 and 3.x; JetStream has no call for many records), each
+record's ack awaited before the next (row 6), and latency at half of its own
+row 1 rate (row 4). Where the server has it (2.10 and later) it runs with
+``sync_interval: always``, an fsync before each ack, as durable as headgate's;
+``--nats-default-sync`` keeps its default (acks from the page cache, fsync
+every 2 minutes). ``bench/natsjs.py`` says which, on every report.
+
 No Release is sent: each run writes a fresh stream and at most 384 MiB of
 records, inside the stream's capacity, so credit never runs out. The machine
 may be shared, so throughput rounds interleave headgate and the baseline and
