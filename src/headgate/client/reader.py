@@ -478,7 +478,8 @@ class Reader:
     async def list_streams(self) -> list[m.StreamInfo]:
         """Every stream of the gateway with its positions, sorted by name."""
         answer = await self._ask(m.ListStreams(request_id=next(self._ids)))
-        assert isinstance(answer, m.StreamList)
+        if not isinstance(answer, m.StreamList):
+            raise ReaderError(f"gateway {self._where} answered ListStreams with {answer!r}")
         return list(answer.streams)
 
     async def describe_streams(self) -> list[m.StreamDescription]:
@@ -490,7 +491,8 @@ class Reader:
         again with :meth:`list_streams` on a new Reader.
         """
         answer = await self._ask(m.DescribeStreams(request_id=next(self._ids)))
-        assert isinstance(answer, m.StreamDescriptions)
+        if not isinstance(answer, m.StreamDescriptions):
+            raise ReaderError(f"gateway {self._where} answered DescribeStreams with {answer!r}")
         return list(answer.streams)
 
     async def _ask(
