@@ -679,7 +679,10 @@ def _print_streams(rows: list[Any], fmt: str) -> None:
         for row in rows:
             click.echo(json.dumps(row.as_dict()))
         return
-    header = ("stream", "start", "durable", "tail", "retained")
+    from headgate.streams_admin import release_phrase
+
+    now = time.time()
+    header = ("stream", "start", "durable", "tail", "retained", "released")
     table = [header] + [
         (
             r.stream,
@@ -687,15 +690,17 @@ def _print_streams(rows: list[Any], fmt: str) -> None:
             f"{r.durable_position:,}",
             f"{r.tail_position:,}",
             _bytes_text(r.retained_bytes),
+            release_phrase(r.released_at_us, now),
         )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
+        # Names and the release time read from the left, numbers from the right.
         cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+            c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)
         ]
-        click.echo("  ".join(cells).rstrip())
+        click.echo("  ".join([*cells, row[-1]]).rstrip())
 
 
 def _bytes_text(n: int) -> str:
@@ -740,7 +745,8 @@ def streams_list(gateway: str, fmt: str, **options: Any) -> None:
     """Every stream of the gateway, with its positions and the bytes it retains.
 
     start: the oldest position kept (what Spark released is gone); durable:
-    what is on disk and readable; tail: where the next batch goes.
+    what is on disk and readable; tail: where the next batch goes; released:
+    when a consumer last moved start (the gateway's clock, UTC).
     """
     rows = _streams_from(gateway, (), options)
     if not rows and fmt == "table":
@@ -755,16 +761,21 @@ def streams_list(gateway: str, fmt: str, **options: Any) -> None:
 @_streams_format
 @_security_options
 def streams_describe(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
-    """The positions of the streams NAMES; an unknown name is an error."""
+    """The positions of the streams NAMES, and when their consumers last released
+    them; an unknown name is an error."""
     rows = _streams_from(gateway, names, options)
     if fmt == "json":
         _print_streams(rows, fmt)
         return
+    from headgate.streams_admin import release_phrase
+
+    now = time.time()
     for row in rows:
         click.echo(f"{row.stream}:")
         for key, value in row.as_dict().items():
-            if key != "stream":
+            if isinstance(value, int) and key != "released_at_us":
                 click.echo(f"  {key}: {value:,}")
+        click.echo(f"  released: {release_phrase(row.released_at_us, now)}")
 
 
 @streams.command(name="delete")

@@ -230,7 +230,7 @@ class Reader:
         self._fetch_channels: dict[str, _Channel] = {}
         self._by_handle: dict[int, _Channel] = {}
         self._fetches: dict[int, _Fetch] = {}
-        self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
+        self._lists: dict[int, asyncio.Future[m.StreamList | m.StreamDescriptions]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._keepalive: asyncio.TimerHandle | None = None
@@ -397,7 +397,7 @@ class Reader:
                 if fetch is not None:
                     fetch.done = message
                     self._changed.set()
-            case m.StreamList(request_id=request_id):
+            case m.StreamList(request_id=request_id) | m.StreamDescriptions(request_id=request_id):
                 future = self._lists.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -477,13 +477,34 @@ class Reader:
 
     async def list_streams(self) -> list[m.StreamInfo]:
         """Every stream of the gateway with its positions, sorted by name."""
+        answer = await self._ask(m.ListStreams(request_id=next(self._ids)))
+        if not isinstance(answer, m.StreamList):
+            raise ReaderError(f"gateway {self._where} answered ListStreams with {answer!r}")
+        return list(answer.streams)
+
+    async def describe_streams(self) -> list[m.StreamDescription]:
+        """Every stream of the gateway with its positions and when its consumer
+        last released it, sorted by name.
+
+        A gateway that predates DescribeStreams refuses it and closes the
+        connection (:class:`ReaderError` with code ``MALFORMED_MESSAGE``); ask
+        again with :meth:`list_streams` on a new Reader.
+        """
+        answer = await self._ask(m.DescribeStreams(request_id=next(self._ids)))
+        if not isinstance(answer, m.StreamDescriptions):
+            raise ReaderError(f"gateway {self._where} answered DescribeStreams with {answer!r}")
+        return list(answer.streams)
+
+    async def _ask(
+        self, request: m.ListStreams | m.DescribeStreams
+    ) -> m.StreamList | m.StreamDescriptions:
         self._check()
-        request_id = next(self._ids)
-        future: asyncio.Future[m.StreamList] = asyncio.get_running_loop().create_future()
-        self._lists[request_id] = future
-        self._session.send_global(m.ListStreams(request_id=request_id))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[m.StreamList | m.StreamDescriptions] = loop.create_future()
+        self._lists[request.request_id] = future
+        self._session.send_global(request)
         self._write()
-        return list((await future).streams)
+        return await future
 
     async def fetch(
         self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
@@ -670,6 +691,9 @@ class SyncReader:
 
     def list_streams(self) -> list[m.StreamInfo]:
         return self._run(self._fresh().list_streams())
+
+    def describe_streams(self) -> list[m.StreamDescription]:
+        return self._run(self._fresh().describe_streams())
 
     def fetch(
         self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0

@@ -214,8 +214,9 @@ class ReaderConnection:
         # Log bytes per frame lately (sizes the reads; small until seen).
         self._frame_bytes = 64
         self._jobs: deque[_FetchJob] = deque()
-        # ListStreams waiting for their turn (request ids), and who may see what.
-        self._listings: deque[int] = deque()
+        # ListStreams and DescribeStreams waiting for their turn, in order, and
+        # who may see what.
+        self._listings: deque[m.ListStreams | m.DescribeStreams] = deque()
         self._visible: Callable[[str], bool] = lambda name: True
         self._fetch_handles: dict[str, int] = {}
         # Requests that need a handle, in request order: a stream name (its
@@ -231,21 +232,22 @@ class ReaderConnection:
 
     def on_request(
         self,
-        message: m.Fetch | m.Subscribe | m.ListStreams,
+        message: m.Fetch | m.Subscribe | m.ListStreams | m.DescribeStreams,
         visible: Callable[[str], bool] = lambda name: True,
     ) -> None:
         """A reader's request arrived; raises ProtocolError for one that cannot be served.
 
-        ``visible`` says which streams ListStreams shows (those the peer may read).
+        ``visible`` says which streams ListStreams and DescribeStreams show (those
+        the peer may read).
         """
         match message:
-            case m.ListStreams(request_id=request_id):
+            case m.ListStreams() | m.DescribeStreams():
                 # Answered in a serving turn, within the budget: a listing
                 # costs as much as the streams it walks, and a slice of
                 # received bytes can hold thousands of requests.
                 self._check_count(len(self._listings), "listings waiting")
                 self._visible = visible
-                self._listings.append(request_id)
+                self._listings.append(message)
             case m.Fetch():
                 self._charge(Cost.FETCH)
                 self._check_count(len(self._jobs), "fetches waiting")
@@ -446,12 +448,26 @@ class ReaderConnection:
         if more:
             self._again(wait)
 
-    def _list_streams(self, request_id: int) -> None:
-        """Answer one ListStreams: the streams the peer may read, with their positions."""
+    def _list_streams(self, request: m.ListStreams | m.DescribeStreams) -> None:
+        """Answer one ListStreams or DescribeStreams: the streams the peer may read,
+        with their positions (and, described, when each was last released)."""
         visible = self._visible
-        listed = tuple(self._info(s) for name, s in sorted(self._streams.items()) if visible(name))
+        shown = [s for name, s in sorted(self._streams.items()) if visible(name)]
         self._cost += Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(self._streams)
-        self._session.send_global(m.StreamList(request_id=request_id, streams=listed))
+        answer: m.StreamList | m.StreamDescriptions
+        if isinstance(request, m.ListStreams):
+            answer = m.StreamList(
+                request_id=request.request_id, streams=tuple(self._info(s) for s in shown)
+            )
+        else:
+            answer = m.StreamDescriptions(
+                request_id=request.request_id,
+                streams=tuple(
+                    m.StreamDescription(info=self._info(s), released_at_us=s.released_at_us)
+                    for s in shown
+                ),
+            )
+        self._session.send_global(answer)
 
     def _again(self, delay: float) -> None:
         """Serve another turn after ``delay`` seconds (0: once others have run)."""

@@ -837,10 +837,14 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
                     gw.rebalance_soon(stream)
-            case MessageReceived(message=m.Fetch() | m.Subscribe() | m.ListStreams() as request):
+            case MessageReceived(
+                message=m.Fetch() | m.Subscribe() | m.ListStreams() | m.DescribeStreams() as request
+            ):
                 rights = self.rights
                 assert rights is not None
-                if not isinstance(request, m.ListStreams) and not rights.can_read(request.stream):
+                if isinstance(request, m.Fetch | m.Subscribe) and not rights.can_read(
+                    request.stream
+                ):
                     raise ProtocolError(
                         f"token {rights.name!r} may not read stream {request.stream!r}",
                         code=ErrorCode.FORBIDDEN,
@@ -1351,7 +1355,10 @@ class Gateway:
         stream = self.streams.get(name)
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
+        before = stream.released_to
         stream.release(position)
+        if stream.released_to > before:
+            stream.released_at_us = time.time_ns() // 1000
         # The next group commit stores the release and deletes the terms it
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)

@@ -472,6 +472,12 @@ class Stream:
         # Batches in channel buffers, in log order: (end position, writer).
         self._inflight: deque[tuple[int, Writer]] = deque()
         self._pending_release: int | None = None
+        #: When a Release last moved this stream's release position forward, in
+        #: microseconds since the Unix epoch (the gateway's wall clock, set by
+        #: the gateway); 0: none did since the gateway started. DescribeStreams
+        #: carries it, so a producer waiting on a full stream can say since when
+        #: its consumer has been silent.
+        self.released_at_us = 0
         self.appended_batches = 0
         self.appended_records = 0
         self.duplicate_batches = 0
@@ -850,6 +856,12 @@ class Stream:
                 log.error("dropping a pending release: %s", exc)
 
     # -- release and credit --------------------------------------------------------
+
+    @property
+    def released_to(self) -> int:
+        """The furthest position a Release asked for: applied, or waiting until the
+        log is durable (or the disk has room) that far."""
+        return max(self.log.release_position, self._pending_release or 0)
 
     def release(self, position: int) -> None:
         """Spark committed everything before ``position``: free it, share it out.

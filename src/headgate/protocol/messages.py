@@ -49,6 +49,7 @@ __all__ = [
     "MAX_SCHEMA_TEXT_BYTES",
     "MAX_SECRET_BYTES",
     "MAX_TEXT_BYTES",
+    "MAX_TIME_US",
     "MAX_TOKEN_BYTES",
     "PROTOCOL_VERSION",
     "SCHEMA_CHANNEL",
@@ -59,6 +60,7 @@ __all__ = [
     "BindSchema",
     "BindStream",
     "ChannelMessage",
+    "DescribeStreams",
     "Error",
     "Fetch",
     "FetchDone",
@@ -76,6 +78,8 @@ __all__ = [
     "Pong",
     "Release",
     "StartAt",
+    "StreamDescription",
+    "StreamDescriptions",
     "StreamInfo",
     "StreamList",
     "Subscribe",
@@ -114,6 +118,11 @@ MAX_TOKEN_BYTES = 1024
 MAX_SECRET_BYTES = 64
 #: Longest schema text (DDL), in bytes of UTF-8.
 MAX_SCHEMA_TEXT_BYTES = 65536
+
+#: The latest wall-clock time a message may name, in microseconds since the
+#: Unix epoch (UTC): the last microsecond of the year 9999, the end of what a
+#: calendar date (and Python's datetime) can show. A time beyond it is malformed.
+MAX_TIME_US = 253_402_300_799_999_999
 
 #: Every record's sequence number is below this: Spark reads sequences as a
 #: signed 64-bit long, and ``first_sequence + count`` (the next sequence, which
@@ -158,6 +167,8 @@ class MessageType(IntEnum):
     FETCH_DONE = 0x23
     LIST_STREAMS = 0x24
     STREAM_LIST = 0x25
+    DESCRIBE_STREAMS = 0x26
+    STREAM_DESCRIPTIONS = 0x27
 
 
 class HandleType(IntEnum):
@@ -406,6 +417,42 @@ class StreamList:
     streams: tuple[StreamInfo, ...]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DescribeStreams:
+    """ListStreams, asking also when each stream's consumer last released it.
+
+    A request of its own rather than a field added to ListStreams: a message
+    ends where its last field ends, so an added field would be malformed to
+    every peer that predates it. A gateway that predates DescribeStreams
+    refuses it as an unknown type; its readers use ListStreams.
+    """
+
+    #: Chosen by the reader; StreamDescriptions echoes it.
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamDescription:
+    """One stream's positions, and when its release position last moved."""
+
+    #: The positions, as ListStreams gives them.
+    info: StreamInfo
+    #: When the gateway last took a Release that moved this stream's release
+    #: position forward, in microseconds since the Unix epoch (UTC, the
+    #: gateway's clock); 0 when none did since the gateway started.
+    released_at_us: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamDescriptions:
+    """The gateway's answer to DescribeStreams: every stream it holds, sorted by name."""
+
+    #: The request_id of the DescribeStreams.
+    request_id: int
+    #: One entry per stream.
+    streams: tuple[StreamDescription, ...]
+
+
 # --- channel messages ------------------------------------------------------
 
 
@@ -443,6 +490,8 @@ GlobalMessage = (
     | FetchDone
     | ListStreams
     | StreamList
+    | DescribeStreams
+    | StreamDescriptions
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -690,14 +739,34 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, len(message.streams), "stream count")
             for info in message.streams:
-                _put_name(out, info.stream, "stream name")
-                _put_u64(out, info.start_position, "start_position")
-                _put_u64(out, info.durable_position, "durable_position")
-                _put_u64(out, info.tail_position, "tail_position")
-                _put_u64(out, info.term_length, "term_length")
+                _put_stream_info(out, info)
+        case DescribeStreams():
+            out.append(MessageType.DESCRIBE_STREAMS)
+            _put_u64(out, message.request_id, "request_id")
+        case StreamDescriptions():
+            out.append(MessageType.STREAM_DESCRIPTIONS)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, len(message.streams), "stream count")
+            for described in message.streams:
+                _put_stream_info(out, described.info)
+                if not 0 <= described.released_at_us <= MAX_TIME_US:
+                    raise ValueError(
+                        f"released_at_us {described.released_at_us} is not a time "
+                        f"between 1970 and 9999"
+                    )
+                _put_u64(out, described.released_at_us, "released_at_us")
         case _:
             raise TypeError(f"not a headgate message: {message!r}")
     return bytes(out)
+
+
+def _put_stream_info(out: bytearray, info: StreamInfo) -> None:
+    """A stream's entry in StreamList, and the start of its entry in StreamDescriptions."""
+    _put_name(out, info.stream, "stream name")
+    _put_u64(out, info.start_position, "start_position")
+    _put_u64(out, info.durable_position, "durable_position")
+    _put_u64(out, info.tail_position, "tail_position")
+    _put_u64(out, info.term_length, "term_length")
 
 
 # --- decoding --------------------------------------------------------------
@@ -786,6 +855,16 @@ def decode_bind_stream(payload: Buffer) -> BindStream:
     message = BindStream(stream=reader.name("stream name"))
     reader.finish()
     return message
+
+
+def _read_stream_info(reader: _Reader) -> StreamInfo:
+    return StreamInfo(
+        stream=reader.name("stream name"),
+        start_position=reader.u64("start_position"),
+        durable_position=reader.u64("durable_position"),
+        tail_position=reader.u64("tail_position"),
+        term_length=reader.u64("term_length"),
+    )
 
 
 def decode_bind_schema(payload: Buffer) -> BindSchema:
@@ -912,17 +991,28 @@ def decode_global(payload: Buffer) -> GlobalMessage:
             # is malformed before anything is built for it.
             if count > len(payload) // 6:
                 raise MessageError(f"STREAM_LIST: {count} streams cannot fit in the message")
-            infos = []
-            for _ in range(count):
-                infos.append(
-                    StreamInfo(
-                        stream=reader.name("stream name"),
-                        start_position=reader.u64("start_position"),
-                        durable_position=reader.u64("durable_position"),
-                        tail_position=reader.u64("tail_position"),
-                        term_length=reader.u64("term_length"),
-                    )
+            infos = tuple(_read_stream_info(reader) for _ in range(count))
+            message = StreamList(request_id=request_id, streams=infos)
+        case MessageType.DESCRIBE_STREAMS:
+            message = DescribeStreams(request_id=reader.u64("request_id"))
+        case MessageType.STREAM_DESCRIPTIONS:
+            request_id = reader.u64("request_id")
+            count = reader.u64("stream count")
+            # Each entry takes at least 7 bytes (a StreamList entry and a time).
+            if count > len(payload) // 7:
+                raise MessageError(
+                    f"STREAM_DESCRIPTIONS: {count} streams cannot fit in the message"
                 )
-            message = StreamList(request_id=request_id, streams=tuple(infos))
+            described = []
+            for _ in range(count):
+                info = _read_stream_info(reader)
+                released_at_us = reader.u64("released_at_us")
+                if released_at_us > MAX_TIME_US:
+                    raise MessageError(
+                        f"STREAM_DESCRIPTIONS: released_at_us {released_at_us} is after the "
+                        "year 9999"
+                    )
+                described.append(StreamDescription(info=info, released_at_us=released_at_us))
+            message = StreamDescriptions(request_id=request_id, streams=tuple(described))
     reader.finish()
     return message
