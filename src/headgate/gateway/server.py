@@ -61,7 +61,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from headgate.config import ConfigError, GatewayConfig, StreamSettings, format_address
+from headgate.config import (
+    ConfigError,
+    ConsumerSettings,
+    GatewayConfig,
+    StreamSettings,
+    format_address,
+)
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
@@ -848,14 +854,31 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 self.readers.on_request(request, visible=rights.can_read)
             case GuaranteesReceived(channel=channel):
                 self.readers.on_guarantees(channel)
-            case MessageReceived(message=m.Release(stream=name, position=position)):
+            case MessageReceived(
+                message=m.Release(stream=name, position=position, consumer=consumer)
+            ):
                 assert self.rights is not None
-                if not self.rights.can_administer():
+                if not self.rights.can_consume(name, consumer):
                     raise ProtocolError(
-                        f"token {self.rights.name!r} may not release stream positions",
+                        f"token {self.rights.name!r} may not release consumer {consumer!r} "
+                        f"of stream {name!r} (needs admin, or a consume pattern matching "
+                        f"{name}/{consumer})",
                         code=ErrorCode.FORBIDDEN,
                     )
-                gw.release(name, position)
+                gw.release(name, position, consumer)
+            case MessageReceived(message=m.DeclareConsumer() as declare):
+                assert self.rights is not None
+                if not self.rights.can_consume(declare.stream, declare.consumer):
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not declare consumer "
+                        f"{declare.consumer!r} of stream {declare.stream!r} (needs admin, or "
+                        f"a consume pattern matching {declare.stream}/{declare.consumer})",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                position = gw.declare_consumer(declare)
+                self.session.send_global(
+                    m.ConsumerDeclared(request_id=declare.request_id, position=position)
+                )
             case MessageReceived(message=m.Goodbye()):
                 self.close_with(self.session.data_to_send())
             case _:
@@ -1172,6 +1195,7 @@ class Gateway:
                 capacity=capacity,
                 term_length=self.config.term_length,
                 max_message_size=self.config.max_message_size,
+                consumers=self.config.consumers_for(name),
             )
             if stream.log.capacity != capacity:
                 # An existing log keeps the capacity it was created with; the
@@ -1346,17 +1370,42 @@ class Gateway:
             counters = self._counters[name] = StreamCounters()
         return counters
 
-    def release(self, name: str, position: int) -> None:
-        """Spark is done with ``name`` before ``position``: reclaim and re-share."""
+    def release(self, name: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> None:
+        """Consumer ``consumer`` is done with ``name`` before ``position``: reclaim and re-share."""
         stream = self.streams.get(name)
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        stream.release(position)
+        stream.release(position, consumer, now=time.monotonic())
         # The next group commit stores the release and deletes the terms it
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)
         stream.rebalance(time.monotonic())
         stream.flush_writers()
+
+    def declare_consumer(self, declare: m.DeclareConsumer) -> int:
+        """Create (or find) a named consumer of an existing stream; its committed position."""
+        stream = self.streams.get(declare.stream)
+        if stream is None:
+            raise ProtocolError(
+                f"no stream called {declare.stream!r}", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        settings = ConsumerSettings(
+            blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
+        )
+        position = stream.declare_consumer(declare.consumer, settings)
+        # A new blocking consumer may be the new floor; a changed file is
+        # committed with the stream's next group commit either way.
+        self.mark_dirty(stream)
+        return position
+
+    def check_consumers(self, now: float) -> None:
+        """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""
+        for stream in self.streams.values():
+            idle_after, policy = self.config.idle_rule_for(stream.name)
+            if any(a.policy == "detach" for a in stream.check_idle(now, idle_after, policy)):
+                self.mark_dirty(stream)
+                stream.rebalance(now)
+                stream.flush_writers()
 
     def detach(self, conn: GatewayConnection) -> None:
         """A connection ended: its writers' unused credit goes back to the pool."""
@@ -1498,6 +1547,10 @@ class Gateway:
             now = time.monotonic()
             self.handshakes.forget_refilled(now)
             self.shares.prune(now)
+            try:
+                self.check_consumers(now)
+            except Exception:
+                log.exception("checking consumers failed")
             for stream in self.streams.values():
                 if stream.storage_error is not None and stream.retry_storage():
                     self.mark_dirty(stream)

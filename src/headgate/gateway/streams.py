@@ -63,14 +63,21 @@ import errno
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headgate.config import ConsumerSettings
 from headgate.gateway.accounts import Account
+from headgate.gateway.consumers import (
+    ConsumerBook,
+    ConsumerStatistics,
+    IdleAction,
+    consumers_file,
+)
 from headgate.gateway.dedup import (
     SNAPSHOT_AT_OPEN_FRAMES,
     DedupSnapshot,
@@ -434,6 +441,8 @@ class StreamStatistics:
     #: Free capacity kept back for term rotations: the log is full for
     #: writers once ``free_capacity`` is down to about this.
     reserve: int = 0
+    #: The stream's named consumers, by name.
+    consumers: tuple[ConsumerStatistics, ...] = ()
 
 
 class Stream:
@@ -471,7 +480,8 @@ class Stream:
         self._appends: deque[tuple[int, int, int]] = deque()  # (end, producer, next_seq)
         # Batches in channel buffers, in log order: (end position, writer).
         self._inflight: deque[tuple[int, Writer]] = deque()
-        self._pending_release: int | None = None
+        #: The stream's named consumers (set by :meth:`open`).
+        self.consumers = ConsumerBook(name, state_file.with_name(f"{name}.consumers.json"), {})
         self.appended_batches = 0
         self.appended_records = 0
         self.duplicate_batches = 0
@@ -505,16 +515,35 @@ class Stream:
         capacity: int,
         term_length: int,
         max_message_size: int,
+        consumers: Mapping[str, ConsumerSettings] | None = None,
     ) -> Stream:
-        """Open (or create) the stream's log and rebuild its dedup state.
+        """Open (or create) the stream's log, its consumers, and rebuild its dedup state.
 
         Dedup state comes from two places: a snapshot (see
         :mod:`headgate.gateway.dedup`) that covers the log up to a position,
-        and the headers of the frames after that position.
+        and the headers of the frames after that position. ``consumers``
+        are those the configuration declares (see
+        :meth:`~headgate.gateway.consumers.ConsumerBook.load`).
+
+        Raises:
+            LogError: the log, or the stream's consumers file, is damaged.
         """
         directory, state_file = stream_files(data_dir, name)
         stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
         stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
+        try:
+            stream.consumers = ConsumerBook.load(
+                name,
+                consumers_file(data_dir, name),
+                release_position=stream_log.release_position,
+                tail_position=stream_log.tail_position,
+                declared=consumers or {},
+            )
+        except ValueError as exc:
+            stream_log.close()
+            raise LogError(str(exc)) from None
+        if stream.consumers.unsaved:
+            stream._save_consumers()
         stream._recover_dedup()
         return stream
 
@@ -842,46 +871,93 @@ class Stream:
                 w.session.send_global(
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
                 )
-        if self._pending_release is not None:
-            pending, self._pending_release = self._pending_release, None
-            try:
-                self.release(pending)
-            except ProtocolError as exc:  # checked on arrival; only a bug lands here
-                log.error("dropping a pending release: %s", exc)
+        if self.consumers.unsaved:
+            self._save_consumers()
+        # Consumers may have committed past what was durable: free on as it is.
+        self._free_to_floor()
 
     # -- release and credit --------------------------------------------------------
 
-    def release(self, position: int) -> None:
-        """Spark committed everything before ``position``: free it, share it out.
+    def release(
+        self, position: int, consumer: str = m.DEFAULT_CONSUMER, *, now: float | None = None
+    ) -> None:
+        """Consumer ``consumer`` committed everything before ``position``: store it, free the log.
 
-        A position beyond what is durable is remembered and applied as the
-        log becomes durable (Spark may read what is published before it is
-        fsynced). A position beyond the tail, or one that is not where a frame
-        ends, is refused: releasing it would discard data nobody has read.
+        The log is freed up to the lowest committed position of the
+        stream's blocking consumers (and no further than what is durable:
+        Spark may read what is published before it is fsynced; the rest is
+        freed as the log becomes durable), and the freed space is shared
+        out. A position at or below the consumer's is a no-op (a Release
+        sent twice). Nothing moves unless every check passes.
 
         Raises:
-            ProtocolError: the position is not one the consumer can have reached.
+            ProtocolError: an unknown consumer (UNKNOWN_CONSUMER); a position
+                beyond the tail, or not where a frame ends (its reader cannot
+                have reached it).
         """
-        durable = self.log.durable_position
-        if position > self.log.tail_position:
+        target = self.consumers.get(consumer)
+        if position <= target.position:
+            return
+        self._check_release(consumer, position)
+        self.consumers.commit(target, position, 0.0 if now is None else now)
+        self._save_consumers()
+        self._free_to_floor()
+
+    def _check_release(self, consumer: str, position: int) -> None:
+        """Raise unless ``position`` is a frame boundary a consumer can have read to."""
+        log_ = self.log
+        where = f"stream {self.name}: consumer {consumer!r} cannot release to {position}"
+        if position > log_.tail_position:
             raise ProtocolError(
-                f"stream {self.name}: cannot release to {position}, beyond the tail "
-                f"{self.log.tail_position}",
-                code=ErrorCode.UNEXPECTED_FRAME,
+                f"{where}, beyond the tail {log_.tail_position}", code=ErrorCode.UNEXPECTED_FRAME
             )
-        if position > durable:
-            if position != self.log.tail_position and not any(
-                end == position for end, _, _ in self._appends
-            ):
-                raise ProtocolError(
-                    f"stream {self.name}: cannot release to {position}, not the end of a frame",
-                    code=ErrorCode.UNEXPECTED_FRAME,
-                )
-            self._pending_release = max(position, self._pending_release or 0)
+        if position < log_.release_position:
+            # A non-blocking consumer behind the log, committing what it read
+            # before the log freed it: nothing is left there to check, and it
+            # frees nothing.
+            return
+        if position > log_.durable_position:
+            problem = (
+                None
+                if position == log_.tail_position
+                or any(end == position for end, _, _ in self._appends)
+                else "not the end of a frame"
+            )
+        else:
+            problem = log_.boundary_problem(position)
+        if problem is not None:
+            raise ProtocolError(f"{where}: {problem}", code=ErrorCode.UNEXPECTED_FRAME)
+
+    def _save_consumers(self) -> None:
+        """Store the consumers' positions; on failure the log frees nothing more until stored."""
+        try:
+            self.consumers.save()
+        except OSError as exc:
+            log.warning(
+                "stream %s: consumer positions not stored (the log frees nothing past the "
+                "stored ones until they are): %s",
+                self.name,
+                exc,
+            )
+
+    def _free_to_floor(self) -> None:
+        """Free the log up to what every blocking consumer has stored, as far as it is durable.
+
+        With no blocking consumer nothing holds the log back, but it is
+        freed only once half of it is in use, so that non-blocking readers
+        find what was written lately and a release (with its producer-state
+        snapshot) is not paid at every group commit.
+        """
+        log_ = self.log
+        durable = log_.durable_position
+        floor = self.consumers.floor()
+        if floor is None:
+            if log_.tail_position - log_.release_position < log_.capacity // 2:
+                return
             position = durable
-        elif self._pending_release is not None and self._pending_release <= position:
-            self._pending_release = None
-        if position <= self.log.release_position:
+        else:
+            position = min(floor, durable)
+        if position <= log_.release_position:
             return
         # Frames being reclaimed must stay recognisable as duplicates.
         try:
@@ -890,15 +966,76 @@ class Stream:
             # A full disk: keep the space until the snapshot can be written
             # (the next commit of this stream tries again).
             log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
-            self._pending_release = max(position, self._pending_release or 0)
             return
         try:
-            self.log.release(position)
-        except LogError as exc:
-            raise ProtocolError(
-                f"stream {self.name}: {exc}", code=ErrorCode.UNEXPECTED_FRAME
-            ) from None
+            log_.release(position)
+        except LogError as exc:  # positions are checked on arrival: only a bug lands here
+            log.error("stream %s: cannot free the log to %d: %s", self.name, position, exc)
+            return
         self._process_released()
+
+    def declare_consumer(self, name: str, settings: ConsumerSettings) -> int:
+        """Create consumer ``name`` at the oldest held position (or find it); its position.
+
+        Raises:
+            ProtocolError: it exists with other settings.
+        """
+        consumer = self.consumers.declare(name, settings, self.log.release_position)
+        if self.consumers.unsaved:
+            self._save_consumers()
+            log.info(
+                "stream %s: consumer %s declared at %d (blocking=%s, on_data_loss=%s)",
+                self.name,
+                name,
+                consumer.position,
+                consumer.blocking,
+                consumer.on_data_loss,
+            )
+        return consumer.position
+
+    def read_start(self, consumer: str, start: int) -> tuple[int, int]:
+        """Where ``consumer`` reads from when it asks for ``start``; and the bytes it skipped.
+
+        Raises:
+            ProtocolError: an unknown consumer, or DATA_LOST (see
+                :meth:`~headgate.gateway.consumers.ConsumerBook.read_from`).
+        """
+        return self.consumers.read_from(consumer, start, self.log.release_position)
+
+    def check_idle(self, now: float, idle_after: float, policy: str) -> list[IdleAction]:
+        """The idle rule for this stream's blocking consumers at ``now``; what it did.
+
+        ``hold``: one WARNING per idle spell, the consumer still blocks.
+        ``detach``: the consumer stops blocking (stored), a WARNING says so,
+        and the log is freed to the new floor, so the stream flows again.
+        """
+        actions = self.consumers.idle(now, idle_after, policy, self.log.durable_position)
+        for action in actions:
+            consumer = action.consumer
+            if action.policy == "detach":
+                log.warning(
+                    "stream %s: consumer %s has not released for %.1f s (at %d, durable %d); "
+                    "detached: it no longer holds the producers back",
+                    self.name,
+                    consumer.name,
+                    action.idle_for,
+                    consumer.position,
+                    self.log.durable_position,
+                )
+            else:
+                log.warning(
+                    "stream %s: consumer %s has not released for %.1f s (at %d, durable %d); "
+                    "producers wait for it (idle_policy = hold)",
+                    self.name,
+                    consumer.name,
+                    action.idle_for,
+                    consumer.position,
+                    self.log.durable_position,
+                )
+        if self.consumers.unsaved:
+            self._save_consumers()
+            self._free_to_floor()
+        return actions
 
     def _process_released(self) -> None:
         released = self.log.release_position
@@ -1211,6 +1348,7 @@ class Stream:
             storage_problem=None if self.storage_error is None else str(self.storage_error),
             held_batches=len(self.held),
             reserve=self.reserve,
+            consumers=self.consumers.statistics(self.log.durable_position),
         )
 
     def close(self) -> None:

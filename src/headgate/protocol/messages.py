@@ -44,6 +44,7 @@ from headgate.protocol.errors import ErrorCode, MessageError
 
 __all__ = [
     "BATCH_HEADER_SIZE",
+    "DEFAULT_CONSUMER",
     "FIRST_DATA_CHANNEL",
     "MAX_NAME_BYTES",
     "MAX_SCHEMA_TEXT_BYTES",
@@ -59,6 +60,8 @@ __all__ = [
     "BindSchema",
     "BindStream",
     "ChannelMessage",
+    "ConsumerDeclared",
+    "DeclareConsumer",
     "Error",
     "Fetch",
     "FetchDone",
@@ -135,6 +138,10 @@ _BATCH_HEAD = struct.Struct("<QI")
 _TAIL_HEAD = struct.Struct("<QQQQqI")
 _TAIL_PREFIX = struct.Struct("<QQQQq")
 
+#: The consumer a Release or Fetch names when it names none (every old
+#: client): an old data directory's one release position is this consumer's.
+DEFAULT_CONSUMER = "default"
+
 # Stream and schema names: ASCII, so their UTF-8 length is their length.
 _NAME = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
@@ -152,12 +159,20 @@ class MessageType(IntEnum):
     FREE_HANDLE = 0x10
     ACK = 0x11
     RELEASE = 0x12
+    #: Release naming its consumer (Release is the default consumer's).
+    CONSUMER_RELEASE = 0x13
     SUBSCRIBE = 0x20
     MISSED = 0x21
     FETCH = 0x22
     FETCH_DONE = 0x23
     LIST_STREAMS = 0x24
     STREAM_LIST = 0x25
+    #: Fetch naming the consumer that reads.
+    CONSUMER_FETCH = 0x26
+    #: FetchDone answering a CONSUMER_FETCH: it adds the bytes skipped.
+    CONSUMER_FETCH_DONE = 0x27
+    DECLARE_CONSUMER = 0x30
+    CONSUMER_DECLARED = 0x31
 
 
 class HandleType(IntEnum):
@@ -313,12 +328,21 @@ class Ack:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Release:
-    """The pipeline has committed everything of a stream before ``position``."""
+    """A consumer has committed everything of a stream before ``position``.
+
+    The gateway frees the log up to the lowest position among the stream's
+    blocking consumers. A Release of :data:`DEFAULT_CONSUMER` is type
+    ``RELEASE``, the bytes every old client sends (and an old gateway
+    reads); one naming another consumer is type ``CONSUMER_RELEASE``, with
+    the name after the position.
+    """
 
     #: The stream name.
     stream: str
-    #: Log space before this position may be reclaimed.
+    #: Everything before this position is committed by the consumer.
     position: int
+    #: The consumer's name (same rules as a stream name).
+    consumer: str = DEFAULT_CONSUMER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,6 +381,11 @@ class Fetch:
     end_position: int
     #: Stop after the batch that reaches this many bytes of records.
     max_bytes: int
+    #: The consumer reading, or None (an old client: no consumer's rules).
+    #: Named (message type ``CONSUMER_FETCH``), a start behind what the log
+    #: holds follows the consumer's ``on_data_loss`` (an error, or skipping
+    #: ahead, told in FetchDone).
+    consumer: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -370,6 +399,11 @@ class FetchDone:
     #: How many TailRecords this Fetch produced; because FetchDone is global it
     #: can overtake them, and the reader waits until it has seen this many.
     batches: int
+    #: Bytes of log the consumer skipped because they were freed before it
+    #: read them (``on_data_loss = "skip"``); present (0 or more, message
+    #: type ``CONSUMER_FETCH_DONE``) exactly when the Fetch named a consumer,
+    #: absent (None) otherwise.
+    skipped_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -404,6 +438,39 @@ class StreamList:
     request_id: int
     #: One entry per stream.
     streams: tuple[StreamInfo, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareConsumer:
+    """Create a named consumer of a stream at run time (or find the one that exists).
+
+    Needs the ``admin`` right or a ``consume`` pattern of the token that
+    matches ``stream/consumer``. A new consumer starts at the oldest position
+    the log holds; declaring an existing one with the same settings changes
+    nothing (so a pipeline can declare on every start), with other settings
+    it is refused.
+    """
+
+    #: Chosen by the client; ConsumerDeclared echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The consumer's name (same rules as a stream name).
+    consumer: str
+    #: Whether the consumer holds the log (and so the producers) back.
+    blocking: bool = True
+    #: Non-blocking only: a read behind the log fails (False) or skips ahead (True).
+    skip_data_loss: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerDeclared:
+    """The gateway's answer to DeclareConsumer: the consumer exists now."""
+
+    #: The request_id of the DeclareConsumer.
+    request_id: int
+    #: The consumer's committed position (where it reads on from).
+    position: int
 
 
 # --- channel messages ------------------------------------------------------
@@ -443,6 +510,8 @@ GlobalMessage = (
     | FetchDone
     | ListStreams
     | StreamList
+    | DeclareConsumer
+    | ConsumerDeclared
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -650,9 +719,12 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.next_sequence, "next_sequence")
             _put_u64(out, message.durable_position, "durable_position")
         case Release():
-            out.append(MessageType.RELEASE)
+            named = message.consumer != DEFAULT_CONSUMER
+            out.append(MessageType.CONSUMER_RELEASE if named else MessageType.RELEASE)
             _put_name(out, message.stream, "stream name")
             _put_u64(out, message.position, "position")
+            if named:
+                _put_name(out, message.consumer, "consumer name")
         case Subscribe():
             if message.sample_every < 1:
                 raise ValueError("sample_every must be at least 1")
@@ -671,17 +743,33 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.handle, "handle")
             _put_u64(out, message.count, "count")
         case Fetch():
-            out.append(MessageType.FETCH)
+            named = message.consumer is not None
+            out.append(MessageType.CONSUMER_FETCH if named else MessageType.FETCH)
             _put_u64(out, message.request_id, "request_id")
             _put_name(out, message.stream, "stream name")
             _put_u64(out, message.start_position, "start_position")
             _put_u64(out, message.end_position, "end_position")
             _put_u64(out, message.max_bytes, "max_bytes")
+            if message.consumer is not None:
+                _put_name(out, message.consumer, "consumer name")
         case FetchDone():
-            out.append(MessageType.FETCH_DONE)
+            skipped = message.skipped_bytes is not None
+            out.append(MessageType.CONSUMER_FETCH_DONE if skipped else MessageType.FETCH_DONE)
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, message.next_position, "next_position")
             _put_u64(out, message.batches, "batches")
+            if message.skipped_bytes is not None:
+                _put_u64(out, message.skipped_bytes, "skipped_bytes")
+        case DeclareConsumer():
+            out.append(MessageType.DECLARE_CONSUMER)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_name(out, message.consumer, "consumer name")
+            out.append((1 if message.blocking else 0) | (2 if message.skip_data_loss else 0))
+        case ConsumerDeclared():
+            out.append(MessageType.CONSUMER_DECLARED)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, message.position, "position")
         case ListStreams():
             out.append(MessageType.LIST_STREAMS)
             _put_u64(out, message.request_id, "request_id")
@@ -869,8 +957,15 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 next_sequence=reader.u64("next_sequence"),
                 durable_position=reader.u64("durable_position"),
             )
-        case MessageType.RELEASE:
-            message = Release(stream=reader.name("stream name"), position=reader.u64("position"))
+        case MessageType.RELEASE | MessageType.CONSUMER_RELEASE:
+            stream = reader.name("stream name")
+            position = reader.u64("position")
+            consumer = (
+                reader.name("consumer name")
+                if message_type == MessageType.CONSUMER_RELEASE
+                else DEFAULT_CONSUMER
+            )
+            message = Release(stream=stream, position=position, consumer=consumer)
         case MessageType.SUBSCRIBE:
             stream = reader.name("stream name")
             start_kind = reader.u8("start")
@@ -889,19 +984,47 @@ def decode_global(payload: Buffer) -> GlobalMessage:
             message = Subscribe(stream=stream, start=start, sample_every=sample_every)
         case MessageType.MISSED:
             message = Missed(handle=reader.u64("handle"), count=reader.u64("count"))
-        case MessageType.FETCH:
+        case MessageType.FETCH | MessageType.CONSUMER_FETCH:
             message = Fetch(
                 request_id=reader.u64("request_id"),
                 stream=reader.name("stream name"),
                 start_position=reader.u64("start_position"),
                 end_position=reader.u64("end_position"),
                 max_bytes=reader.u64("max_bytes"),
+                consumer=(
+                    reader.name("consumer name")
+                    if message_type == MessageType.CONSUMER_FETCH
+                    else None
+                ),
             )
-        case MessageType.FETCH_DONE:
+        case MessageType.FETCH_DONE | MessageType.CONSUMER_FETCH_DONE:
             message = FetchDone(
                 request_id=reader.u64("request_id"),
                 next_position=reader.u64("next_position"),
                 batches=reader.u64("batches"),
+                skipped_bytes=(
+                    reader.u64("skipped_bytes")
+                    if message_type == MessageType.CONSUMER_FETCH_DONE
+                    else None
+                ),
+            )
+        case MessageType.DECLARE_CONSUMER:
+            request_id = reader.u64("request_id")
+            stream = reader.name("stream name")
+            consumer = reader.name("consumer name")
+            flags = reader.u8("flags")
+            if flags & ~3:
+                raise MessageError(f"DECLARE_CONSUMER: undefined flags {flags:#04x}")
+            message = DeclareConsumer(
+                request_id=request_id,
+                stream=stream,
+                consumer=consumer,
+                blocking=bool(flags & 1),
+                skip_data_loss=bool(flags & 2),
+            )
+        case MessageType.CONSUMER_DECLARED:
+            message = ConsumerDeclared(
+                request_id=reader.u64("request_id"), position=reader.u64("position")
             )
         case MessageType.LIST_STREAMS:
             message = ListStreams(request_id=reader.u64("request_id"))

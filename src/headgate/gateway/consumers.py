@@ -1,0 +1,379 @@
+"""A stream's named consumers: their committed positions, and the rules that use them.
+
+A stream has any number of named consumers (an archive, a live aggregation,
+a backfill). Each commits a position with Release. The log may free only
+what every *blocking* consumer has committed, so the stream's free space,
+and with it the producers' credit, follows the slowest blocking consumer
+and nothing else (:meth:`ConsumerBook.floor`). A *non-blocking* consumer
+holds nothing back: the log may free what it has not read, and its next
+read behind the log fails or skips ahead, as it asked
+(:meth:`ConsumerBook.read_from`). A blocking consumer that stops releasing
+while it has something to release is *idle* after ``idle_release_seconds``;
+the stream's policy then holds (one WARNING) or detaches it
+(:meth:`ConsumerBook.idle`). Time is always an argument.
+
+The positions are stored in ``<data_dir>/state/<stream>.consumers.json``
+with the crash rule of every gateway state file
+(:func:`~headgate.gateway.dedup.write_json_durably`): a crash leaves the
+old file or the new one. The log frees only up to what the file on disk
+allows (:attr:`Consumer.saved`), and the file is written before the log's
+release position moves, so after any crash every blocking consumer's
+stored position is at or after the log's release position. A data
+directory without the file (one from before consumers) gets one consumer,
+:data:`~headgate.protocol.messages.DEFAULT_CONSUMER`, at the log's release
+position: exactly the single consumer it had.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from headgate.config import DATA_LOSS_OUTCOMES, ConsumerSettings
+from headgate.gateway.dedup import write_json_durably
+from headgate.protocol import messages as m
+from headgate.protocol.errors import ErrorCode, ProtocolError
+
+__all__ = [
+    "Consumer",
+    "ConsumerBook",
+    "ConsumerStatistics",
+    "IdleAction",
+    "consumers_file",
+]
+
+log = logging.getLogger("headgate.gateway")
+
+_FILE_VERSION = 1
+
+
+def consumers_file(data_dir: Path, stream: str) -> Path:
+    """Where the consumers of ``stream`` are stored in a data directory."""
+    return data_dir / "state" / f"{stream}.consumers.json"
+
+
+@dataclass(eq=False)
+class Consumer:
+    """One named consumer of one stream."""
+
+    #: The consumer's name.
+    name: str
+    #: The position it committed last (everything before it is done).
+    position: int
+    #: The position stored on disk: what the log may free by this consumer.
+    saved: int
+    #: Whether it holds the log back (False: declared non-blocking, or detached).
+    blocking: bool
+    #: ``fail`` or ``skip``: what its read behind the log does.
+    on_data_loss: str
+    #: Whether the idle rule made it non-blocking (it was declared blocking).
+    detached: bool = False
+    #: When it last made progress or was caught up (caller's clock); None
+    #: until the first idle check.
+    progress_at: float | None = None
+    #: Whether the idle WARNING was logged for the present idle spell.
+    idle: bool = False
+    #: Bytes its reads skipped because the log freed them first (``skip``).
+    skipped_bytes: int = 0
+    #: How often the idle rule detached it.
+    detached_total: int = 0
+
+    def record(self) -> dict[str, Any]:
+        """What the consumers file stores of it (its committed position)."""
+        return {
+            "name": self.name,
+            "position": self.position,
+            "blocking": self.blocking,
+            "on_data_loss": self.on_data_loss,
+            "detached": self.detached,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerStatistics:
+    """A snapshot of one consumer, for metrics."""
+
+    name: str
+    #: Its committed position.
+    position: int
+    #: Bytes of the stream's durable log after its position.
+    lag_bytes: int
+    blocking: bool
+    detached: bool
+    #: Idle under the ``hold`` policy: the producers wait on it.
+    idle: bool
+    skipped_bytes: int
+    detached_total: int
+
+
+@dataclass(frozen=True, slots=True)
+class IdleAction:
+    """What :meth:`ConsumerBook.idle` did to a consumer (the caller logs and counts)."""
+
+    consumer: Consumer
+    #: ``hold`` (it stays blocking; warned once) or ``detach``.
+    policy: str
+    #: Seconds since its last progress.
+    idle_for: float
+
+
+class ConsumerBook:
+    """The consumers of one stream, their rules, and their file. Create with :meth:`load`."""
+
+    def __init__(self, stream: str, path: Path, consumers: dict[str, Consumer]) -> None:
+        self.stream = stream
+        self.path = path
+        self.consumers = consumers
+        #: Whether a position or setting in memory is not on disk yet.
+        self.unsaved = False
+
+    @classmethod
+    def load(
+        cls,
+        stream: str,
+        path: Path,
+        *,
+        release_position: int,
+        tail_position: int,
+        declared: Mapping[str, ConsumerSettings],
+    ) -> ConsumerBook:
+        """The stream's stored consumers, plus those the configuration declares.
+
+        Without a file: the declared consumers, or (none declared) the one
+        :data:`~headgate.protocol.messages.DEFAULT_CONSUMER`, all at the
+        log's release position. A stored position beyond the tail (the log
+        lost frames it had not made durable) comes back to the tail; a
+        blocking one below the release position (a file from elsewhere) up to
+        it. A declared consumer's settings win over the stored ones, except
+        that a detached consumer stays detached.
+
+        Raises:
+            ValueError: the file is damaged (the gateway refuses to guess
+                which consumers there were).
+        """
+        consumers: dict[str, Consumer] = {}
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raw = None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{path}: consumers file unreadable: {exc}") from None
+        if raw is not None:
+            for consumer in _parse(path, raw):
+                position = min(consumer.position, tail_position)
+                if consumer.blocking and position < release_position:
+                    log.warning(
+                        "stream %s: consumer %s stored at %d, behind the log's release "
+                        "position %d; it continues there",
+                        stream,
+                        consumer.name,
+                        position,
+                        release_position,
+                    )
+                    position = release_position
+                consumer.position = consumer.saved = position
+                consumers[consumer.name] = consumer
+        elif not declared:
+            consumers[m.DEFAULT_CONSUMER] = Consumer(
+                m.DEFAULT_CONSUMER, release_position, release_position, True, "fail"
+            )
+        book = cls(stream, path, consumers)
+        book.unsaved = raw is None
+        for name, settings in declared.items():
+            existing = consumers.get(name)
+            if existing is None:
+                consumers[name] = Consumer(
+                    name,
+                    release_position,
+                    release_position,
+                    settings.blocking,
+                    settings.on_data_loss,
+                )
+                book.unsaved = True
+            elif (existing.blocking, existing.on_data_loss) != (
+                settings.blocking and not existing.detached,
+                settings.on_data_loss,
+            ):
+                if existing.detached and settings.blocking:
+                    log.warning(
+                        "stream %s: consumer %s was detached for idling; it stays "
+                        "non-blocking (delete and declare it again to make it block)",
+                        stream,
+                        name,
+                    )
+                if not existing.blocking and settings.blocking and not existing.detached:
+                    # Made blocking by the configuration: it must not hold
+                    # what the log has freed already.
+                    existing.position = existing.saved = max(existing.position, release_position)
+                existing.blocking = settings.blocking and not existing.detached
+                existing.on_data_loss = settings.on_data_loss
+                book.unsaved = True
+        return book
+
+    # -- the rules ----------------------------------------------------------------
+
+    def floor(self) -> int | None:
+        """The lowest stored position of a blocking consumer: the log may free up to it.
+
+        None when no consumer blocks: nothing holds the log back then.
+        """
+        blocking = [c.saved for c in self.consumers.values() if c.blocking]
+        return min(blocking) if blocking else None
+
+    def get(self, name: str) -> Consumer:
+        """The consumer called ``name``; a scoped UNKNOWN_CONSUMER error if there is none."""
+        consumer = self.consumers.get(name)
+        if consumer is None:
+            known = ", ".join(sorted(self.consumers)) or "none"
+            raise ProtocolError(
+                f"stream {self.stream}: no consumer called {name!r} (it has: {known}); "
+                "declare it in the gateway's configuration or with DeclareConsumer",
+                code=ErrorCode.UNKNOWN_CONSUMER,
+            )
+        return consumer
+
+    def commit(self, consumer: Consumer, position: int, now: float) -> bool:
+        """``consumer`` committed up to ``position`` (checked by the caller); True if it moved."""
+        if position <= consumer.position:
+            return False
+        consumer.position = position
+        consumer.progress_at = now
+        consumer.idle = False
+        self.unsaved = True
+        return True
+
+    def declare(self, name: str, settings: ConsumerSettings, start: int) -> Consumer:
+        """Create consumer ``name`` at ``start``, or return the one there is.
+
+        Raises:
+            ProtocolError: it exists with other settings.
+        """
+        existing = self.consumers.get(name)
+        if existing is not None:
+            wanted = (settings.blocking, settings.on_data_loss)
+            if (existing.blocking, existing.on_data_loss) != wanted:
+                raise ProtocolError(
+                    f"stream {self.stream}: consumer {name!r} exists with blocking="
+                    f"{str(existing.blocking).lower()}, on_data_loss={existing.on_data_loss}"
+                    + (" (detached for idling)" if existing.detached else ""),
+                    code=ErrorCode.UNEXPECTED_FRAME,
+                )
+            return existing
+        consumer = Consumer(name, start, start, settings.blocking, settings.on_data_loss)
+        self.consumers[name] = consumer
+        self.unsaved = True
+        return consumer
+
+    def read_from(self, name: str, start: int, oldest: int) -> tuple[int, int]:
+        """Where consumer ``name`` reads, asking for ``start`` while the log holds from ``oldest``.
+
+        Returns ``(position, skipped_bytes)``: ``start`` and 0 when the log
+        still holds it; for a ``skip`` consumer behind the log, ``oldest``
+        and the bytes freed before it read them (counted on it).
+
+        Raises:
+            ProtocolError: an unknown consumer; DATA_LOST for a ``fail`` one
+                behind the log, naming the positions.
+        """
+        consumer = self.get(name)
+        if start >= oldest:
+            return start, 0
+        if consumer.on_data_loss != "skip":
+            raise ProtocolError(
+                f"stream {self.stream}: consumer {name!r} asked to read from {start}, but the "
+                f"log holds from {oldest}: {oldest - start} bytes were freed before it read "
+                "them (on_data_loss = fail)",
+                code=ErrorCode.DATA_LOST,
+            )
+        consumer.skipped_bytes += oldest - start
+        return oldest, oldest - start
+
+    def idle(self, now: float, idle_after: float, policy: str, durable: int) -> list[IdleAction]:
+        """Apply the idle rule at ``now``; the consumers it newly warned about or detached.
+
+        A blocking consumer with nothing to release (at or past ``durable``)
+        is making progress as far as it can; one that has something to
+        release and has not for ``idle_after`` seconds is idle. ``hold``
+        keeps it blocking and reports it once per idle spell; ``detach``
+        makes it non-blocking (stored, so it stays so after a restart).
+        """
+        actions: list[IdleAction] = []
+        for consumer in self.consumers.values():
+            if not consumer.blocking:
+                continue
+            if consumer.progress_at is None or consumer.position >= durable:
+                consumer.progress_at = now
+                consumer.idle = False
+                continue
+            idle_for = now - consumer.progress_at
+            if idle_for < idle_after or consumer.idle:
+                continue
+            if policy == "detach":
+                consumer.blocking = False
+                consumer.detached = True
+                consumer.detached_total += 1
+                self.unsaved = True
+            else:
+                consumer.idle = True
+            actions.append(IdleAction(consumer, policy, idle_for))
+        return actions
+
+    # -- the file -----------------------------------------------------------------
+
+    def save(self) -> None:
+        """Store every consumer's committed position and settings (raises OSError).
+
+        Only once this returned may the log free up to the new positions.
+        """
+        records = [c.record() for c in self.consumers.values()]
+        write_json_durably(
+            self.path, {"version": _FILE_VERSION, "stream": self.stream, "consumers": records}
+        )
+        for consumer in self.consumers.values():
+            consumer.saved = consumer.position
+        self.unsaved = False
+
+    def statistics(self, durable: int) -> tuple[ConsumerStatistics, ...]:
+        return tuple(
+            ConsumerStatistics(
+                name=c.name,
+                position=c.position,
+                lag_bytes=max(0, durable - c.position),
+                blocking=c.blocking,
+                detached=c.detached,
+                idle=c.idle,
+                skipped_bytes=c.skipped_bytes,
+                detached_total=c.detached_total,
+            )
+            for c in sorted(self.consumers.values(), key=lambda c: c.name)
+        )
+
+
+def _parse(path: Path, raw: object) -> list[Consumer]:
+    """The consumers of a stored file; a ValueError naming the file for any damage."""
+    try:
+        if not isinstance(raw, dict) or raw.get("version") != _FILE_VERSION:
+            raise ValueError(f"expected a version {_FILE_VERSION} consumers file")
+        out: list[Consumer] = []
+        for entry in raw["consumers"]:
+            name = entry["name"]
+            position = entry["position"]
+            blocking = entry["blocking"]
+            on_data_loss = entry["on_data_loss"]
+            detached = entry.get("detached", False)
+            if not (isinstance(name, str) and m.is_valid_name(name)):
+                raise ValueError(f"invalid consumer name {name!r}")
+            if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+                raise ValueError(f"consumer {name}: invalid position {position!r}")
+            if not isinstance(blocking, bool) or not isinstance(detached, bool):
+                raise ValueError(f"consumer {name}: blocking and detached must be booleans")
+            if on_data_loss not in DATA_LOSS_OUTCOMES:
+                raise ValueError(f"consumer {name}: invalid on_data_loss {on_data_loss!r}")
+            out.append(Consumer(name, position, position, blocking, on_data_loss, detached))
+        return out
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: consumers file damaged: {exc}") from None
