@@ -1,5 +1,8 @@
 """The release client: tells a gateway how far Spark has committed each stream.
 
+Each client commits the positions of one named consumer (``consumer``,
+``default`` unless given; see PROTOCOL.md, "Consumers").
+
 The pipeline learns that a micro-batch is committed in Spark's
 ``StreamingQueryListener``, which runs on a py4j callback thread that Spark
 shares with every other listener. So :meth:`ReleaseClient.release` never
@@ -18,8 +21,8 @@ exponential backoff, forever, until :meth:`ReleaseClient.close`; a session
 that the gateway closes within seconds of its opening counts as a failed
 attempt, so the pauses keep growing (:mod:`headgate.client.backoff`).
 
-A gateway that answers a Release with an Error (an unknown stream, or a
-position beyond its log's tail, as after a gateway lost data it had not made
+A gateway that answers a Release with an Error (an unknown stream or
+consumer, or a position beyond its log's tail, as after a gateway lost data it had not made
 durable) closes the connection. Which Release it refused is not said, so
 every position written on that connection counts as settled, the refusal is
 logged, and the client reconnects: the next commit brings a newer position.
@@ -99,7 +102,12 @@ class ReleaseClient:
             handshake) may take.
         max_backoff: the longest pause between two connection attempts.
         security: token and TLS settings (:class:`ClientSecurity`); Release
-            needs a token with the ``admin`` right on a gateway with tokens.
+            needs a token with the ``admin`` right, or a ``consume`` pattern
+            matching ``stream/consumer``, on a gateway with tokens.
+        consumer: the consumer whose positions this client commits, on every
+            stream it releases (see PROTOCOL.md, "Consumers"); the default,
+            ``default``, is the one consumer of a stream declaring none, and
+            of a data directory from before consumers.
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -112,9 +120,14 @@ class ReleaseClient:
         connect_timeout: float = 5.0,
         max_backoff: float = 2.0,
         security: ClientSecurity | None = None,
+        consumer: str = m.DEFAULT_CONSUMER,
     ) -> None:
         if connect_timeout <= 0 or max_backoff <= 0:
             raise ValueError("connect_timeout and max_backoff must be positive")
+        if not m.is_valid_name(consumer):
+            raise ValueError(f"{consumer!r} is not a consumer name")
+        #: The consumer every Release of this client names.
+        self.consumer = consumer
         self.address = GatewayAddress.parse(address)
         self._security = security or ClientSecurity()
         # Fail now, in the caller's thread, on settings that cannot work.
@@ -146,7 +159,7 @@ class ReleaseClient:
     # -- the caller's side ----------------------------------------------------------
 
     def release(self, stream: str, position: int) -> None:
-        """Spark committed everything of ``stream`` before ``position``; returns at once."""
+        """The consumer committed everything of ``stream`` before ``position``; returns at once."""
         if not m.is_valid_name(stream):
             raise ValueError(f"{stream!r} is not a stream name")
         if not 0 <= position < 1 << 64:
@@ -363,7 +376,9 @@ class ReleaseClient:
                     }
                 if todo:
                     for stream, position in sorted(todo.items()):
-                        session.send_global(m.Release(stream=stream, position=position))
+                        session.send_global(
+                            m.Release(stream=stream, position=position, consumer=self.consumer)
+                        )
                     written.update(todo)
                     nonce += 1
                     probes[nonce] = dict(written)

@@ -231,6 +231,7 @@ class Reader:
         self._by_handle: dict[int, _Channel] = {}
         self._fetches: dict[int, _Fetch] = {}
         self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
+        self._declares: dict[int, asyncio.Future[int]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._keepalive: asyncio.TimerHandle | None = None
@@ -240,6 +241,9 @@ class Reader:
         self.welcome: m.Welcome | None = None
         #: Where the last completed fetch says the next one should start.
         self.last_next_position: int | None = None
+        #: Bytes the last fetch of a ``skip`` consumer jumped over (freed
+        #: before it read them); 0 for other fetches.
+        self.last_skipped_bytes = 0
 
     # -- connection ---------------------------------------------------------------
 
@@ -401,6 +405,10 @@ class Reader:
                 future = self._lists.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
+            case m.ConsumerDeclared(request_id=request_id, position=position):
+                declared = self._declares.pop(request_id, None)
+                if declared is not None and not declared.done():
+                    declared.set_result(position)
             case m.Missed(handle=handle, count=count):
                 channel = self._by_handle.get(handle)
                 if channel is not None:
@@ -439,6 +447,10 @@ class Reader:
             if not future.done():
                 future.set_exception(error)
         self._lists.clear()
+        for declared in self._declares.values():
+            if not declared.done():
+                declared.set_exception(error)
+        self._declares.clear()
         self._changed.set()
         for channel in [*self._by_handle.values(), *self._to_bind]:
             channel.wake.set()
@@ -486,7 +498,13 @@ class Reader:
         return list((await future).streams)
 
     async def fetch(
-        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+        self,
+        stream: str,
+        start: int,
+        end: int | None = None,
+        *,
+        max_bytes: int = 0,
+        consumer: str | None = None,
     ) -> AsyncGenerator[TailBatch, None]:
         """Yield the stored batches of ``stream`` in ``[start, end)``, in log order.
 
@@ -496,6 +514,11 @@ class Reader:
         at a time per reader; others wait their turn. A fetch left early
         still receives (and discards) the rest of what it asked for, so keep
         early exits to fetches limited by ``end`` or ``max_bytes``.
+
+        With ``consumer``, the fetch reads as that named consumer: a start
+        the log has freed already fails (``DATA_LOST``) or, for a ``skip``
+        consumer, reads on from the oldest held position, and
+        :attr:`last_skipped_bytes` says how many bytes were skipped.
         """
         if not m.is_valid_name(stream):
             raise ValueError(f"{stream!r} is not a valid stream name")
@@ -517,6 +540,7 @@ class Reader:
                         start_position=start,
                         end_position=U64_MAX if end is None else end,
                         max_bytes=max_bytes,
+                        consumer=consumer,
                     )
                 )
             except ValueError as error:
@@ -533,6 +557,7 @@ class Reader:
                     taken += 1
                     yield item
                 self.last_next_position = fetch.done.next_position
+                self.last_skipped_bytes = fetch.done.skipped_bytes or 0
             finally:
                 # Abandoned early: the rest of this fetch still arrives on the
                 # stream's channel, ahead of the next fetch's batches; take it.
@@ -545,10 +570,18 @@ class Reader:
                 self._fetches.pop(request_id, None)
 
     async def fetch_all(
-        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+        self,
+        stream: str,
+        start: int,
+        end: int | None = None,
+        *,
+        max_bytes: int = 0,
+        consumer: str | None = None,
     ) -> tuple[list[TailBatch], int]:
         """All batches of a fetch, and the position where a next fetch starts."""
-        batches = [b async for b in self.fetch(stream, start, end, max_bytes=max_bytes)]
+        batches = [
+            b async for b in self.fetch(stream, start, end, max_bytes=max_bytes, consumer=consumer)
+        ]
         assert self.last_next_position is not None
         return batches, self.last_next_position
 
@@ -579,11 +612,35 @@ class Reader:
         self._write()
         return Subscription(self, channel)
 
-    async def release(self, stream: str, position: int) -> None:
-        """Tell the gateway a consumer committed everything of ``stream`` before ``position``."""
+    async def release(self, stream: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> None:
+        """Tell the gateway ``consumer`` committed everything of ``stream`` before ``position``."""
         self._check()
-        self._session.send_global(m.Release(stream=stream, position=position))
+        self._session.send_global(m.Release(stream=stream, position=position, consumer=consumer))
         self._write()
+
+    async def declare_consumer(
+        self, stream: str, consumer: str, *, blocking: bool = True, skip_data_loss: bool = False
+    ) -> int:
+        """Create consumer ``consumer`` of ``stream`` (or find it); its committed position.
+
+        Needs ``admin`` or a ``consume`` pattern matching ``stream/consumer``.
+        A new consumer starts at the oldest position the log holds.
+        """
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._declares[request_id] = future
+        self._session.send_global(
+            m.DeclareConsumer(
+                request_id=request_id,
+                stream=stream,
+                consumer=consumer,
+                blocking=blocking,
+                skip_data_loss=skip_data_loss,
+            )
+        )
+        self._write()
+        return await future
 
 
 class Subscription:
