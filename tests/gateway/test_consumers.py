@@ -12,6 +12,7 @@ every consumer's position survives a SIGKILL of ``headgate serve``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -602,3 +603,41 @@ def test_config_consumers_reach_the_stream(tmp_path: Path) -> None:
     )
     assert cfg.consumers_for("s") == {"x": ConsumerSettings(blocking=False)}
     assert cfg.idle_rule_for("s") == (300.0, "hold")
+
+
+def test_with_no_blocking_consumer_nothing_holds_the_producers(tmp_path: Path) -> None:
+    """Only a non-blocking consumer: three logs' worth goes through with nobody releasing."""
+    settings = StreamSettings(
+        capacity=CAPACITY, consumers=consumers(live=ConsumerSettings(blocking=False))
+    )
+
+    async def scenario() -> None:
+        async with (
+            gateway(tmp_path, **SMALL, streams={"A": settings}) as gw,
+            Producer(gw.address, linger_ms=1, max_batch_bytes=4 * KiB) as p,
+        ):
+            for value in records("v" * 100, 7000):
+                await p.send("A", value)
+            await p.flush("A")
+            log = gw.streams["A"].log
+            assert log.tail_position > 3 * CAPACITY
+            # Freed lazily (at half the capacity in use): recent data stays readable.
+            assert 0 < log.tail_position - log.release_position <= CAPACITY
+            assert positions(gw, "A") == {"live": 0}
+
+    run(scenario(), timeout=30)
+
+
+def test_a_reload_declares_new_consumers_of_open_streams(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL) as gw:
+            async with Producer(gw.address, linger_ms=1) as p:
+                await p.send("s", b"v")
+                await p.flush("s")
+            assert positions(gw, "s") == {"default": 0}
+            settings = StreamSettings(consumers=consumers(archive=BLOCKING))
+            gw.reconfigure(dataclasses.replace(gw.config, streams={"s": settings}))
+            assert positions(gw, "s") == {"default": 0, "archive": 0}
+            assert set(stored(tmp_path, "s")) == {"default", "archive"}
+
+    run(scenario(), timeout=20)

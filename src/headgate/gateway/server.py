@@ -865,7 +865,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"{name}/{consumer})",
                         code=ErrorCode.FORBIDDEN,
                     )
-                gw.release(name, position, consumer)
+                if gw.release(name, position, consumer):
+                    self.charge(Cost.CONSUMER_WRITE)
             case MessageReceived(message=m.DeclareConsumer() as declare):
                 assert self.rights is not None
                 if not self.rights.can_consume(declare.stream, declare.consumer):
@@ -875,7 +876,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"a consume pattern matching {declare.stream}/{declare.consumer})",
                         code=ErrorCode.FORBIDDEN,
                     )
-                position = gw.declare_consumer(declare)
+                position, created = gw.declare_consumer(declare)
+                if created:
+                    self.charge(Cost.CONSUMER_WRITE)
                 self.session.send_global(
                     m.ConsumerDeclared(request_id=declare.request_id, position=position)
                 )
@@ -1307,6 +1310,14 @@ class Gateway:
                 settings = kept.flow_for(name)
             flow.update(settings)
         self.config = kept.validate()
+        for name, stream in self.streams.items():
+            # Consumers the reload declares are created now; one whose
+            # settings changed keeps its stored ones (the log says so).
+            for consumer, wanted in self.config.consumers_for(name).items():
+                try:
+                    stream.declare_consumer(consumer, wanted)
+                except ProtocolError as exc:
+                    log.warning("reload: %s", exc)
         for name in list(self.streams):
             capacity = self.config.stream_capacity_for(name)
             if capacity != self.streams[name].log.capacity:
@@ -1370,20 +1381,24 @@ class Gateway:
             counters = self._counters[name] = StreamCounters()
         return counters
 
-    def release(self, name: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> None:
-        """Consumer ``consumer`` is done with ``name`` before ``position``: reclaim and re-share."""
+    def release(self, name: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> bool:
+        """Consumer ``consumer`` is done with ``name`` before ``position``: reclaim and re-share.
+
+        Returns whether the consumer moved.
+        """
         stream = self.streams.get(name)
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        stream.release(position, consumer, now=time.monotonic())
+        moved = stream.release(position, consumer, now=time.monotonic())
         # The next group commit stores the release and deletes the terms it
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)
         stream.rebalance(time.monotonic())
         stream.flush_writers()
+        return moved
 
-    def declare_consumer(self, declare: m.DeclareConsumer) -> int:
-        """Create (or find) a named consumer of an existing stream; its committed position."""
+    def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:
+        """Create (or find) a named consumer of an existing stream; its position, and if new."""
         stream = self.streams.get(declare.stream)
         if stream is None:
             raise ProtocolError(
@@ -1392,11 +1407,7 @@ class Gateway:
         settings = ConsumerSettings(
             blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
         )
-        position = stream.declare_consumer(declare.consumer, settings)
-        # A new blocking consumer may be the new floor; a changed file is
-        # committed with the stream's next group commit either way.
-        self.mark_dirty(stream)
-        return position
+        return stream.declare_consumer(declare.consumer, settings)
 
     def check_consumers(self, now: float) -> None:
         """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""

@@ -880,7 +880,7 @@ class Stream:
 
     def release(
         self, position: int, consumer: str = m.DEFAULT_CONSUMER, *, now: float | None = None
-    ) -> None:
+    ) -> bool:
         """Consumer ``consumer`` committed everything before ``position``: store it, free the log.
 
         The log is freed up to the lowest committed position of the
@@ -888,7 +888,8 @@ class Stream:
         Spark may read what is published before it is fsynced; the rest is
         freed as the log becomes durable), and the freed space is shared
         out. A position at or below the consumer's is a no-op (a Release
-        sent twice). Nothing moves unless every check passes.
+        sent twice). Nothing moves unless every check passes. Returns
+        whether the consumer moved (its file was written).
 
         Raises:
             ProtocolError: an unknown consumer (UNKNOWN_CONSUMER); a position
@@ -897,11 +898,12 @@ class Stream:
         """
         target = self.consumers.get(consumer)
         if position <= target.position:
-            return
+            return False
         self._check_release(consumer, position)
         self.consumers.commit(target, position, 0.0 if now is None else now)
         self._save_consumers()
         self._free_to_floor()
+        return True
 
     def _check_release(self, consumer: str, position: int) -> None:
         """Raise unless ``position`` is a frame boundary a consumer can have read to."""
@@ -974,14 +976,17 @@ class Stream:
             return
         self._process_released()
 
-    def declare_consumer(self, name: str, settings: ConsumerSettings) -> int:
-        """Create consumer ``name`` at the oldest held position (or find it); its position.
+    def declare_consumer(self, name: str, settings: ConsumerSettings) -> tuple[int, bool]:
+        """Create consumer ``name`` at the oldest held position (or find it).
+
+        Returns its position, and whether it is new (its file was written).
 
         Raises:
             ProtocolError: it exists with other settings.
         """
         consumer = self.consumers.declare(name, settings, self.log.release_position)
-        if self.consumers.unsaved:
+        created = self.consumers.unsaved
+        if created:
             self._save_consumers()
             log.info(
                 "stream %s: consumer %s declared at %d (blocking=%s, on_data_loss=%s)",
@@ -991,7 +996,7 @@ class Stream:
                 consumer.blocking,
                 consumer.on_data_loss,
             )
-        return consumer.position
+        return consumer.position, created
 
     def read_start(self, consumer: str, start: int) -> tuple[int, int]:
         """Where ``consumer`` reads from when it asks for ``start``; and the bytes it skipped.
