@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,9 @@ class ConsumerStatistics:
     position: int
     #: Bytes of the stream's durable log after its position.
     lag_bytes: int
+    #: Age of the oldest durable record it has not committed (0 when it has
+    #: committed everything; None when not asked for).
+    lag_seconds: float | None
     blocking: bool
     detached: bool
     #: Idle under the ``hold`` policy: the producers wait on it.
@@ -337,12 +340,29 @@ class ConsumerBook:
             consumer.saved = consumer.position
         self.unsaved = False
 
-    def statistics(self, durable: int) -> tuple[ConsumerStatistics, ...]:
+    def statistics(
+        self, durable: int, ages: tuple[int, Callable[[int], int | None]] | None = None
+    ) -> tuple[ConsumerStatistics, ...]:
+        """Each consumer's snapshot, by name.
+
+        ``ages``: ``(now_us, timestamp_at)``, where ``timestamp_at(position)``
+        is the timestamp of the first durable record at or after it; then
+        each consumer's lag in seconds is ``now_us`` minus that.
+        """
+
+        def lag_seconds(position: int) -> float | None:
+            if ages is None:
+                return None
+            now_us, timestamp_at = ages
+            oldest = timestamp_at(position)
+            return 0.0 if oldest is None else max(0.0, (now_us - oldest) / 1e6)
+
         return tuple(
             ConsumerStatistics(
                 name=c.name,
                 position=c.position,
                 lag_bytes=max(0, durable - c.position),
+                lag_seconds=lag_seconds(c.position),
                 blocking=c.blocking,
                 detached=c.detached,
                 idle=c.idle,

@@ -1473,7 +1473,8 @@ class Gateway:
             stream.flush_writers()
 
     def statistics(self) -> list[StreamStatistics]:
-        return [s.statistics() for s in self.streams.values()]
+        now_us = time.time_ns() // 1000  # consumers' lag in seconds is wall-clock age
+        return [s.statistics(now_us) for s in self.streams.values()]
 
     def connection_statistics(self) -> list[ConnectionStatistics]:
         """Each connection's account, pauses and receive ring."""

@@ -1337,7 +1337,8 @@ class Stream:
         self._resume_after_held()
         return True
 
-    def statistics(self) -> StreamStatistics:
+    def statistics(self, now_us: int | None = None) -> StreamStatistics:
+        """A snapshot; with ``now_us`` (wall clock, µs) each consumer's lag in seconds too."""
         return StreamStatistics(
             name=self.name,
             capacity=self.log.capacity,
@@ -1353,8 +1354,28 @@ class Stream:
             storage_problem=None if self.storage_error is None else str(self.storage_error),
             held_batches=len(self.held),
             reserve=self.reserve,
-            consumers=self.consumers.statistics(self.log.durable_position),
+            consumers=self.consumers.statistics(
+                self.log.durable_position,
+                None if now_us is None else (now_us, self._oldest_unreleased_timestamp),
+            ),
         )
+
+    def _oldest_unreleased_timestamp(self, position: int) -> int | None:
+        """The timestamp (µs) of the first durable frame at or after ``position``, if any.
+
+        One header read: the age of the oldest record a consumer at
+        ``position`` has not committed (from what the log still holds).
+        """
+        log_ = self.log
+        start = max(position, log_.release_position)
+        if start >= log_.durable_position:
+            return None
+        try:
+            for header in log_.scan_headers(start, log_.durable_position, verify=False):
+                return header.timestamp_us
+        except LogError:
+            return None  # a position the log cannot scan from: no age known
+        return None
 
     def close(self) -> None:
         """Make the log durable, save the dedup state at its tail, close the log.
