@@ -650,3 +650,33 @@ def test_a_reload_declares_new_consumers_of_open_streams(tmp_path: Path) -> None
             assert set(stored(tmp_path, "s")) == {"default", "archive"}
 
     run(scenario(), timeout=20)
+
+
+def test_a_consumer_taken_out_of_the_configuration_is_deleted_at_the_next_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    both = StreamSettings(consumers=consumers(archive=BLOCKING, old=BLOCKING))
+
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL, streams={"s": both}) as gw:
+            async with Producer(gw.address, linger_ms=1) as p:
+                await p.send("s", b"v")
+                await p.flush("s")
+            async with Reader(gw.address) as reader:
+                await reader.declare_consumer("s", "adhoc")
+            end = gw.streams["s"].log.durable_position
+            gw.release("s", end, "archive")
+            gw.release("s", end, "adhoc")
+            assert gw.streams["s"].log.release_position == 0  # "old" holds it
+        only = StreamSettings(consumers=consumers(archive=BLOCKING))
+        with caplog.at_level(logging.WARNING, logger="headgate.gateway"):
+            async with gateway(tmp_path, **SMALL, streams={"s": only}) as gw:
+                stream = gw.stream("s")
+                # Runtime consumers stay; the one the TOML made and dropped goes.
+                assert positions(gw, "s") == {"archive": end, "adhoc": end}
+                assert stream.log.release_position == end  # freed at open
+        assert any(
+            "old is no longer in the configuration" in r.getMessage() for r in caplog.records
+        )
+
+    run(scenario(), timeout=20)

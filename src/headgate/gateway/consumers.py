@@ -72,6 +72,9 @@ class Consumer:
     on_data_loss: str
     #: Whether the idle rule made it non-blocking (it was declared blocking).
     detached: bool = False
+    #: Who made it: ``config`` (the gateway's TOML: it goes when the TOML no
+    #: longer declares it), ``runtime`` (DeclareConsumer) or ``default``.
+    origin: str = "runtime"
     #: When it last made progress or was caught up (caller's clock); None
     #: until the first idle check.
     progress_at: float | None = None
@@ -90,6 +93,7 @@ class Consumer:
             "blocking": self.blocking,
             "on_data_loss": self.on_data_loss,
             "detached": self.detached,
+            "origin": self.origin,
         }
 
 
@@ -182,10 +186,35 @@ class ConsumerBook:
                 consumers[consumer.name] = consumer
         elif not declared:
             consumers[m.DEFAULT_CONSUMER] = Consumer(
-                m.DEFAULT_CONSUMER, release_position, release_position, True, "fail"
+                m.DEFAULT_CONSUMER,
+                release_position,
+                release_position,
+                True,
+                "fail",
+                origin="default",
             )
         book = cls(stream, path, consumers)
         book.unsaved = raw is None
+        for name, consumer in list(consumers.items()):
+            if consumer.origin == "config" and name not in declared:
+                # The operator took it out of the TOML: it must not hold the log.
+                log.warning(
+                    "stream %s: consumer %s is no longer in the configuration; deleted "
+                    "(it was at %d)",
+                    stream,
+                    name,
+                    consumer.position,
+                )
+                del consumers[name]
+                book.unsaved = True
+            elif consumer.origin == "default" and consumer.blocking and declared:
+                log.warning(
+                    "stream %s: consumer %s (from before consumers were configured) still "
+                    "blocks at %d; releases of it (Release naming no consumer) free the log",
+                    stream,
+                    name,
+                    consumer.position,
+                )
         for name, settings in declared.items():
             existing = consumers.get(name)
             if existing is None:
@@ -195,6 +224,7 @@ class ConsumerBook:
                     release_position,
                     settings.blocking,
                     settings.on_data_loss,
+                    origin="config",
                 )
                 book.unsaved = True
             elif (existing.blocking, existing.on_data_loss) != (
@@ -214,6 +244,9 @@ class ConsumerBook:
                     existing.position = existing.saved = max(existing.position, release_position)
                 existing.blocking = settings.blocking and not existing.detached
                 existing.on_data_loss = settings.on_data_loss
+                book.unsaved = True
+            if existing is not None and existing.origin != "config":
+                existing.origin = "config"
                 book.unsaved = True
         return book
 
@@ -249,7 +282,9 @@ class ConsumerBook:
         self.unsaved = True
         return True
 
-    def declare(self, name: str, settings: ConsumerSettings, start: int) -> Consumer:
+    def declare(
+        self, name: str, settings: ConsumerSettings, start: int, *, origin: str = "runtime"
+    ) -> Consumer:
         """Create consumer ``name`` at ``start``, or return the one there is.
 
         Raises:
@@ -266,7 +301,9 @@ class ConsumerBook:
                     code=ErrorCode.UNEXPECTED_FRAME,
                 )
             return existing
-        consumer = Consumer(name, start, start, settings.blocking, settings.on_data_loss)
+        consumer = Consumer(
+            name, start, start, settings.blocking, settings.on_data_loss, origin=origin
+        )
         self.consumers[name] = consumer
         self.unsaved = True
         return consumer
@@ -385,6 +422,7 @@ def _parse(path: Path, raw: object) -> list[Consumer]:
             blocking = entry["blocking"]
             on_data_loss = entry["on_data_loss"]
             detached = entry.get("detached", False)
+            origin = entry.get("origin", "runtime")
             if not (isinstance(name, str) and m.is_valid_name(name)):
                 raise ValueError(f"invalid consumer name {name!r}")
             if isinstance(position, bool) or not isinstance(position, int) or position < 0:
@@ -393,7 +431,11 @@ def _parse(path: Path, raw: object) -> list[Consumer]:
                 raise ValueError(f"consumer {name}: blocking and detached must be booleans")
             if on_data_loss not in DATA_LOSS_OUTCOMES:
                 raise ValueError(f"consumer {name}: invalid on_data_loss {on_data_loss!r}")
-            out.append(Consumer(name, position, position, blocking, on_data_loss, detached))
+            if origin not in ("config", "runtime", "default"):
+                raise ValueError(f"consumer {name}: invalid origin {origin!r}")
+            out.append(
+                Consumer(name, position, position, blocking, on_data_loss, detached, origin=origin)
+            )
         return out
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: consumers file damaged: {exc}") from None

@@ -1312,10 +1312,11 @@ class Gateway:
         self.config = kept.validate()
         for name, stream in self.streams.items():
             # Consumers the reload declares are created now; one whose
-            # settings changed keeps its stored ones (the log says so).
+            # settings changed keeps its stored ones (the log says so), and
+            # one it no longer declares goes at the next start.
             for consumer, wanted in self.config.consumers_for(name).items():
                 try:
-                    stream.declare_consumer(consumer, wanted)
+                    stream.declare_consumer(consumer, wanted, origin="config")
                 except ProtocolError as exc:
                     log.warning("reload: %s", exc)
         for name in list(self.streams):

@@ -545,6 +545,8 @@ class Stream:
         if stream.consumers.unsaved:
             stream._save_consumers()
         stream._recover_dedup()
+        # A consumer deleted or detached since the last life: free what it held.
+        stream._free_to_floor()
         return stream
 
     def _recover_dedup(self) -> None:
@@ -976,7 +978,9 @@ class Stream:
             return
         self._process_released()
 
-    def declare_consumer(self, name: str, settings: ConsumerSettings) -> tuple[int, bool]:
+    def declare_consumer(
+        self, name: str, settings: ConsumerSettings, *, origin: str = "runtime"
+    ) -> tuple[int, bool]:
         """Create consumer ``name`` at the oldest held position (or find it).
 
         Returns its position, and whether it is new (its file was written).
@@ -984,7 +988,7 @@ class Stream:
         Raises:
             ProtocolError: it exists with other settings.
         """
-        consumer = self.consumers.declare(name, settings, self.log.release_position)
+        consumer = self.consumers.declare(name, settings, self.log.release_position, origin=origin)
         created = self.consumers.unsaved
         if created:
             self._save_consumers()
