@@ -38,7 +38,7 @@ from headgate.gateway.consumers import ConsumerBook, consumers_file
 from headgate.gateway.metrics import GatewayCollector, snapshot
 from headgate.log import LogReader
 from headgate.protocol import messages as m
-from headgate.protocol.errors import ErrorCode
+from headgate.protocol.errors import ErrorCode, ProtocolError
 from tests.client.test_producer import (
     SMALL,
     Frame,
@@ -680,3 +680,17 @@ def test_a_consumer_taken_out_of_the_configuration_is_deleted_at_the_next_start(
         )
 
     run(scenario(), timeout=20)
+
+
+def test_a_stream_has_at_most_max_consumers(tmp_path: Path) -> None:
+    from headgate.gateway.consumers import MAX_CONSUMERS_PER_STREAM
+
+    book = ConsumerBook.load(
+        "s", tmp_path / "s.consumers.json", release_position=0, tail_position=0, declared={}
+    )
+    for i in range(MAX_CONSUMERS_PER_STREAM - 1):  # "default" is the first
+        book.declare(f"c{i}", BLOCKING, 0)
+    with pytest.raises(ProtocolError) as refused:
+        book.declare("one-more", BLOCKING, 0)
+    assert refused.value.code == ErrorCode.RESOURCE_EXHAUSTED
+    assert book.declare("c0", BLOCKING, 0).name == "c0"  # an existing one is still found

@@ -39,6 +39,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 
 __all__ = [
+    "MAX_CONSUMERS_PER_STREAM",
     "Consumer",
     "ConsumerBook",
     "ConsumerStatistics",
@@ -49,6 +50,9 @@ __all__ = [
 log = logging.getLogger("headgate.gateway")
 
 _FILE_VERSION = 1
+#: Most consumers a stream has: each Release rewrites the stream's whole
+#: consumers file, and a token's ``consume`` pattern may allow many names.
+MAX_CONSUMERS_PER_STREAM = 256
 
 
 def consumers_file(data_dir: Path, stream: str) -> Path:
@@ -288,7 +292,8 @@ class ConsumerBook:
         """Create consumer ``name`` at ``start``, or return the one there is.
 
         Raises:
-            ProtocolError: it exists with other settings.
+            ProtocolError: it exists with other settings; RESOURCE_EXHAUSTED
+                beyond :data:`MAX_CONSUMERS_PER_STREAM`.
         """
         existing = self.consumers.get(name)
         if existing is not None:
@@ -301,6 +306,12 @@ class ConsumerBook:
                     code=ErrorCode.UNEXPECTED_FRAME,
                 )
             return existing
+        if len(self.consumers) >= MAX_CONSUMERS_PER_STREAM:
+            raise ProtocolError(
+                f"stream {self.stream}: already has {len(self.consumers)} consumers, "
+                f"the most a stream may have",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
         consumer = Consumer(
             name, start, start, settings.blocking, settings.on_data_loss, origin=origin
         )
