@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from headgate.gateway.consumers import consumers_file
 from headgate.gateway.server import DATA_LOCK_FILE_NAME
 from headgate.gateway.streams import stream_files
 from headgate.log.lock import DirectoryLock
@@ -85,7 +86,7 @@ class Deleted:
     """What ``delete_stream`` removed."""
 
     stream: str
-    #: Bytes of the log's files and its producer state.
+    #: Bytes of the log's files, its producer state and its consumers.
     bytes_removed: int
     paths: tuple[Path, ...]
 
@@ -108,13 +109,16 @@ def delete_stream(data_dir: Path, name: str) -> Deleted:
             raise LookupError(f"{data_dir} holds no stream {name!r}")
         size = sum(f.stat().st_size for f in log_dir.rglob("*") if f.is_file())
         paths = [log_dir]
-        if state.exists():
-            size += state.stat().st_size
-            paths.append(state)
+        for extra in (state, consumers_file(data_dir, name)):
+            if extra.exists():
+                size += extra.stat().st_size
+                paths.append(extra)
         # A crash in the middle leaves a log without its directory entry or
         # without its state: both are what a stream that never existed has.
         shutil.rmtree(log_dir)
         state.unlink(missing_ok=True)
+        # Its consumers go with it: a new stream of that name starts afresh.
+        consumers_file(data_dir, name).unlink(missing_ok=True)
         return Deleted(name, size, tuple(paths))
     finally:
         lock.release()
