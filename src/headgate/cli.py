@@ -663,6 +663,63 @@ def run(data_dir: Path, seconds: float) -> None:
         sys.exit(1)
 
 
+@main.command()
+@click.argument("names", nargs=-1)
+@_gateway_option
+@_security_options
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table, or one JSON object per consumer (for scripts).",
+)
+def consumers(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
+    """The named consumers of every stream (or of the streams NAMES), with their lag.
+
+    position: what the consumer committed; lag: the durable bytes after it,
+    and the age of the oldest of them; blocking: whether it holds the
+    producers back; state: ok, idle (blocking and not releasing past
+    idle_release_seconds) or detached (made non-blocking for idling).
+    """
+    from headgate.client.reader import ReaderError
+    from headgate.streams_admin import list_consumers
+
+    try:
+        rows = asyncio.run(list_consumers(gateway, _security(options), names))
+    except (ReaderError, LookupError) as exc:
+        click.echo(f"headgate consumers: {exc}", err=True)
+        sys.exit(1)
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps(row.as_dict()))
+        return
+    if not rows:
+        click.echo("no consumers", err=True)
+        return
+    header = ("stream", "consumer", "position", "lag", "lag_s", "blocking", "state")
+    table = [header] + [
+        (
+            r.stream,
+            r.consumer,
+            f"{r.position:,}",
+            _bytes_text(r.lag_bytes),
+            f"{r.lag_seconds:,.1f}",
+            "yes" if r.blocking else f"no ({r.on_data_loss})",
+            r.state,
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        cells = [
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        click.echo("  ".join(cells).rstrip())
+
+
 @main.group()
 def streams() -> None:
     """List and describe a gateway's streams; delete one from a stopped gateway's directory."""

@@ -82,6 +82,73 @@ async def list_streams(
 
 
 @dataclass(frozen=True, slots=True)
+class ConsumerRow:
+    """One consumer as ``headgate consumers`` shows it."""
+
+    stream: str
+    consumer: str
+    position: int
+    lag_bytes: int
+    lag_seconds: float
+    blocking: bool
+    on_data_loss: str
+    #: ``ok``, ``idle`` (blocking, holding the producers) or ``detached``.
+    state: str
+
+    @classmethod
+    def of(cls, stream: str, info: m.ConsumerInfo) -> ConsumerRow:
+        state = "detached" if info.detached else "idle" if info.idle else "ok"
+        return cls(
+            stream,
+            info.consumer,
+            info.position,
+            info.lag_bytes,
+            info.lag_ms / 1000,
+            info.blocking,
+            "skip" if info.skip_data_loss else "fail",
+            state,
+        )
+
+    def as_dict(self) -> dict[str, int | str | float | bool]:
+        return {
+            "stream": self.stream,
+            "consumer": self.consumer,
+            "position": self.position,
+            "lag_bytes": self.lag_bytes,
+            "lag_seconds": self.lag_seconds,
+            "blocking": self.blocking,
+            "on_data_loss": self.on_data_loss,
+            "state": self.state,
+        }
+
+
+async def list_consumers(
+    gateway: str, security: object | None = None, names: Sequence[str] = ()
+) -> list[ConsumerRow]:
+    """The consumers of the gateway's streams (only ``names`` if given), by stream and name.
+
+    Raises:
+        ReaderError: the gateway cannot be reached or refused the request.
+        LookupError: a stream of ``names`` does not exist.
+    """
+    from headgate.client.reader import Reader
+    from headgate.client.security import ClientSecurity
+
+    assert security is None or isinstance(security, ClientSecurity)
+    async with Reader(gateway, client_name="headgate-consumers", security=security) as reader:
+        known = [info.stream for info in await reader.list_streams()]
+        missing = [name for name in names if name not in known]
+        if missing:
+            raise LookupError(
+                f"the gateway at {gateway} has no stream {', '.join(map(repr, missing))}"
+            )
+        rows: list[ConsumerRow] = []
+        for stream in sorted(names or known):
+            rows += [ConsumerRow.of(stream, c) for c in await reader.list_consumers(stream)]
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
 class Deleted:
     """What ``delete_stream`` removed."""
 

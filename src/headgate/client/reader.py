@@ -232,6 +232,7 @@ class Reader:
         self._fetches: dict[int, _Fetch] = {}
         self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
         self._declares: dict[int, asyncio.Future[int]] = {}
+        self._consumer_lists: dict[int, asyncio.Future[m.ConsumerList]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._keepalive: asyncio.TimerHandle | None = None
@@ -405,6 +406,10 @@ class Reader:
                 future = self._lists.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
+            case m.ConsumerList(request_id=request_id):
+                listed = self._consumer_lists.pop(request_id, None)
+                if listed is not None and not listed.done():
+                    listed.set_result(message)
             case m.ConsumerDeclared(request_id=request_id, position=position):
                 declared = self._declares.pop(request_id, None)
                 if declared is not None and not declared.done():
@@ -451,6 +456,10 @@ class Reader:
             if not declared.done():
                 declared.set_exception(error)
         self._declares.clear()
+        for listed in self._consumer_lists.values():
+            if not listed.done():
+                listed.set_exception(error)
+        self._consumer_lists.clear()
         self._changed.set()
         for channel in [*self._by_handle.values(), *self._to_bind]:
             channel.wake.set()
@@ -617,6 +626,16 @@ class Reader:
         self._check()
         self._session.send_global(m.Release(stream=stream, position=position, consumer=consumer))
         self._write()
+
+    async def list_consumers(self, stream: str) -> list[m.ConsumerInfo]:
+        """The consumers of ``stream`` with their positions and lag, sorted by name."""
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[m.ConsumerList] = asyncio.get_running_loop().create_future()
+        self._consumer_lists[request_id] = future
+        self._session.send_global(m.ListConsumers(request_id=request_id, stream=stream))
+        self._write()
+        return list((await future).consumers)
 
     async def declare_consumer(
         self, stream: str, consumer: str, *, blocking: bool = True, skip_data_loss: bool = False

@@ -867,6 +867,16 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     )
                 if gw.release(name, position, consumer):
                     self.charge(Cost.CONSUMER_WRITE)
+            case MessageReceived(message=m.ListConsumers(request_id=request_id, stream=name)):
+                assert self.rights is not None
+                if not self.rights.can_read(name):
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not read stream {name!r}",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                infos = gw.consumer_infos(name)
+                self.charge(Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(infos))
+                self.session.send_global(m.ConsumerList(request_id=request_id, consumers=infos))
             case MessageReceived(message=m.DeclareConsumer() as declare):
                 assert self.rights is not None
                 if not self.rights.can_consume(declare.stream, declare.consumer):
@@ -1409,6 +1419,26 @@ class Gateway:
             blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
         )
         return stream.declare_consumer(declare.consumer, settings)
+
+    def consumer_infos(self, name: str) -> tuple[m.ConsumerInfo, ...]:
+        """The consumers of stream ``name`` as ListConsumers answers them, by name."""
+        stream = self.streams.get(name)
+        if stream is None:
+            raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
+        settings = stream.consumers.consumers
+        return tuple(
+            m.ConsumerInfo(
+                consumer=c.name,
+                position=c.position,
+                lag_bytes=c.lag_bytes,
+                lag_ms=round((c.lag_seconds or 0.0) * 1000),
+                blocking=c.blocking,
+                skip_data_loss=settings[c.name].on_data_loss == "skip",
+                detached=c.detached,
+                idle=c.idle,
+            )
+            for c in stream.statistics(time.time_ns() // 1000).consumers
+        )
 
     def check_consumers(self, now: float) -> None:
         """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""

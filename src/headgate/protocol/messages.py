@@ -61,6 +61,8 @@ __all__ = [
     "BindStream",
     "ChannelMessage",
     "ConsumerDeclared",
+    "ConsumerInfo",
+    "ConsumerList",
     "DeclareConsumer",
     "Error",
     "Fetch",
@@ -72,6 +74,7 @@ __all__ = [
     "HandleType",
     "Hello",
     "HelloFlags",
+    "ListConsumers",
     "ListStreams",
     "MessageType",
     "Missed",
@@ -173,6 +176,8 @@ class MessageType(IntEnum):
     CONSUMER_FETCH_DONE = 0x27
     DECLARE_CONSUMER = 0x30
     CONSUMER_DECLARED = 0x31
+    LIST_CONSUMERS = 0x32
+    CONSUMER_LIST = 0x33
 
 
 class HandleType(IntEnum):
@@ -473,6 +478,48 @@ class ConsumerDeclared:
     position: int
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListConsumers:
+    """A request for the consumers of one stream (the ``read`` right on it)."""
+
+    #: Chosen by the client; ConsumerList echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerInfo:
+    """One consumer of a stream, as the gateway saw it when it answered."""
+
+    #: The consumer's name.
+    consumer: str
+    #: Its committed position.
+    position: int
+    #: Durable log bytes after its position.
+    lag_bytes: int
+    #: Age of the oldest durable record it has not committed, in milliseconds.
+    lag_ms: int
+    #: Whether it holds the log (and so the producers) back.
+    blocking: bool
+    #: Whether its reads behind the log skip ahead (else they fail).
+    skip_data_loss: bool = False
+    #: Whether the idle rule made it non-blocking.
+    detached: bool = False
+    #: Whether it is idle and holding the producers (``idle_policy = "hold"``).
+    idle: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerList:
+    """The gateway's answer to ListConsumers: the stream's consumers, sorted by name."""
+
+    #: The request_id of the ListConsumers.
+    request_id: int
+    #: One entry per consumer.
+    consumers: tuple[ConsumerInfo, ...]
+
+
 # --- channel messages ------------------------------------------------------
 
 
@@ -512,6 +559,8 @@ GlobalMessage = (
     | StreamList
     | DeclareConsumer
     | ConsumerDeclared
+    | ListConsumers
+    | ConsumerList
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -770,6 +819,25 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             out.append(MessageType.CONSUMER_DECLARED)
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, message.position, "position")
+        case ListConsumers():
+            out.append(MessageType.LIST_CONSUMERS)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+        case ConsumerList():
+            out.append(MessageType.CONSUMER_LIST)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, len(message.consumers), "consumer count")
+            for entry in message.consumers:
+                _put_name(out, entry.consumer, "consumer name")
+                _put_u64(out, entry.position, "position")
+                _put_u64(out, entry.lag_bytes, "lag_bytes")
+                _put_u64(out, entry.lag_ms, "lag_ms")
+                out.append(
+                    (1 if entry.blocking else 0)
+                    | (2 if entry.skip_data_loss else 0)
+                    | (4 if entry.detached else 0)
+                    | (8 if entry.idle else 0)
+                )
         case ListStreams():
             out.append(MessageType.LIST_STREAMS)
             _put_u64(out, message.request_id, "request_id")
@@ -1022,6 +1090,38 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 blocking=bool(flags & 1),
                 skip_data_loss=bool(flags & 2),
             )
+        case MessageType.LIST_CONSUMERS:
+            message = ListConsumers(
+                request_id=reader.u64("request_id"), stream=reader.name("stream name")
+            )
+        case MessageType.CONSUMER_LIST:
+            request_id = reader.u64("request_id")
+            count = reader.u64("consumer count")
+            # Each entry takes at least 6 bytes (as in STREAM_LIST).
+            if count > len(payload) // 6:
+                raise MessageError(f"CONSUMER_LIST: {count} consumers cannot fit in the message")
+            entries = []
+            for _ in range(count):
+                name = reader.name("consumer name")
+                position = reader.u64("position")
+                lag_bytes = reader.u64("lag_bytes")
+                lag_ms = reader.u64("lag_ms")
+                flags = reader.u8("flags")
+                if flags & ~15:
+                    raise MessageError(f"CONSUMER_LIST: undefined flags {flags:#04x}")
+                entries.append(
+                    ConsumerInfo(
+                        consumer=name,
+                        position=position,
+                        lag_bytes=lag_bytes,
+                        lag_ms=lag_ms,
+                        blocking=bool(flags & 1),
+                        skip_data_loss=bool(flags & 2),
+                        detached=bool(flags & 4),
+                        idle=bool(flags & 8),
+                    )
+                )
+            message = ConsumerList(request_id=request_id, consumers=tuple(entries))
         case MessageType.CONSUMER_DECLARED:
             message = ConsumerDeclared(
                 request_id=reader.u64("request_id"), position=reader.u64("position")
