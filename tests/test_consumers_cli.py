@@ -71,3 +71,76 @@ def test_consumers_lists_each_consumer_with_its_lag_and_state(tmp_path: Path) ->
         )
     finally:
         stop(proc)
+
+
+def test_consumers_reset_and_delete_need_admin_and_replay_what_the_log_holds(
+    tmp_path: Path,
+) -> None:
+    from tests.gateway._tokens import Token, write_tokens
+
+    tokens = write_tokens(
+        tmp_path / "tokens.toml",
+        Token("ops", "o" * 32, admin=True, read=("*",), write=("*",)),
+        Token("reader", "r" * 32, read=("*",)),
+    )
+    config = tmp_path / "gateway.toml"
+    config.write_text("[streams.clicks.consumers.archive]\n[streams.clicks.consumers.audit]\n")
+    proc, address = serve(tmp_path / "data", "--config", str(config), "--auth-file", str(tokens))
+    ops = ["--gateway", address, "--token", "o" * 32]
+    try:
+        from headgate.client.security import ClientSecurity
+
+        async def produce() -> None:
+            async with Producer(
+                address, linger_ms=1, security=ClientSecurity(token=b"o" * 32)
+            ) as p:
+                for i in range(50):
+                    await p.send("clicks", b"record %d" % i)
+                await p.flush()
+
+        asyncio.run(produce())
+        runner = CliRunner()
+        listed = runner.invoke(main, ["consumers", "clicks", *ops, "--format", "json"])
+        assert listed.exit_code == 0, listed.output
+        end = json.loads(listed.output.splitlines()[0])["lag_bytes"]
+
+        forward = runner.invoke(
+            main, ["consumers", "reset", "archive", "--stream", "clicks", "--to", "latest", *ops]
+        )
+        assert forward.exit_code == 0, forward.output
+        assert forward.output == f"consumer 'archive' of stream 'clicks' is at {end:,}\n"
+        back = runner.invoke(
+            main, ["consumers", "reset", "archive", "--stream", "clicks", "--to", "earliest", *ops]
+        )
+        assert back.output == "consumer 'archive' of stream 'clicks' is at 0\n"
+        past = runner.invoke(
+            main,
+            ["consumers", "reset", "archive", "--stream", "clicks", "--to", "2000-01-01", *ops],
+        )
+        assert past.output == "consumer 'archive' of stream 'clicks' is at 0\n"
+        bad = runner.invoke(
+            main, ["consumers", "reset", "archive", "--stream", "clicks", "--to", "soon", *ops]
+        )
+        assert bad.exit_code == 2 and "expected earliest, latest, a position" in bad.output
+
+        as_reader = ["--gateway", address, "--token", "r" * 32]
+        refused = runner.invoke(
+            main, ["consumers", "delete", "audit", "--stream", "clicks", "--yes", *as_reader]
+        )
+        assert refused.exit_code == 1
+        assert "may not reset or delete consumer 'audit'" in refused.output
+        assert "FORBIDDEN" in refused.output and "Traceback" not in refused.output
+
+        deleted = runner.invoke(
+            main, ["consumers", "delete", "audit", "--stream", "clicks", "--yes", *ops]
+        )
+        assert deleted.exit_code == 0, deleted.output
+        after = runner.invoke(main, ["consumers", *ops, "--format", "json"])
+        names = [json.loads(line)["consumer"] for line in after.output.splitlines()]
+        assert names == ["archive"]
+        unknown = runner.invoke(
+            main, ["consumers", "delete", "audit", "--stream", "clicks", "--yes", *ops]
+        )
+        assert unknown.exit_code == 1 and "no consumer called 'audit'" in unknown.output
+    finally:
+        stop(proc)

@@ -663,7 +663,26 @@ def run(data_dir: Path, seconds: float) -> None:
         sys.exit(1)
 
 
-@main.command()
+class _ConsumersGroup(click.Group):
+    """``headgate consumers [STREAM...]`` lists; ``reset`` and ``delete`` change one.
+
+    A first argument that is not a subcommand (a stream name, an option, or
+    nothing) goes to ``list``, so that ``headgate consumers clicks`` reads
+    as it is written.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in (*self.commands, "--help", "-h"):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_ConsumersGroup)
+def consumers() -> None:
+    """A gateway's named consumers: list them (the default), reset or delete one."""
+
+
+@consumers.command(name="list")
 @click.argument("names", nargs=-1)
 @_gateway_option
 @_security_options
@@ -675,7 +694,7 @@ def run(data_dir: Path, seconds: float) -> None:
     show_default=True,
     help="table, or one JSON object per consumer (for scripts).",
 )
-def consumers(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
+def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
     """The named consumers of every stream (or of the streams NAMES), with their lag.
 
     position: what the consumer committed; lag: the durable bytes after it,
@@ -718,6 +737,80 @@ def consumers(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) ->
             for i, (c, w) in enumerate(zip(line, widths, strict=True))
         ]
         click.echo("  ".join(cells).rstrip())
+
+
+def _reset_target(text: str) -> Any:
+    """``earliest``, ``latest``, a position, or an ISO time (UTC unless it says)."""
+    from datetime import UTC, datetime
+
+    from headgate.protocol import messages as m
+
+    if text in ("earliest", "latest"):
+        return m.ResetTo(text)
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: expected earliest, latest, a position, or an ISO time "
+            "such as 2026-11-25T03:00:00Z"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return m.ResetTime(round(when.timestamp() * 1_000_000))
+
+
+def _change_consumer(gateway: str, options: dict[str, Any], change: Callable[..., Any]) -> int:
+    from headgate.client.reader import Reader, ReaderError
+
+    security = _security(options)
+
+    async def run() -> int:
+        async with Reader(gateway, client_name="headgate-consumers", security=security) as r:
+            return int(await change(r))
+
+    try:
+        return asyncio.run(run())
+    except ReaderError as exc:
+        click.echo(f"headgate consumers: {exc}", err=True)
+        sys.exit(1)
+
+
+@consumers.command(name="reset")
+@click.argument("name")
+@click.option("--stream", required=True, help="The consumer's stream.")
+@click.option(
+    "--to",
+    "target",
+    required=True,
+    help="earliest, latest, a log position, or an ISO time (UTC unless it says).",
+)
+@_gateway_option
+@_security_options
+def consumers_reset(name: str, stream: str, target: str, gateway: str, **options: Any) -> None:
+    """Move consumer NAME of a stream back (to replay what the log holds) or forward.
+
+    Needs a token with the admin right. A time moves it to the first record
+    stored at or after it.
+    """
+    to = _reset_target(target)
+    position = _change_consumer(gateway, options, lambda r: r.reset_consumer(stream, name, to))
+    click.echo(f"consumer {name!r} of stream {stream!r} is at {position:,}")
+
+
+@consumers.command(name="delete")
+@click.argument("name")
+@click.option("--stream", required=True, help="The consumer's stream.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_gateway_option
+@_security_options
+def consumers_delete(name: str, stream: str, yes: bool, gateway: str, **options: Any) -> None:
+    """Delete consumer NAME of a stream; the log is freed of what it held (admin right)."""
+    if not yes:
+        click.confirm(f"delete consumer {name!r} of stream {stream!r}?", abort=True)
+    position = _change_consumer(gateway, options, lambda r: r.delete_consumer(stream, name))
+    click.echo(f"deleted consumer {name!r} of stream {stream!r} (it was at {position:,})")
 
 
 @main.group()

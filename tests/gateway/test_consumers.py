@@ -694,3 +694,53 @@ def test_a_stream_has_at_most_max_consumers(tmp_path: Path) -> None:
         book.declare("one-more", BLOCKING, 0)
     assert refused.value.code == ErrorCode.RESOURCE_EXHAUSTED
     assert book.declare("c0", BLOCKING, 0).name == "c0"  # an existing one is still found
+
+
+def test_a_consumer_reset_to_earliest_or_a_time_replays_the_original_records(
+    tmp_path: Path,
+) -> None:
+    settings = StreamSettings(consumers=consumers(archive=BLOCKING, audit=BLOCKING))
+
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL, streams={"s": settings}) as gw:
+            first, second = records("a", 100), records("b", 100)
+            async with Producer(gw.address, linger_ms=1, max_batch_bytes=512) as p:
+                for value in first:
+                    await p.send("s", value)
+                await p.flush("s")
+                await asyncio.sleep(0.01)
+                between = time.time_ns() // 1000
+                await asyncio.sleep(0.01)
+                for value in second:
+                    await p.send("s", value)
+                await p.flush("s")
+            archive = Consumer(gw, tmp_path, "s", "archive")
+            archive.poll()
+            original = values_in_order(archive.frames, p.producer_id)
+            assert original == first + second
+            async with Reader(gw.address) as reader:
+                assert await reader.reset_consumer("s", "archive", m.ResetTo.EARLIEST) == 0
+                assert positions(gw, "s")["archive"] == 0
+                replay, _ = await reader.fetch_all("s", 0, consumer="archive")
+                replayed = [v for b in replay for v in _lists(memoryview(b.records))[0]]
+                assert replayed == original
+                at = await reader.reset_consumer("s", "archive", m.ResetTime(between))
+                tail, _ = await reader.fetch_all("s", at, consumer="archive")
+                assert [v for b in tail for v in _lists(memoryview(b.records))[0]] == second
+                latest = await reader.reset_consumer("s", "archive", m.ResetTo.LATEST)
+                assert latest == gw.streams["s"].log.durable_position
+                # Deleting the consumer that held the log frees it to the other one.
+                await reader.release("s", latest, "audit")
+                await reader.list_consumers("s")  # the Release is applied before this answer
+                assert gw.streams["s"].log.release_position == latest
+                await reader.reset_consumer("s", "archive", m.ResetTo.EARLIEST)
+                assert gw.streams["s"].log.release_position == latest  # nothing to go back to
+                assert positions(gw, "s")["archive"] == latest
+                assert await reader.delete_consumer("s", "archive") == latest
+                assert positions(gw, "s") == {"audit": latest}
+                with pytest.raises(ReaderRefused) as refused:
+                    await reader.reset_consumer("s", "audit", 8)
+                assert refused.value.code == ErrorCode.UNEXPECTED_FRAME
+            archive.close()
+
+    run(scenario(), timeout=20)

@@ -27,7 +27,7 @@ import itertools
 import ssl as ssl_module
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -231,7 +231,7 @@ class Reader:
         self._by_handle: dict[int, _Channel] = {}
         self._fetches: dict[int, _Fetch] = {}
         self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
-        self._declares: dict[int, asyncio.Future[int]] = {}
+        self._consumer_requests: dict[int, asyncio.Future[int]] = {}
         self._consumer_lists: dict[int, asyncio.Future[m.ConsumerList]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
@@ -410,8 +410,8 @@ class Reader:
                 listed = self._consumer_lists.pop(request_id, None)
                 if listed is not None and not listed.done():
                     listed.set_result(message)
-            case m.ConsumerDeclared(request_id=request_id, position=position):
-                declared = self._declares.pop(request_id, None)
+            case m.ConsumerPosition(request_id=request_id, position=position):
+                declared = self._consumer_requests.pop(request_id, None)
                 if declared is not None and not declared.done():
                     declared.set_result(position)
             case m.Missed(handle=handle, count=count):
@@ -452,10 +452,10 @@ class Reader:
             if not future.done():
                 future.set_exception(error)
         self._lists.clear()
-        for declared in self._declares.values():
+        for declared in self._consumer_requests.values():
             if not declared.done():
                 declared.set_exception(error)
-        self._declares.clear()
+        self._consumer_requests.clear()
         for listed in self._consumer_lists.values():
             if not listed.done():
                 listed.set_exception(error)
@@ -627,6 +627,34 @@ class Reader:
         self._session.send_global(m.Release(stream=stream, position=position, consumer=consumer))
         self._write()
 
+    async def reset_consumer(
+        self, stream: str, consumer: str, to: m.ResetTo | int | m.ResetTime
+    ) -> int:
+        """Move ``consumer`` of ``stream`` (``admin``); its new position."""
+        return await self._consumer_request(
+            lambda request_id: m.ResetConsumer(
+                request_id=request_id, stream=stream, consumer=consumer, to=to
+            )
+        )
+
+    async def delete_consumer(self, stream: str, consumer: str) -> int:
+        """Delete ``consumer`` of ``stream`` (``admin``); the position it had."""
+        return await self._consumer_request(
+            lambda request_id: m.DeleteConsumer(
+                request_id=request_id, stream=stream, consumer=consumer
+            )
+        )
+
+    async def _consumer_request(self, make: Callable[[int], m.GlobalMessage]) -> int:
+        """Send a consumer request; the position its ConsumerPosition answer carries."""
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._consumer_requests[request_id] = future
+        self._session.send_global(make(request_id))
+        self._write()
+        return await future
+
     async def list_consumers(self, stream: str) -> list[m.ConsumerInfo]:
         """The consumers of ``stream`` with their positions and lag, sorted by name."""
         self._check()
@@ -645,12 +673,8 @@ class Reader:
         Needs ``admin`` or a ``consume`` pattern matching ``stream/consumer``.
         A new consumer starts at the oldest position the log holds.
         """
-        self._check()
-        request_id = next(self._ids)
-        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._declares[request_id] = future
-        self._session.send_global(
-            m.DeclareConsumer(
+        return await self._consumer_request(
+            lambda request_id: m.DeclareConsumer(
                 request_id=request_id,
                 stream=stream,
                 consumer=consumer,
@@ -658,8 +682,6 @@ class Reader:
                 skip_data_loss=skip_data_loss,
             )
         )
-        self._write()
-        return await future
 
 
 class Subscription:

@@ -319,6 +319,22 @@ class ConsumerBook:
         self.unsaved = True
         return consumer
 
+    def reset(self, name: str, position: int, now: float) -> Consumer:
+        """Move consumer ``name`` to ``position`` (checked by the caller), back or forth."""
+        consumer = self.get(name)
+        consumer.position = position
+        consumer.progress_at = now
+        consumer.idle = False
+        self.unsaved = True
+        return consumer
+
+    def delete(self, name: str) -> Consumer:
+        """Delete consumer ``name``; it no longer holds anything."""
+        consumer = self.get(name)
+        del self.consumers[name]
+        self.unsaved = True
+        return consumer
+
     def read_from(self, name: str, start: int, oldest: int) -> tuple[int, int]:
         """Where consumer ``name`` reads, asking for ``start`` while the log holds from ``oldest``.
 

@@ -867,6 +867,19 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     )
                 if gw.release(name, position, consumer):
                     self.charge(Cost.CONSUMER_WRITE)
+            case MessageReceived(message=m.ResetConsumer() | m.DeleteConsumer() as change):
+                assert self.rights is not None
+                if not self.rights.can_administer():
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not reset or delete consumer "
+                        f"{change.consumer!r} of stream {change.stream!r} (needs admin)",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                self.charge(Cost.CONSUMER_WRITE)
+                position = gw.change_consumer(change)
+                self.session.send_global(
+                    m.ConsumerPosition(request_id=change.request_id, position=position)
+                )
             case MessageReceived(message=m.ListConsumers(request_id=request_id, stream=name)):
                 assert self.rights is not None
                 if not self.rights.can_read(name):
@@ -890,7 +903,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 if created:
                     self.charge(Cost.CONSUMER_WRITE)
                 self.session.send_global(
-                    m.ConsumerDeclared(request_id=declare.request_id, position=position)
+                    m.ConsumerPosition(request_id=declare.request_id, position=position)
                 )
             case MessageReceived(message=m.Goodbye()):
                 self.close_with(self.session.data_to_send())
@@ -1419,6 +1432,23 @@ class Gateway:
             blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
         )
         return stream.declare_consumer(declare.consumer, settings)
+
+    def change_consumer(self, change: m.ResetConsumer | m.DeleteConsumer) -> int:
+        """Reset or delete a consumer (an admin's request); its position now (or last)."""
+        stream = self.streams.get(change.stream)
+        if stream is None:
+            raise ProtocolError(
+                f"no stream called {change.stream!r}", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        now = time.monotonic()
+        if isinstance(change, m.ResetConsumer):
+            position = stream.reset_consumer(change.consumer, change.to, now)
+        else:
+            position = stream.delete_consumer(change.consumer)
+        self.mark_dirty(stream)
+        stream.rebalance(now)
+        stream.flush_writers()
+        return position
 
     def consumer_infos(self, name: str) -> tuple[m.ConsumerInfo, ...]:
         """The consumers of stream ``name`` as ListConsumers answers them, by name."""

@@ -1002,6 +1002,60 @@ class Stream:
             )
         return consumer.position, created
 
+    def reset_consumer(self, name: str, to: m.ResetTo | int | m.ResetTime, now: float) -> int:
+        """Move consumer ``name`` within what the log holds; its new position.
+
+        ``EARLIEST`` is the oldest held position, ``LATEST`` the durable end,
+        a :class:`~headgate.protocol.messages.ResetTime` the first durable
+        frame stored at or after it (the durable end if none). An explicit
+        position must be a frame boundary the log holds. Moving back replays
+        what the log still holds; a blocking consumer cannot go before it.
+
+        Raises:
+            ProtocolError: an unknown consumer, or a position the log does not hold.
+        """
+        self.consumers.get(name)  # unknown: refused before anything is read
+        log_ = self.log
+        if to is m.ResetTo.EARLIEST:
+            position = log_.release_position
+        elif to is m.ResetTo.LATEST:
+            position = log_.durable_position
+        elif isinstance(to, m.ResetTime):
+            position = log_.durable_position
+            for header in log_.scan_headers(
+                log_.release_position, log_.durable_position, verify=False
+            ):
+                if header.timestamp_us >= to.timestamp_us:
+                    position = header.position
+                    break
+        else:
+            assert isinstance(to, int)
+            position = to
+            if not log_.release_position <= position <= log_.tail_position:
+                raise ProtocolError(
+                    f"stream {self.name}: cannot reset consumer {name!r} to {position}: the "
+                    f"log holds [{log_.release_position}, {log_.tail_position}]",
+                    code=ErrorCode.UNEXPECTED_FRAME,
+                )
+            self._check_release(name, position)
+        consumer = self.consumers.reset(name, position, now)
+        self._save_consumers()
+        self._free_to_floor()
+        log.warning("stream %s: consumer %s reset to %d", self.name, name, consumer.position)
+        return consumer.position
+
+    def delete_consumer(self, name: str) -> int:
+        """Delete consumer ``name``; the log is freed of what it held. Its last position.
+
+        Raises:
+            ProtocolError: an unknown consumer.
+        """
+        consumer = self.consumers.delete(name)
+        self._save_consumers()
+        self._free_to_floor()
+        log.warning("stream %s: consumer %s deleted at %d", self.name, name, consumer.position)
+        return consumer.position
+
     def read_start(self, consumer: str, start: int) -> tuple[int, int]:
         """Where ``consumer`` reads from when it asks for ``start``; and the bytes it skipped.
 

@@ -60,10 +60,11 @@ __all__ = [
     "BindSchema",
     "BindStream",
     "ChannelMessage",
-    "ConsumerDeclared",
     "ConsumerInfo",
     "ConsumerList",
+    "ConsumerPosition",
     "DeclareConsumer",
+    "DeleteConsumer",
     "Error",
     "Fetch",
     "FetchDone",
@@ -81,6 +82,9 @@ __all__ = [
     "Ping",
     "Pong",
     "Release",
+    "ResetConsumer",
+    "ResetTime",
+    "ResetTo",
     "StartAt",
     "StreamInfo",
     "StreamList",
@@ -175,9 +179,11 @@ class MessageType(IntEnum):
     #: FetchDone answering a CONSUMER_FETCH: it adds the bytes skipped.
     CONSUMER_FETCH_DONE = 0x27
     DECLARE_CONSUMER = 0x30
-    CONSUMER_DECLARED = 0x31
+    CONSUMER_POSITION = 0x31
     LIST_CONSUMERS = 0x32
     CONSUMER_LIST = 0x33
+    RESET_CONSUMER = 0x34
+    DELETE_CONSUMER = 0x35
 
 
 class HandleType(IntEnum):
@@ -456,7 +462,7 @@ class DeclareConsumer:
     it is refused.
     """
 
-    #: Chosen by the client; ConsumerDeclared echoes it.
+    #: Chosen by the client; ConsumerPosition echoes it.
     request_id: int
     #: The stream name.
     stream: str
@@ -469,13 +475,60 @@ class DeclareConsumer:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ConsumerDeclared:
-    """The gateway's answer to DeclareConsumer: the consumer exists now."""
+class ConsumerPosition:
+    """The gateway's answer to DeclareConsumer, ResetConsumer and DeleteConsumer."""
 
-    #: The request_id of the DeclareConsumer.
+    #: The request_id of the request.
     request_id: int
-    #: The consumer's committed position (where it reads on from).
+    #: The consumer's committed position now (where it reads on from); for
+    #: DeleteConsumer, the position it had.
     position: int
+
+
+class ResetTo(Enum):
+    """Where ResetConsumer moves a consumer, besides an explicit position or time."""
+
+    #: The oldest position the log holds.
+    EARLIEST = "earliest"
+    #: The durable end of the log: nothing left to read.
+    LATEST = "latest"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetConsumer:
+    """Move a consumer's committed position, back or forth (the ``admin`` right).
+
+    ``to`` is :class:`ResetTo`, a log position (a frame boundary the log
+    holds), or a :class:`ResetTime` (the first record stored at or after it).
+    """
+
+    #: Chosen by the client; ConsumerPosition echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The consumer's name.
+    consumer: str
+    #: Where to.
+    to: ResetTo | int | ResetTime
+
+
+@dataclass(frozen=True, slots=True)
+class ResetTime:
+    """A time to reset a consumer to, in microseconds since the epoch (UTC)."""
+
+    timestamp_us: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeleteConsumer:
+    """Delete a consumer of a stream (the ``admin`` right); what it held is freed."""
+
+    #: Chosen by the client; ConsumerPosition echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The consumer's name.
+    consumer: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -558,9 +611,11 @@ GlobalMessage = (
     | ListStreams
     | StreamList
     | DeclareConsumer
-    | ConsumerDeclared
+    | ConsumerPosition
     | ListConsumers
     | ConsumerList
+    | ResetConsumer
+    | DeleteConsumer
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -815,10 +870,30 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_name(out, message.stream, "stream name")
             _put_name(out, message.consumer, "consumer name")
             out.append((1 if message.blocking else 0) | (2 if message.skip_data_loss else 0))
-        case ConsumerDeclared():
-            out.append(MessageType.CONSUMER_DECLARED)
+        case ConsumerPosition():
+            out.append(MessageType.CONSUMER_POSITION)
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, message.position, "position")
+        case ResetConsumer():
+            out.append(MessageType.RESET_CONSUMER)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_name(out, message.consumer, "consumer name")
+            if message.to is ResetTo.EARLIEST:
+                out.append(0)
+            elif message.to is ResetTo.LATEST:
+                out.append(1)
+            elif isinstance(message.to, ResetTime):
+                out.append(3)
+                _put_u64(out, message.to.timestamp_us, "timestamp_us")
+            else:
+                out.append(2)
+                _put_u64(out, message.to, "position")
+        case DeleteConsumer():
+            out.append(MessageType.DELETE_CONSUMER)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_name(out, message.consumer, "consumer name")
         case ListConsumers():
             out.append(MessageType.LIST_CONSUMERS)
             _put_u64(out, message.request_id, "request_id")
@@ -1090,6 +1165,29 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 blocking=bool(flags & 1),
                 skip_data_loss=bool(flags & 2),
             )
+        case MessageType.RESET_CONSUMER:
+            request_id = reader.u64("request_id")
+            stream = reader.name("stream name")
+            consumer = reader.name("consumer name")
+            kind = reader.u8("to")
+            to: ResetTo | int | ResetTime
+            if kind == 0:
+                to = ResetTo.EARLIEST
+            elif kind == 1:
+                to = ResetTo.LATEST
+            elif kind == 2:
+                to = reader.u64("position")
+            elif kind == 3:
+                to = ResetTime(reader.u64("timestamp_us"))
+            else:
+                raise MessageError(f"RESET_CONSUMER: unknown kind {kind}")
+            message = ResetConsumer(request_id=request_id, stream=stream, consumer=consumer, to=to)
+        case MessageType.DELETE_CONSUMER:
+            message = DeleteConsumer(
+                request_id=reader.u64("request_id"),
+                stream=reader.name("stream name"),
+                consumer=reader.name("consumer name"),
+            )
         case MessageType.LIST_CONSUMERS:
             message = ListConsumers(
                 request_id=reader.u64("request_id"), stream=reader.name("stream name")
@@ -1122,8 +1220,8 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                     )
                 )
             message = ConsumerList(request_id=request_id, consumers=tuple(entries))
-        case MessageType.CONSUMER_DECLARED:
-            message = ConsumerDeclared(
+        case MessageType.CONSUMER_POSITION:
+            message = ConsumerPosition(
                 request_id=reader.u64("request_id"), position=reader.u64("position")
             )
         case MessageType.LIST_STREAMS:
