@@ -216,6 +216,7 @@ def test_a_stalled_non_blocking_consumer_does_not_slow_producers_and_gets_its_ou
                 else:
                     batches, end = await reader.fetch_all("A", 0, consumer="live")
                     assert reader.last_skipped_bytes == oldest
+                    assert reader.last_skipped_records == len(values)  # every one freed
                     assert batches[0].header.position == oldest
                     assert end == stream.log.durable_position
                     got = [v for b in batches for v in _lists(memoryview(b.records))[0]]
@@ -223,8 +224,10 @@ def test_a_stalled_non_blocking_consumer_does_not_slow_producers_and_gets_its_ou
                     # Reading on from where it is now skips nothing more.
                     await reader.fetch_all("A", end, consumer="live")
                     assert reader.last_skipped_bytes == 0
+                    assert reader.last_skipped_records == 0
                     stats = {c.name: c for c in stream.statistics().consumers}
                     assert stats["live"].skipped_bytes == oldest
+                    assert stats["live"].skipped_records == len(values)
                     assert not stats["live"].blocking
                     text = metrics_text(gw)
                     assert (
@@ -744,3 +747,31 @@ def test_a_consumer_reset_to_earliest_or_a_time_replays_the_original_records(
             archive.close()
 
     run(scenario(), timeout=20)
+
+
+def test_records_freed_after_each_anchor_are_counted_exactly_or_marked_unknown(
+    tmp_path: Path,
+) -> None:
+    """A skip reports the records freed after where the consumer committed or last read."""
+    live = ConsumerSettings(blocking=False, on_data_loss="skip")
+    book = ConsumerBook.load(
+        "s",
+        tmp_path / "s.consumers.json",
+        release_position=0,
+        tail_position=10_000,
+        declared={"main": BLOCKING, "live": live},
+    )
+    frames = [(p, 3) for p in range(0, 1000, 100)]  # ten frames of 3 records
+    book.read("live", 300)  # its last Fetch ended at 300; it committed nothing
+    book.freeing(0, 500, [f for f in frames if f[0] < 500])
+    book.freeing(500, 1000, [f for f in frames if f[0] >= 500])
+    assert book.read_from("live", 300, 1000) == (1000, 700, 21)
+    # Committed at 0: all thirty, and each skip is counted once on the consumer.
+    assert book.read_from("live", 0, 1000) == (1000, 1000, 30)
+    # Not an anchor: the bytes are exact, the records unknown.
+    assert book.read_from("live", 200, 1000) == (1000, 800, None)
+    assert book.consumers["live"].skipped_records == 51
+    # An anchor set behind the log (a Release of what was freed already): unknown.
+    book.commit(book.consumers["live"], 600, now=0.0)
+    book.freeing(1000, 1100, [(1000, 3)])
+    assert book.read_from("live", 600, 1100) == (1100, 500, None)

@@ -245,6 +245,8 @@ class Reader:
         #: Bytes the last fetch of a ``skip`` consumer jumped over (freed
         #: before it read them); 0 for other fetches.
         self.last_skipped_bytes = 0
+        #: Records among them, or None where the gateway could not count them.
+        self.last_skipped_records: int | None = 0
 
     # -- connection ---------------------------------------------------------------
 
@@ -567,6 +569,9 @@ class Reader:
                     yield item
                 self.last_next_position = fetch.done.next_position
                 self.last_skipped_bytes = fetch.done.skipped_bytes or 0
+                self.last_skipped_records = (
+                    0 if fetch.done.skipped_bytes is None else fetch.done.skipped_records
+                )
             finally:
                 # Abandoned early: the rest of this fetch still arrives on the
                 # stream's channel, ahead of the next fetch's batches; take it.

@@ -26,10 +26,11 @@ position: exactly the single consumer it had.
 
 from __future__ import annotations
 
+import bisect
 import json
 import logging
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,9 @@ _FILE_VERSION = 1
 #: Most consumers a stream has: each Release rewrites the stream's whole
 #: consumers file, and a token's ``consume`` pattern may allow many names.
 MAX_CONSUMERS_PER_STREAM = 256
+#: Most frame headers read, per free of the log, to count the records a
+#: non-blocking consumer loses (a few µs each, on the event loop).
+MAX_COUNTED_FRAMES = 16384
 
 
 def consumers_file(data_dir: Path, stream: str) -> Path:
@@ -86,8 +90,20 @@ class Consumer:
     idle: bool = False
     #: Bytes its reads skipped because the log freed them first (``skip``).
     skipped_bytes: int = 0
+    #: Records among them, where they were counted (see :meth:`ConsumerBook.freeing`).
+    skipped_records: int = 0
+    #: Where the gateway's last Fetch for it ended (in memory only), or None.
+    read_to: int | None = None
+    #: Records the log freed after each of its *anchors* (its committed
+    #: position, and ``read_to``), for a non-blocking consumer behind the
+    #: log; None where they could not be counted.
+    lost_records: dict[int, int | None] = field(default_factory=dict)
     #: How often the idle rule detached it.
     detached_total: int = 0
+
+    def anchors(self) -> set[int]:
+        """Where its next read likely starts: where it committed, or where its last read ended."""
+        return {self.position} if self.read_to is None else {self.position, self.read_to}
 
     def record(self) -> dict[str, Any]:
         """What the consumers file stores of it (its committed position)."""
@@ -118,6 +134,8 @@ class ConsumerStatistics:
     #: Idle under the ``hold`` policy: the producers wait on it.
     idle: bool
     skipped_bytes: int
+    #: Records among the skipped bytes, where they could be counted.
+    skipped_records: int
     detached_total: int
 
 
@@ -335,12 +353,72 @@ class ConsumerBook:
         self.unsaved = True
         return consumer
 
-    def read_from(self, name: str, start: int, oldest: int) -> tuple[int, int]:
+    def behind(self, position: int) -> list[Consumer]:
+        """Non-blocking consumers with an anchor before ``position`` (the log frees up to it)."""
+        return [
+            c
+            for c in self.consumers.values()
+            if not c.blocking and any(a < position for a in c.anchors())
+        ]
+
+    def freeing(self, old: int, new: int, frames: Iterable[tuple[int, int]]) -> None:
+        """The log frees ``[old, new)``, whose frames are ``(position, record_count)``.
+
+        Counts, for each non-blocking consumer's anchors before ``new``,
+        the records freed after the anchor, so that a ``skip`` read from an
+        anchor reports exactly the records it skipped. The caller scans the
+        frame headers only when :meth:`behind` names a consumer, and one
+        pass serves every anchor. At most :data:`MAX_COUNTED_FRAMES` frames
+        are counted per free (a header read each, on the event loop); past
+        that the anchors' counts become unknown (None).
+        """
+        behind = self.behind(new)
+        anchors: set[int] = set()
+        for consumer in behind:
+            lost = consumer.lost_records
+            for anchor in consumer.anchors():
+                if anchor < new and anchor not in lost:
+                    # An anchor the log had freed already when it was set: unknown.
+                    lost[anchor] = 0 if anchor >= old else None
+                if anchor < new and lost[anchor] is not None:
+                    anchors.add(anchor)
+            for anchor in [a for a in lost if a not in consumer.anchors()]:
+                del lost[anchor]
+        if not anchors:
+            return
+        ordered = sorted(anchors)
+        # in_span[i]: records of frames at or after ordered[i] and before ordered[i + 1].
+        in_span = [0] * len(ordered)
+        complete = True
+        for counted, (position, records) in enumerate(frames):
+            if counted >= MAX_COUNTED_FRAMES:
+                complete = False
+                break
+            i = bisect.bisect_right(ordered, position) - 1
+            if i >= 0:
+                in_span[i] += records
+        totals = {a: sum(in_span[i:]) for i, a in enumerate(ordered)}
+        for consumer in behind:
+            lost = consumer.lost_records
+            for anchor in consumer.anchors():
+                value = lost.get(anchor)
+                if anchor in totals and value is not None:
+                    lost[anchor] = value + totals[anchor] if complete else None
+
+    def read(self, name: str, end: int) -> None:
+        """The gateway served consumer ``name`` up to ``end`` (a Fetch naming it ended there)."""
+        consumer = self.consumers.get(name)
+        if consumer is not None:
+            consumer.read_to = end
+
+    def read_from(self, name: str, start: int, oldest: int) -> tuple[int, int, int | None]:
         """Where consumer ``name`` reads, asking for ``start`` while the log holds from ``oldest``.
 
-        Returns ``(position, skipped_bytes)``: ``start`` and 0 when the log
-        still holds it; for a ``skip`` consumer behind the log, ``oldest``
-        and the bytes freed before it read them (counted on it).
+        Returns ``(position, skipped_bytes, skipped_records)``: ``start``, 0
+        and 0 when the log still holds it; for a ``skip`` consumer behind the
+        log, ``oldest``, the bytes freed before it read them, and the records
+        among them when ``start`` is one of its anchors (where it committed,
+        or where its last read ended), else None (counted on it).
 
         Raises:
             ProtocolError: an unknown consumer; DATA_LOST for a ``fail`` one
@@ -348,7 +426,7 @@ class ConsumerBook:
         """
         consumer = self.get(name)
         if start >= oldest:
-            return start, 0
+            return start, 0, 0
         if consumer.on_data_loss != "skip":
             raise ProtocolError(
                 f"stream {self.stream}: consumer {name!r} asked to read from {start}, but the "
@@ -356,8 +434,13 @@ class ConsumerBook:
                 "them (on_data_loss = fail)",
                 code=ErrorCode.DATA_LOST,
             )
+        records = consumer.lost_records.get(start)
         consumer.skipped_bytes += oldest - start
-        return oldest, oldest - start
+        consumer.skipped_records += records or 0
+        # It reads on from the oldest held position: nothing is lost after it yet.
+        consumer.read_to = oldest
+        consumer.lost_records = {a: n for a, n in consumer.lost_records.items() if a != start}
+        return oldest, oldest - start, records
 
     def idle(self, now: float, idle_after: float, policy: str, durable: int) -> list[IdleAction]:
         """Apply the idle rule at ``now``; the consumers it newly warned about or detached.
@@ -431,6 +514,7 @@ class ConsumerBook:
                 detached=c.detached,
                 idle=c.idle,
                 skipped_bytes=c.skipped_bytes,
+                skipped_records=c.skipped_records,
                 detached_total=c.detached_total,
             )
             for c in sorted(self.consumers.values(), key=lambda c: c.name)

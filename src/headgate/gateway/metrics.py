@@ -19,7 +19,7 @@ Metrics, all prefixed ``headgate_`` (labels in brackets)::
     ack_latency_seconds (histogram, one observation per acked batch)   [stream]
     consumer_position, consumer_lag_bytes, consumer_lag_seconds, consumer_blocking (0/1),
     consumer_idle (0/1: idle, producers held), consumer_detached_total,
-    consumer_skipped_bytes_total                                       [stream, consumer]
+    consumer_skipped_bytes_total, consumer_skipped_records_total      [stream, consumer]
     connection_debt, connection_debt_threshold, connection_peak_debt   [connection, peer, producer]
     connection_reads_paused (0/1), connection_read_pauses_total        [connection, peer, producer]
     connection_ring_bytes, connection_ring_in_use_bytes                [connection, peer, producer]
@@ -198,6 +198,11 @@ class GatewayCollector(Collector):
         skipped = counter(
             "consumer_skipped_bytes", "Log bytes freed before the consumer read them.", k
         )
+        skipped_records = counter(
+            "consumer_skipped_records",
+            "Records freed before the consumer read them (where counted).",
+            k,
+        )
         for entry in snap.streams:
             for consumer in entry.stats.consumers:
                 labels = [entry.stats.name, consumer.name]
@@ -209,7 +214,9 @@ class GatewayCollector(Collector):
                 idle.add_metric(labels, 1 if consumer.idle else 0)
                 detached.add_metric(labels, consumer.detached_total)
                 skipped.add_metric(labels, consumer.skipped_bytes)
+                skipped_records.add_metric(labels, consumer.skipped_records)
         yield from (position, lag, lag_seconds, blocking, idle, detached, skipped)
+        yield skipped_records
 
         c = ["connection", "peer", "producer"]
         debt = gauge("connection_debt", "Units of work in flight charged to the connection.", c)

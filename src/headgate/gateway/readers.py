@@ -77,6 +77,8 @@ class _FetchJob:
     sent: int = 0
     #: Bytes a ``skip`` consumer jumped over (freed before it read them).
     skipped: int = 0
+    #: Records among them, or None where they could not be counted.
+    skipped_records: int | None = 0
     #: Where the fetch started reading (``max_bytes`` counts from here).
     start: int = field(init=False)
 
@@ -258,9 +260,10 @@ class ReaderConnection:
                 self._check_count(len(self._jobs), "fetches waiting")
                 stream = self._stream(message.stream)
                 start, skipped = message.start_position, 0
+                skipped_records: int | None = 0
                 if message.consumer is not None:
                     # Behind the log: the consumer's on_data_loss (an error, or skip ahead).
-                    start, skipped = stream.read_start(message.consumer, start)
+                    start, skipped, skipped_records = stream.read_start(message.consumer, start)
                 end = message.end_position
                 if end == U64_MAX:
                     # The durable end, or nothing if the reader is past it already.
@@ -274,7 +277,9 @@ class ReaderConnection:
                 ):
                     self._binding.add(message.stream)
                     self._to_bind.append(message.stream)
-                self._jobs.append(_FetchJob(message, start, end, skipped=skipped))
+                self._jobs.append(
+                    _FetchJob(message, start, end, skipped=skipped, skipped_records=skipped_records)
+                )
             case m.Subscribe():
                 self._charge(Cost.SUBSCRIBE)
                 self._check_subscriptions()
@@ -432,12 +437,17 @@ class ReaderConnection:
             if not done:
                 break
             self._jobs.popleft()
+            if job.request.consumer is not None:
+                stream = self._streams.get(job.request.stream)
+                if stream is not None:
+                    stream.consumer_read(job.request.consumer, job.cursor)
             self._session.send_global(
                 m.FetchDone(
                     request_id=job.request.request_id,
                     next_position=job.cursor,
                     batches=job.sent,
                     skipped_bytes=None if job.request.consumer is None else job.skipped,
+                    skipped_records=None if job.request.consumer is None else job.skipped_records,
                 )
             )
         for sub in self.subscriptions:
@@ -523,8 +533,13 @@ class ReaderConnection:
                 return False, used  # read nothing that cannot be sent
             if request.consumer is not None and job.cursor < stream.log.release_position:
                 # Freed while being served (a non-blocking consumer holds nothing).
-                job.cursor, skipped = stream.read_start(request.consumer, job.cursor)
+                job.cursor, skipped, records = stream.read_start(request.consumer, job.cursor)
                 job.skipped += skipped
+                job.skipped_records = (
+                    None
+                    if records is None or job.skipped_records is None
+                    else job.skipped_records + records
+                )
                 job.end = max(job.end, job.cursor)
                 continue
             try:

@@ -971,6 +971,19 @@ class Stream:
             # (the next commit of this stream tries again).
             log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
             return
+        if self.consumers.behind(position):
+            # A non-blocking consumer loses these frames: count their records.
+            try:
+                self.consumers.freeing(
+                    log_.release_position,
+                    position,
+                    (
+                        (h.position, h.record_count)
+                        for h in log_.scan_headers(log_.release_position, position, verify=False)
+                    ),
+                )
+            except LogError as exc:
+                log.warning("stream %s: freed records not counted: %s", self.name, exc)
         try:
             log_.release(position)
         except LogError as exc:  # positions are checked on arrival: only a bug lands here
@@ -1056,14 +1069,18 @@ class Stream:
         log.warning("stream %s: consumer %s deleted at %d", self.name, name, consumer.position)
         return consumer.position
 
-    def read_start(self, consumer: str, start: int) -> tuple[int, int]:
-        """Where ``consumer`` reads from when it asks for ``start``; and the bytes it skipped.
+    def read_start(self, consumer: str, start: int) -> tuple[int, int, int | None]:
+        """Where ``consumer`` reads from when it asks for ``start``; the bytes and records skipped.
 
         Raises:
             ProtocolError: an unknown consumer, or DATA_LOST (see
                 :meth:`~headgate.gateway.consumers.ConsumerBook.read_from`).
         """
         return self.consumers.read_from(consumer, start, self.log.release_position)
+
+    def consumer_read(self, consumer: str, end: int) -> None:
+        """A Fetch naming ``consumer`` ended at ``end`` (where its next read likely starts)."""
+        self.consumers.read(consumer, end)
 
     def check_idle(self, now: float, idle_after: float, policy: str) -> list[IdleAction]:
         """The idle rule for this stream's blocking consumers at ``now``; what it did.

@@ -415,6 +415,9 @@ class FetchDone:
     #: type ``CONSUMER_FETCH_DONE``) exactly when the Fetch named a consumer,
     #: absent (None) otherwise.
     skipped_bytes: int | None = None
+    #: Records among the skipped bytes, where the gateway could count them
+    #: (None: not counted; in CONSUMER_FETCH_DONE only).
+    skipped_records: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -858,12 +861,19 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
                 _put_name(out, message.consumer, "consumer name")
         case FetchDone():
             skipped = message.skipped_bytes is not None
+            if not skipped and message.skipped_records is not None:
+                raise ValueError("skipped_records goes only with skipped_bytes")
             out.append(MessageType.CONSUMER_FETCH_DONE if skipped else MessageType.FETCH_DONE)
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, message.next_position, "next_position")
             _put_u64(out, message.batches, "batches")
             if message.skipped_bytes is not None:
                 _put_u64(out, message.skipped_bytes, "skipped_bytes")
+                if message.skipped_records is None:
+                    out.append(0)
+                else:
+                    out.append(1)
+                    _put_u64(out, message.skipped_records, "skipped_records")
         case DeclareConsumer():
             out.append(MessageType.DECLARE_CONSUMER)
             _put_u64(out, message.request_id, "request_id")
@@ -1028,6 +1038,14 @@ def decode_bind_schema(payload: Buffer) -> BindSchema:
     return BindSchema(name=name, text=text)
 
 
+def _counted(reader: _Reader, field: str) -> int | None:
+    """A count that may be unknown: a presence byte (0 or 1), then the count if 1."""
+    known = reader.u8(f"{field} presence")
+    if known > 1:
+        raise MessageError(f"{field} presence must be 0 or 1, not {known}")
+    return reader.u64(field) if known else None
+
+
 def decode_global(payload: Buffer) -> GlobalMessage:
     """Decode the payload of a SendGlobal frame into the message it carries."""
     if len(payload) == 0:
@@ -1147,6 +1165,11 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 batches=reader.u64("batches"),
                 skipped_bytes=(
                     reader.u64("skipped_bytes")
+                    if message_type == MessageType.CONSUMER_FETCH_DONE
+                    else None
+                ),
+                skipped_records=(
+                    _counted(reader, "skipped_records")
                     if message_type == MessageType.CONSUMER_FETCH_DONE
                     else None
                 ),
