@@ -775,3 +775,52 @@ def test_records_freed_after_each_anchor_are_counted_exactly_or_marked_unknown(
     book.commit(book.consumers["live"], 600, now=0.0)
     book.freeing(1000, 1100, [(1000, 3)])
     assert book.read_from("live", 600, 1100) == (1100, 500, None)
+
+
+def test_an_idle_consumer_under_hold_keeps_the_producers_waiting_warned_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    settings = StreamSettings(
+        capacity=CAPACITY,
+        consumers=consumers(main=BLOCKING, stuck=BLOCKING),
+        idle_release_seconds=0.3,
+    )
+
+    async def scenario() -> None:
+        async with (
+            gateway(tmp_path, **SMALL, streams={"A": settings}) as gw,
+            Producer(gw.address, linger_ms=1, max_batch_bytes=4 * KiB) as p,
+        ):
+
+            async def sender() -> None:
+                for value in records("v" * 100, 8000):
+                    await p.send("A", value)
+                await p.flush("A")
+
+            task = asyncio.create_task(sender())
+            main = Consumer(gw, tmp_path, "A", "main")
+            for _ in range(150):  # 1.5 s, five times the idle time
+                main.poll()
+                await asyncio.sleep(0.01)
+            assert not task.done()  # hold: the producers still wait for "stuck"
+            stream = gw.streams["A"]
+            assert stream.log.release_position == 0
+            stats = {c.name: c for c in stream.statistics().consumers}
+            assert stats["stuck"].blocking and stats["stuck"].idle
+            assert not stats["main"].idle
+            assert 'headgate_consumer_idle{consumer="stuck",stream="A"} 1.0' in metrics_text(gw)
+            # It comes back: the stream flows, and it is no longer idle.
+            stuck = Consumer(gw, tmp_path, "A", "stuck")
+            while not task.done():
+                main.poll()
+                stuck.poll()
+                await asyncio.sleep(0.01)
+            await task
+            assert not {c.name: c for c in stream.statistics().consumers}["stuck"].idle
+            main.close()
+            stuck.close()
+
+    with caplog.at_level(logging.WARNING, logger="headgate.gateway"):
+        run(scenario(), timeout=30)
+    warned = [r for r in caplog.records if "consumer stuck" in r.getMessage()]
+    assert len(warned) == 1 and "producers wait for it" in warned[0].getMessage()

@@ -294,8 +294,11 @@ class ConsumerBook:
             )
         return consumer
 
-    def commit(self, consumer: Consumer, position: int, now: float) -> bool:
-        """``consumer`` committed up to ``position`` (checked by the caller); True if it moved."""
+    def commit(self, consumer: Consumer, position: int, now: float | None) -> bool:
+        """``consumer`` committed up to ``position`` (checked by the caller); True if it moved.
+
+        ``now`` (the idle rule's clock) None: its idle clock restarts at the next check.
+        """
         if position <= consumer.position:
             return False
         consumer.position = position

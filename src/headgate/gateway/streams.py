@@ -1,7 +1,11 @@
 """One stream inside the gateway: its log, its writers' credit, dedup and acks.
 
-A stream's log has a fixed capacity: the bytes between Spark's release
-position and the tail. That capacity is the budget the stream's writers share.
+A stream's log has a fixed capacity: the bytes between the log's release
+position and the tail. The release position is the lowest position its
+blocking consumers have committed (:mod:`headgate.gateway.consumers`, the
+one home of that rule; :meth:`Stream.release` stores a consumer's Release
+and frees the log to the new floor), so the slowest blocking consumer alone
+decides what the producers may write. That capacity is the budget the stream's writers share.
 Each writer (one connection's channel for the stream) holds part of it as the
 capacity of its LCMUX server channel; a batch sits in that channel's buffer
 from the moment it is appended until Spark releases the log space behind it.
@@ -902,7 +906,7 @@ class Stream:
         if position <= target.position:
             return False
         self._check_release(consumer, position)
-        self.consumers.commit(target, position, 0.0 if now is None else now)
+        self.consumers.commit(target, position, now)
         self._save_consumers()
         self._free_to_floor()
         return True
