@@ -824,3 +824,37 @@ def test_an_idle_consumer_under_hold_keeps_the_producers_waiting_warned_once(
         run(scenario(), timeout=30)
     warned = [r for r in caplog.records if "consumer stuck" in r.getMessage()]
     assert len(warned) == 1 and "producers wait for it" in warned[0].getMessage()
+
+
+def test_top_shows_each_consumer_apart_from_its_stream(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from headgate import top
+
+    settings = StreamSettings(
+        consumers=consumers(archive=BLOCKING, live=ConsumerSettings(blocking=False))
+    )
+
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL, streams={"s": settings}) as gw:
+            async with Producer(gw.address, linger_ms=1) as p:
+                for value in records("x", 100):
+                    await p.send("s", value)
+                await p.flush("s")
+            snap = top.parse(metrics_text(gw))
+            durable = gw.streams["s"].log.durable_position
+            assert set(snap.consumers["s"]) == {"archive", "live"}
+            assert snap.consumers["s"]["archive"]["consumer_lag_bytes"] == durable
+            assert snap.consumers["s"]["live"]["consumer_blocking"] == 0.0
+            # A consumer's samples are not mistaken for its stream's.
+            assert not any(key.startswith("consumer_") for key in snap.streams["s"])
+            console = Console(width=100, record=True)
+            console.print(top.render(snap))
+            shown = console.export_text()
+            assert "consumers" in shown
+            assert any(line.split()[:2] == ["s", "archive"] for line in shown.splitlines())
+            assert top.as_json(snap)["consumers"] == {
+                "s": {name: snap.consumers["s"][name] for name in ("archive", "live")}
+            }
+
+    run(scenario(), timeout=20)
