@@ -858,3 +858,45 @@ def test_top_shows_each_consumer_apart_from_its_stream(tmp_path: Path) -> None:
             }
 
     run(scenario(), timeout=20)
+
+
+def test_the_log_frees_only_what_the_stored_positions_allow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A consumers file that cannot be written (a full disk) holds the log where it was."""
+    import errno
+
+    from headgate.gateway import consumers as consumers_module
+
+    real_write = consumers_module.write_json_durably
+
+    def full_disk(path: Path, body: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL) as gw:
+            async with Producer(gw.address, linger_ms=1, max_batch_bytes=512) as p:
+                for value in records("x", 300):
+                    await p.send("s", value)
+                await p.flush("s")
+            log = gw.streams["s"].log
+            end = log.durable_position
+            monkeypatch.setattr(consumers_module, "write_json_durably", full_disk)
+            with caplog.at_level(logging.WARNING, logger="headgate.gateway"):
+                gw.release("s", end)
+                await asyncio.sleep(0.05)  # group commits try again, and fail again
+            assert positions(gw, "s") == {"default": end}  # in memory
+            assert log.release_position == 0  # but not stored: nothing freed
+            assert stored(tmp_path, "s")["default"]["position"] == 0
+            warned = [r for r in caplog.records if "not stored" in r.getMessage()]
+            assert len(warned) == 1
+            monkeypatch.setattr(consumers_module, "write_json_durably", real_write)
+            gw.mark_dirty(gw.streams["s"])
+            for _ in range(100):
+                if log.release_position == end:
+                    break
+                await asyncio.sleep(0.01)
+            assert log.release_position == end
+            assert stored(tmp_path, "s")["default"]["position"] == end
+
+    run(scenario(), timeout=20)

@@ -1,11 +1,12 @@
 """One stream inside the gateway: its log, its writers' credit, dedup and acks.
 
 A stream's log has a fixed capacity: the bytes between the log's release
-position and the tail. The release position is the lowest position its
-blocking consumers have committed (:mod:`headgate.gateway.consumers`, the
-one home of that rule; :meth:`Stream.release` stores a consumer's Release
-and frees the log to the new floor), so the slowest blocking consumer alone
-decides what the producers may write. That capacity is the budget the stream's writers share.
+position and the tail. That capacity is the budget the stream's writers
+share. The release position is the lowest position the stream's blocking
+consumers have committed (:mod:`headgate.gateway.consumers` is the one home
+of that rule; :meth:`Stream.release` stores a consumer's Release and frees
+the log up to the new floor), so the slowest blocking consumer alone decides
+what the producers may write.
 Each writer (one connection's channel for the stream) holds part of it as the
 capacity of its LCMUX server channel; a batch sits in that channel's buffer
 from the moment it is appended until Spark releases the log space behind it.
@@ -486,6 +487,8 @@ class Stream:
         self._inflight: deque[tuple[int, Writer]] = deque()
         #: The stream's named consumers (set by :meth:`open`).
         self.consumers = ConsumerBook(name, state_file.with_name(f"{name}.consumers.json"), {})
+        # Whether a failed save of the consumers was logged (once per spell).
+        self._consumers_unsaved_logged = False
         self.appended_batches = 0
         self.appended_records = 0
         self.duplicate_batches = 0
@@ -937,16 +940,26 @@ class Stream:
             raise ProtocolError(f"{where}: {problem}", code=ErrorCode.UNEXPECTED_FRAME)
 
     def _save_consumers(self) -> None:
-        """Store the consumers' positions; on failure the log frees nothing more until stored."""
+        """Store the consumers' positions; on failure the log frees nothing more until stored.
+
+        A failure is logged once until a save succeeds again (each group
+        commit tries again).
+        """
         try:
             self.consumers.save()
         except OSError as exc:
-            log.warning(
-                "stream %s: consumer positions not stored (the log frees nothing past the "
-                "stored ones until they are): %s",
-                self.name,
-                exc,
-            )
+            if not self._consumers_unsaved_logged:
+                log.warning(
+                    "stream %s: consumer positions not stored (the log frees nothing past "
+                    "the stored ones until they are; tried again at each commit): %s",
+                    self.name,
+                    exc,
+                )
+                self._consumers_unsaved_logged = True
+        else:
+            if self._consumers_unsaved_logged:
+                log.warning("stream %s: consumer positions stored again", self.name)
+                self._consumers_unsaved_logged = False
 
     def _free_to_floor(self) -> None:
         """Free the log up to what every blocking consumer has stored, as far as it is durable.
