@@ -867,8 +867,7 @@ def test_the_log_frees_only_what_the_stored_positions_allow(
     import errno
 
     from headgate.gateway import consumers as consumers_module
-
-    real_write = consumers_module.write_json_durably
+    from headgate.gateway.dedup import write_json_durably as real_write
 
     def full_disk(path: Path, body: object) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
