@@ -178,7 +178,8 @@ class ConsumerBook:
         lost frames it had not made durable) comes back to the tail; a
         blocking one below the release position (a file from elsewhere) up to
         it. A declared consumer's settings win over the stored ones, except
-        that a detached consumer stays detached.
+        that a detached consumer stays detached; a consumer the configuration
+        made and no longer declares is deleted (WARNING).
 
         Raises:
             ValueError: the file is damaged (the gateway refuses to guess
