@@ -899,3 +899,37 @@ def test_the_log_frees_only_what_the_stored_positions_allow(
             assert stored(tmp_path, "s")["default"]["position"] == end
 
     run(scenario(), timeout=20)
+
+
+def test_a_release_client_can_declare_its_consumer_before_releasing(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL) as gw:
+            async with Producer(gw.address, linger_ms=1) as p:
+                for value in records("x", 100):
+                    await p.send("s", value)
+                await p.flush("s")
+            end = gw.streams["s"].log.durable_position
+            address = f"{gw.address[0]}:{gw.address[1]}"
+
+            def release() -> bool:
+                with ReleaseClient(
+                    address, consumer="archive", declare=ConsumerSettings()
+                ) as client:
+                    client.release("s", end)
+                    return client.flush(10) and client.statistics().refusals == 0
+
+            assert await asyncio.to_thread(release)
+            assert positions(gw, "s") == {"default": 0, "archive": end}
+            assert stored(tmp_path, "s")["archive"]["origin"] == "runtime"
+
+            # Without declare, an unknown consumer is refused (and logged).
+            def refused() -> int:
+                with ReleaseClient(address, consumer="other") as client:
+                    client.release("s", end)
+                    client.flush(10)
+                    return client.statistics().refusals
+
+            assert await asyncio.to_thread(refused) == 1
+            assert "other" not in positions(gw, "s")
+
+    run(scenario(), timeout=30)

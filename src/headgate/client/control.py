@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
 from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
+from headgate.config import ConsumerSettings
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
@@ -108,6 +109,11 @@ class ReleaseClient:
             stream it releases (see PROTOCOL.md, "Consumers"); the default,
             ``default``, is the one consumer of a stream declaring none, and
             of a data directory from before consumers.
+        declare: if given, the consumer is declared with these settings
+            (DeclareConsumer) on each connection, before its first Release of
+            each stream: created at the stream's oldest held position if the
+            gateway does not have it, left alone if it does (with other
+            settings the gateway refuses, and the refusal is logged).
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -121,6 +127,7 @@ class ReleaseClient:
         max_backoff: float = 2.0,
         security: ClientSecurity | None = None,
         consumer: str = m.DEFAULT_CONSUMER,
+        declare: ConsumerSettings | None = None,
     ) -> None:
         if connect_timeout <= 0 or max_backoff <= 0:
             raise ValueError("connect_timeout and max_backoff must be positive")
@@ -128,6 +135,7 @@ class ReleaseClient:
             raise ValueError(f"{consumer!r} is not a consumer name")
         #: The consumer every Release of this client names.
         self.consumer = consumer
+        self._declare = declare
         self.address = GatewayAddress.parse(address)
         self._security = security or ClientSecurity()
         # Fail now, in the caller's thread, on settings that cannot work.
@@ -338,7 +346,11 @@ class ReleaseClient:
                 message = event.message
                 if isinstance(message, m.Error):
                     text = f"{message.code.name}: {message.text}"
-                    refused = message.code in (ErrorCode.UNEXPECTED_FRAME, ErrorCode.FORBIDDEN)
+                    refused = message.code in (
+                        ErrorCode.UNEXPECTED_FRAME,
+                        ErrorCode.FORBIDDEN,
+                        ErrorCode.UNKNOWN_CONSUMER,
+                    )
                     raise _Closed(text, refused=refused, code=message.code)
                 if isinstance(message, m.Goodbye):
                     raise _Closed(f"the gateway said goodbye ({message.code.name})")
@@ -361,6 +373,7 @@ class ReleaseClient:
         ``keepalive``: send a Ping after this many idle seconds (0: never).
         """
         written: dict[str, int] = {}  # positions written on this connection
+        declared: set[str] = set()  # streams whose consumer was declared on it
         probes: dict[int, dict[str, int]] = {}  # Ping nonce -> what it confirms
         nonce = 0
         last_write = time.monotonic()
@@ -376,6 +389,17 @@ class ReleaseClient:
                     }
                 if todo:
                     for stream, position in sorted(todo.items()):
+                        if self._declare is not None and stream not in declared:
+                            declared.add(stream)
+                            session.send_global(
+                                m.DeclareConsumer(
+                                    request_id=len(declared),
+                                    stream=stream,
+                                    consumer=self.consumer,
+                                    blocking=self._declare.blocking,
+                                    skip_data_loss=self._declare.on_data_loss == "skip",
+                                )
+                            )
                         session.send_global(
                             m.Release(stream=stream, position=position, consumer=self.consumer)
                         )
