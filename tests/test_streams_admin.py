@@ -91,6 +91,8 @@ def test_streams_lists_describes_and_deletes_only_with_the_gateway_stopped(
     assert deleted.output.startswith("deleted stream 'alpha' (")
     assert not (data / "streams" / "alpha").exists()
     assert not (data / "state" / "alpha.producers.json").exists()
+    assert not (data / "state" / "alpha.consumers.json").exists()
+    assert (data / "state" / "beta.consumers.json").exists()
     again = runner.invoke(main, ["streams", "delete", "alpha", "--data-dir", str(data), "--yes"])
     assert again.exit_code == 1
     assert again.output == f"headgate streams: {data} holds no stream 'alpha'\n"

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from headgate.gateway.consumers import consumers_file
 from headgate.gateway.server import DATA_LOCK_FILE_NAME
 from headgate.gateway.streams import stream_files
 from headgate.log.lock import DirectoryLock
@@ -148,11 +149,78 @@ async def list_streams(
 
 
 @dataclass(frozen=True, slots=True)
+class ConsumerRow:
+    """One consumer as ``headgate consumers`` shows it."""
+
+    stream: str
+    consumer: str
+    position: int
+    lag_bytes: int
+    lag_seconds: float
+    blocking: bool
+    on_data_loss: str
+    #: ``ok``, ``idle`` (blocking, holding the producers) or ``detached``.
+    state: str
+
+    @classmethod
+    def of(cls, stream: str, info: m.ConsumerInfo) -> ConsumerRow:
+        state = "detached" if info.detached else "idle" if info.idle else "ok"
+        return cls(
+            stream,
+            info.consumer,
+            info.position,
+            info.lag_bytes,
+            info.lag_ms / 1000,
+            info.blocking,
+            "skip" if info.skip_data_loss else "fail",
+            state,
+        )
+
+    def as_dict(self) -> dict[str, int | str | float | bool]:
+        return {
+            "stream": self.stream,
+            "consumer": self.consumer,
+            "position": self.position,
+            "lag_bytes": self.lag_bytes,
+            "lag_seconds": self.lag_seconds,
+            "blocking": self.blocking,
+            "on_data_loss": self.on_data_loss,
+            "state": self.state,
+        }
+
+
+async def list_consumers(
+    gateway: str, security: object | None = None, names: Sequence[str] = ()
+) -> list[ConsumerRow]:
+    """The consumers of the gateway's streams (only ``names`` if given), by stream and name.
+
+    Raises:
+        ReaderError: the gateway cannot be reached or refused the request.
+        LookupError: a stream of ``names`` does not exist.
+    """
+    from headgate.client.reader import Reader
+    from headgate.client.security import ClientSecurity
+
+    assert security is None or isinstance(security, ClientSecurity)
+    async with Reader(gateway, client_name="headgate-consumers", security=security) as reader:
+        known = [info.stream for info in await reader.list_streams()]
+        missing = [name for name in names if name not in known]
+        if missing:
+            raise LookupError(
+                f"the gateway at {gateway} has no stream {', '.join(map(repr, missing))}"
+            )
+        rows: list[ConsumerRow] = []
+        for stream in sorted(names or known):
+            rows += [ConsumerRow.of(stream, c) for c in await reader.list_consumers(stream)]
+    return rows
+
+
+@dataclass(frozen=True, slots=True)
 class Deleted:
     """What ``delete_stream`` removed."""
 
     stream: str
-    #: Bytes of the log's files and its producer state.
+    #: Bytes of the log's files, its producer state and its consumers.
     bytes_removed: int
     paths: tuple[Path, ...]
 
@@ -175,13 +243,16 @@ def delete_stream(data_dir: Path, name: str) -> Deleted:
             raise LookupError(f"{data_dir} holds no stream {name!r}")
         size = sum(f.stat().st_size for f in log_dir.rglob("*") if f.is_file())
         paths = [log_dir]
-        if state.exists():
-            size += state.stat().st_size
-            paths.append(state)
+        for extra in (state, consumers_file(data_dir, name)):
+            if extra.exists():
+                size += extra.stat().st_size
+                paths.append(extra)
         # A crash in the middle leaves a log without its directory entry or
         # without its state: both are what a stream that never existed has.
         shutil.rmtree(log_dir)
         state.unlink(missing_ok=True)
+        # Its consumers go with it: a new stream of that name starts afresh.
+        consumers_file(data_dir, name).unlink(missing_ok=True)
         return Deleted(name, size, tuple(paths))
     finally:
         lock.release()

@@ -75,6 +75,15 @@ class _FetchJob:
     end: int
     #: TailRecords sent so far.
     sent: int = 0
+    #: Bytes a ``skip`` consumer jumped over (freed before it read them).
+    skipped: int = 0
+    #: Records among them, or None where they could not be counted.
+    skipped_records: int | None = 0
+    #: Where the fetch started reading (``max_bytes`` counts from here).
+    start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = self.cursor
 
 
 @dataclass(eq=False)
@@ -252,18 +261,27 @@ class ReaderConnection:
                 self._charge(Cost.FETCH)
                 self._check_count(len(self._jobs), "fetches waiting")
                 stream = self._stream(message.stream)
+                start, skipped = message.start_position, 0
+                skipped_records: int | None = 0
+                if message.consumer is not None:
+                    # Behind the log: the consumer's on_data_loss (an error, or skip ahead).
+                    start, skipped, skipped_records = stream.read_start(message.consumer, start)
                 end = message.end_position
                 if end == U64_MAX:
                     # The durable end, or nothing if the reader is past it already.
-                    end = max(stream.log.durable_position, message.start_position)
-                self._check_range(stream, message.start_position, end)
+                    end = max(stream.log.durable_position, start)
+                elif skipped:
+                    end = max(end, start)  # all it asked for was freed: nothing to read
+                self._check_range(stream, start, end)
                 if (
                     message.stream not in self._fetch_handles
                     and message.stream not in self._binding
                 ):
                     self._binding.add(message.stream)
                     self._to_bind.append(message.stream)
-                self._jobs.append(_FetchJob(message, message.start_position, end))
+                self._jobs.append(
+                    _FetchJob(message, start, end, skipped=skipped, skipped_records=skipped_records)
+                )
             case m.Subscribe():
                 self._charge(Cost.SUBSCRIBE)
                 self._check_subscriptions()
@@ -421,11 +439,17 @@ class ReaderConnection:
             if not done:
                 break
             self._jobs.popleft()
+            if job.request.consumer is not None:
+                stream = self._streams.get(job.request.stream)
+                if stream is not None:
+                    stream.consumer_read(job.request.consumer, job.cursor)
             self._session.send_global(
                 m.FetchDone(
                     request_id=job.request.request_id,
                     next_position=job.cursor,
                     batches=job.sent,
+                    skipped_bytes=None if job.request.consumer is None else job.skipped,
+                    skipped_records=None if job.request.consumer is None else job.skipped_records,
                 )
             )
         for sub in self.subscriptions:
@@ -523,6 +547,17 @@ class ReaderConnection:
         while job.cursor < job.end and used < budget:
             if not self._can_send(handle):
                 return False, used  # read nothing that cannot be sent
+            if request.consumer is not None and job.cursor < stream.log.release_position:
+                # Freed while being served (a non-blocking consumer holds nothing).
+                job.cursor, skipped, records = stream.read_start(request.consumer, job.cursor)
+                job.skipped += skipped
+                job.skipped_records = (
+                    None
+                    if records is None or job.skipped_records is None
+                    else job.skipped_records + records
+                )
+                job.end = max(job.end, job.cursor)
+                continue
             try:
                 frames = self._read(stream, job.cursor, job.end)
             except LogError as error:
@@ -534,7 +569,7 @@ class ReaderConnection:
                 job.cursor = job.end  # only padding was left
                 break
             for frame in frames:
-                if job.sent and frame.end_position - request.start_position > limit:
+                if job.sent and frame.end_position - job.start > limit:
                     return True, used
                 if self._frames_left <= 0 or not self._room():
                     return False, used
