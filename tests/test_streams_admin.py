@@ -183,7 +183,7 @@ def test_a_gateway_that_predates_describe_streams_is_listed_without_release_time
         if isinstance(message, m.DescribeStreams):
             # What a gateway without the message type answers: MALFORMED_MESSAGE.
             raise ProtocolError(
-                "unknown global message type 0x26", code=ErrorCode.MALFORMED_MESSAGE
+                "unknown global message type 0x28", code=ErrorCode.MALFORMED_MESSAGE
             )
         original(self, message, *args, **kwargs)  # type: ignore[arg-type]
 

@@ -476,14 +476,14 @@ def c64(value: int) -> str:
         "25 00 ff ff ff ff ff ff ff ff ff",  # StreamList of 2^64-1 streams
         "25 00 01 01 2e 00 00 00 00",  # StreamList entry named "."
         "26",  # DescribeStreams without a request id
-        "26 00 00",  # DescribeStreams with a trailing byte
-        "27 00 01",  # StreamDescriptions that promises a stream and holds none
-        "27 00 ff ff ff ff ff ff ff ff ff",  # StreamDescriptions of 2^64-1 streams
-        "27 00 01 01 61 00 00 00 00",  # an entry cut before its release time
-        "27 00 01 01 61 00 00 00 00 ff 03 84 44 0c cc 73 5f",  # a release time cut short
-        "27 00 01 01 61 00 00 00 00 ff 03 84 44 0c cc 73 60 00",  # after the year 9999
-        "27 00 01 01 61 00 00 00 00 ff ff ff ff ff ff ff ff ff",  # a release time of 2^64-1
-        "27 00 02 01 61 00 00 00 00 00",  # two streams promised, one given
+        "28 00 00",  # DescribeStreams with a trailing byte
+        "29 00 01",  # StreamDescriptions that promises a stream and holds none
+        "29 00 ff ff ff ff ff ff ff ff ff",  # StreamDescriptions of 2^64-1 streams
+        "29 00 01 01 61 00 00 00 00",  # an entry cut before its release time
+        "29 00 01 01 61 00 00 00 00 ff 03 84 44 0c cc 73 5f",  # a release time cut short
+        "29 00 01 01 61 00 00 00 00 ff 03 84 44 0c cc 73 60 00",  # after the year 9999
+        "29 00 01 01 61 00 00 00 00 ff ff ff ff ff ff ff ff ff",  # a release time of 2^64-1
+        "29 00 02 01 61 00 00 00 00 00",  # two streams promised, one given
         "04 01 00 fd 04 01" + "61" * 1025,  # Error text of 1025 bytes
     ],
 )
@@ -495,11 +495,11 @@ def test_malformed_global_messages(payload: str) -> None:
 
 def test_the_latest_release_time_is_the_last_microsecond_of_the_year_9999() -> None:
     entry = "01 61 00 00 00 00" + " " + c64(MAX_TIME_US)
-    decoded = decode_global(bytes.fromhex("27 00 01 " + entry))
+    decoded = decode_global(bytes.fromhex("29 00 01 " + entry))
     assert isinstance(decoded, StreamDescriptions)
     assert decoded.streams[0].released_at_us == MAX_TIME_US
     with pytest.raises(MessageError, match="after the year 9999"):
-        decode_global(bytes.fromhex("27 00 01 01 61 00 00 00 00 " + c64(MAX_TIME_US + 1)))
+        decode_global(bytes.fromhex("29 00 01 01 61 00 00 00 00 " + c64(MAX_TIME_US + 1)))
 
 
 def test_a_huge_declared_length_is_refused_without_the_bytes() -> None:
