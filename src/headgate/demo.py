@@ -424,9 +424,11 @@ class _Demo:
         async def snapshot() -> dict[str, Any]:
             return dict(producer.statistics().streams)
 
+        coro = snapshot()
         try:
-            streams: dict[str, Any] = thread.run(snapshot(), 10)
+            streams: dict[str, Any] = thread.run(coro, 10)
         except RuntimeError:  # its loop is already closed: the last figures stand
+            coro.close()  # never scheduled: no "never awaited" warning
             return self._last_producer_streams
         self._last_producer_streams = streams
         return streams
