@@ -15,7 +15,9 @@ So the books are::
     log free capacity  >=  reserve + sum over writers of (capacity - buffered)
 
 where ``reserve`` covers the padding that term rotations can cost. Space that
-Spark releases returns to the writers as guarantees (or, for a writer above
+Spark releases returns to the writers as guarantees, a *run* of batches at a
+time (:class:`UnreleasedRuns`: the gateway's memory per unreleased batch
+would otherwise grow with the log's capacity) (or, for a writer above
 its fair share, shrinks its buffer instead); space that no writer holds is
 granted to writers below their share. A writer above its share while another
 waits is pleaded down (the seed's Plead/Absolve), and a writer that has gone
@@ -116,6 +118,76 @@ IDLE_AFTER_S = 1.0
 USE_HALF_LIFE_S = 0.5
 #: Writers' use asks for a rebalance of their stream (to earn more) at most this often.
 ASK_INTERVAL_S = 0.05
+#: A run of unreleased batches (see :class:`UnreleasedRuns`) grows to at most
+#: this fraction of its writer's channel capacity ...
+RUN_CAPACITY_FRACTION = 16
+#: ... or to this many bytes where that is more (the largest batch where it is
+#: less): what bounds the gateway's memory per unreleased byte.
+RUN_FLOOR = 64 * 1024
+
+
+@dataclass(slots=True)
+class UnreleasedRun:
+    """Consecutive stored batches of one writer whose channel space waits for a release."""
+
+    #: Where its last batch ends in the log.
+    end: int
+    #: How many batches.
+    count: int
+    #: Their size in guarantees (what the channel charged them).
+    size: int
+
+
+class UnreleasedRuns:
+    """A writer's batches in the log that Spark has not released, in runs.
+
+    Under the credit policy a batch's space in its writer's channel is freed
+    (and reissued) only when the consumer releases the log past the batch.
+    An entry per batch would let a writer of tiny batches to a large stream
+    that nobody releases grow the gateway's memory by some 150 bytes per
+    batch, without end. So consecutive batches of a writer share one entry,
+    a run, and the channel keeps them as one too
+    (:meth:`ServerChannel.coalesce`). A run grows until it would pass
+    ``limit`` bytes (the caller's: a fraction of the writer's capacity, at
+    least :data:`RUN_FLOOR`); its first batch always fits. Since each run
+    but the last is closed by a batch that did not fit, two consecutive runs
+    hold more than ``limit`` bytes: a run costs one entry per half a limit.
+
+    A run is processed, all its bytes freed at once, when the release
+    position reaches its *last* batch. A release that ends inside a run
+    frees none of it: those bytes come back at the next release that covers
+    the run's end. That delays at most one run per writer (the one the
+    release ends in), at most ``limit`` bytes, by one release; and since
+    the run's batches are stored and durable, a consumer that keeps reading
+    reaches its end.
+    """
+
+    __slots__ = ("_runs",)
+
+    def __init__(self) -> None:
+        self._runs: deque[UnreleasedRun] = deque()
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def add(self, end: int, size: int, limit: int) -> None:
+        """A batch of ``size`` guarantees, ending at ``end`` in the log, was stored."""
+        runs = self._runs
+        if runs:
+            last = runs[-1]
+            if last.size + size <= limit:
+                last.end = end
+                last.count += 1
+                last.size += size
+                return
+        runs.append(UnreleasedRun(end, 1, size))
+
+    def take_released(self, position: int) -> UnreleasedRun | None:
+        """The oldest run if the release ``position`` covers all of it (taken out), else None."""
+        runs = self._runs
+        if runs and runs[0].end <= position:
+            return runs.popleft()
+        return None
 
 
 @dataclass(eq=False)
@@ -143,6 +215,8 @@ class Writer:
     batch_arrived: float = 0.0
     #: Whether the connection is still there.
     alive: bool = True
+    #: Its stored batches waiting for a release (credit policy only).
+    unreleased: UnreleasedRuns = field(default_factory=UnreleasedRuns)
     #: The target of the last Plead sent, to avoid repeating it.
     pleaded: int | None = None
     #: When the unanswered Plead was first sent (caller's clock), or None.
@@ -483,8 +557,6 @@ class Stream:
         #: work that grows with the log, bounded by the snapshot).
         self.recovered_frames = 0
         self._appends: deque[tuple[int, int, int]] = deque()  # (end, producer, next_seq)
-        # Batches in channel buffers, in log order: (end position, writer).
-        self._inflight: deque[tuple[int, Writer]] = deque()
         #: The stream's named consumers (set by :meth:`open`).
         self.consumers = ConsumerBook(name, state_file.with_name(f"{name}.consumers.json"), {})
         # Whether a failed save of the consumers was logged (once per spell).
@@ -840,8 +912,8 @@ class Stream:
             end = self.log.tail_position
             writer.pending_acks.append((next_sequence, end, arrived))
             if in_channel:
-                self._inflight.append((end, writer))
-                self._process_released()
+                self._await_release(writer, end, records)
+                self._process_released((writer,))
             return AppendOutcome.DUPLICATE
         result = self.log.append(
             records,
@@ -855,12 +927,21 @@ class Stream:
         self._appends.append((result.end_position, writer.producer_id, end_sequence))
         writer.pending_acks.append((end_sequence, result.end_position, arrived))
         if in_channel:
-            self._inflight.append((result.end_position, writer))
+            self._await_release(writer, result.end_position, records)
         self.appended_batches += 1
         self.appended_records += record_count
         if self.on_append is not None:
             self.on_append(self, writer, first_sequence, records, timestamp_us)
         return AppendOutcome.STORED
+
+    def _await_release(self, writer: Writer, end: int, records: memoryview) -> None:
+        """A batch of ``writer``'s channel is in the log up to ``end``: free it at release."""
+        state = writer.inbound
+        if not state.coalescing:
+            # Its buffer then holds runs too, processed as ours are.
+            state.coalesce()
+        limit = max(state.capacity // RUN_CAPACITY_FRACTION, min(RUN_FLOOR, self._max_frame))
+        writer.unreleased.add(end, writer.session.batch_cost(len(records)), limit)
 
     def on_durable(self) -> None:
         """After a group commit: send the acks that durability now allows."""
@@ -1140,26 +1221,30 @@ class Stream:
             self._free_to_floor()
         return actions
 
-    def _process_released(self) -> None:
+    def _process_released(self, writers: Sequence[Writer] | None = None) -> None:
+        """Free the channel space of every run the release position now covers."""
         released = self.log.release_position
-        if not self._inflight or self._inflight[0][0] > released:
-            return
-        shares = self.shares(now=None)
-        while self._inflight and self._inflight[0][0] <= released:
-            _, writer = self._inflight.popleft()
+        shares: dict[int, int] | None = None
+        for writer in self.writers if writers is None else writers:
             if not writer.alive:
                 continue
-            state = writer.inbound
-            # Above its share, or asked by a Plead to hold less, a writer's
-            # buffer shrinks instead of re-issuing (re-issuing to a pleaded
-            # writer would hand back what the Plead asked for, and count
-            # against it at the deadline).
-            writer.session.process(
-                writer.handle,
-                reissue=self.storage_error is None
-                and writer.pleaded_at is None
-                and state.capacity <= shares.get(id(writer), 0),
-            )
+            while (run := writer.unreleased.take_released(released)) is not None:
+                if shares is None:
+                    shares = self.shares(now=None)
+                state = writer.inbound
+                # Asked by a Plead to hold less, a writer's buffer shrinks
+                # instead of re-issuing (re-issuing to a pleaded writer would
+                # hand back what the Plead asked for, and count against it at
+                # the deadline); so it does while the stream is held.
+                reissue = self.storage_error is None and writer.pleaded_at is None
+                writer.session.process(
+                    writer.handle, reissue=reissue, count=run.count, size=run.size
+                )
+                excess = state.capacity - shares.get(id(writer), 0)
+                if reissue and excess > 0:
+                    # Above its share, what the run frees beyond the share
+                    # is taken back before it is issued.
+                    state.shrink(min(excess, run.size, state.issuable, state.free))
 
     def _first_grant(self, capacity: int) -> int:
         """What a writer that has used nothing yet may hold: a few frames, or 1/16 of the log."""

@@ -218,6 +218,15 @@ class ClientChannelStatistics:
 # --- server ------------------------------------------------------------------
 
 
+@dataclass(slots=True)
+class _Run(Generic[T]):
+    """Consecutive equal buffered messages: the message, how many, their total size."""
+
+    message: T
+    count: int
+    size: int
+
+
 class ServerChannel(Generic[T]):
     """The receiving end of one logical channel: a FIFO buffer and its books.
 
@@ -239,8 +248,12 @@ class ServerChannel(Generic[T]):
         self._announce_issuance = announce_issuance
         self._capacity = 0
         self._issuable = 0
-        self._buffer: deque[tuple[T, int]] = deque()
+        # Buffered messages in arrival order, as runs of consecutive equal
+        # messages (one run per message unless coalescing, see coalesce()).
+        self._buffer: deque[_Run[T]] = deque()
         self._buffered_bytes = 0
+        self._buffered_messages = 0
+        self._coalescing = False
         self._dropping = False
         # Remaining bytes the server may still accept, under its own
         # LimitReceiving and under the client's LimitSending (None: unlimited).
@@ -266,7 +279,12 @@ class ServerChannel(Generic[T]):
 
     @property
     def buffered_messages(self) -> int:
-        return len(self._buffer)
+        return self._buffered_messages
+
+    @property
+    def coalescing(self) -> bool:
+        """Whether consecutive equal messages share one buffer entry (see :meth:`coalesce`)."""
+        return self._coalescing
 
     @property
     def free(self) -> int:
@@ -304,7 +322,7 @@ class ServerChannel(Generic[T]):
         return ServerChannelStatistics(
             capacity=self._capacity,
             buffered_bytes=self._buffered_bytes,
-            buffered_messages=len(self._buffer),
+            buffered_messages=self._buffered_messages,
             issuable=self._issuable,
             client_guarantees=self.client_guarantees,
             dropping=self._dropping,
@@ -402,8 +420,14 @@ class ServerChannel(Generic[T]):
             # with issuable >= 0. So only an optimistic message lands here.
             # "the server must never buffer partial messages"
             return self._start_dropping(size, DropReason.NO_SPACE)
-        self._buffer.append((message, size))
+        tail = self._buffer[-1] if self._coalescing and self._buffer else None
+        if tail is not None and tail.message == message:
+            tail.count += 1
+            tail.size += size
+        else:
+            self._buffer.append(_Run(message, 1, size))
         self._buffered_bytes += size
+        self._buffered_messages += 1
         if self._receive_bound is not None:
             self._receive_bound -= size
         if self._send_bound is not None:
@@ -443,18 +467,89 @@ class ServerChannel(Generic[T]):
         frames.append(AnnounceDropping(channel=self._channel))
         return MessageDropped(size=size, reason=reason, frames=tuple(frames))
 
-    def process(self, *, reissue: bool = True) -> tuple[T, int]:
-        """Take the oldest buffered message out of the buffer.
+    def coalesce(self) -> None:
+        """From now on, keep consecutive equal messages as one buffer entry.
 
-        With ``reissue`` its space becomes issuable again; the guarantees
-        accumulate until :meth:`issue` ("the server need not communicate this
-        immediately"). Without, the buffer shrinks by the message's size, which
-        is how a server reduces capacity without asking the client.
+        The buffer then costs memory per run of messages, not per message: a
+        gateway that processes a stream's batches only when the consumer
+        releases them would otherwise keep an entry for every small batch of
+        a large log. The price is that a run forgets the sizes of its
+        messages, so :meth:`process` must be told the size of any part of a
+        run it takes. The books do not change: they count bytes and messages.
         """
-        if not self._buffer:
-            raise RuntimeError(f"channel {self._channel}: nothing buffered to process")
-        message, size = self._buffer.popleft()
+        self._coalescing = True
+
+    def process(
+        self, *, reissue: bool = True, count: int = 1, size: int | None = None
+    ) -> tuple[T, int]:
+        """Take the ``count`` oldest buffered messages out of the buffer, as one.
+
+        With ``reissue`` their space becomes issuable again; the guarantees
+        accumulate until :meth:`issue` ("the server need not communicate this
+        immediately"). Without, the buffer shrinks by their size, which is how
+        a server reduces capacity without asking the client.
+
+        The messages taken together must be equal (they are one message
+        unless the caller processes several batches of one handle at once).
+        ``size`` is their total size: the caller's own count, checked against
+        the buffer where it can be, and needed where the last message taken
+        is part of a coalesced run (whose single sizes are not kept).
+
+        Returns the message and the size taken.
+
+        Raises:
+            RuntimeError: fewer than ``count`` messages are buffered.
+            ValueError: ``count`` below 1, messages that differ, or a
+                ``size`` that disagrees with the buffer or is missing;
+                nothing changes then.
+        """
+        if count < 1:
+            raise ValueError(f"channel {self._channel}: cannot process {count} messages")
+        if count > self._buffered_messages:
+            raise RuntimeError(
+                f"channel {self._channel}: {count} to process, {self._buffered_messages} buffered"
+            )
+        # Check everything before any book changes.
+        message = self._buffer[0].message
+        whole_runs = 0
+        whole_size = 0
+        left = count
+        for run in self._buffer:
+            if run.message != message:
+                raise ValueError(f"channel {self._channel}: the messages to process differ")
+            if run.count > left:
+                break
+            whole_runs += 1
+            whole_size += run.size
+            left -= run.count
+            if left == 0:
+                break
+        if left == 0:
+            if size is not None and size != whole_size:
+                raise ValueError(
+                    f"channel {self._channel}: {count} messages of {whole_size} bytes, not {size}"
+                )
+            size = whole_size
+        else:
+            if size is None:
+                raise ValueError(
+                    f"channel {self._channel}: the size of part of a run must be given"
+                )
+            part = size - whole_size
+            if not 0 <= part <= self._buffer[whole_runs].size:
+                raise ValueError(
+                    f"channel {self._channel}: {size} bytes do not fit {count} messages "
+                    f"of the buffer"
+                )
+        _check_size("size", size)
+        for _ in range(whole_runs):
+            self._buffer.popleft()
+        if left:
+            partial = self._buffer[0]
+            partial.count -= left
+            partial.size -= size - whole_size
         self._buffered_bytes -= size
+        self._buffered_messages -= count
         if reissue:
             self._issuable += size
             self._trim_to_bounds()

@@ -490,12 +490,12 @@ class HandleTable(Generic[V]):
             raise RuntimeError(f"handle {handle} is not bound (was the message released?)")
         return binding.value
 
-    def release(self, handle: int) -> Released:
-        """A buffered message referencing ``handle`` has been fully processed."""
+    def release(self, handle: int, count: int = 1) -> Released:
+        """``count`` buffered messages referencing ``handle`` have been fully processed."""
         binding = self._bindings.get(handle)
-        if binding is None or binding.references == 0:
-            raise RuntimeError(f"handle {handle} has no counted reference to release")
-        binding.references -= 1
+        if binding is None or binding.references < count or count < 1:
+            raise RuntimeError(f"handle {handle} has no {count} counted references to release")
+        binding.references -= count
         return Released(handle=handle, deleted=self._delete_if_done(handle, binding))
 
     # -- freeing --

@@ -801,18 +801,22 @@ class Session:
             return
         self._emit(self._inbound_channel(channel, Plead).plead(target))
 
-    def process(self, handle: int, *, reissue: bool = True) -> int:
+    def process(
+        self, handle: int, *, reissue: bool = True, count: int = 1, size: int | None = None
+    ) -> int:
         """The oldest buffered batch of the peer's stream ``handle`` is done.
 
         Its space becomes issuable again (or, without ``reissue``, the buffer
         shrinks by as much); its reference to the handle is released. Returns
-        the batch's size.
+        the batch's size. With ``count``, that many of the oldest batches are
+        done at once, ``size`` bytes in all (see :meth:`ServerChannel.process`;
+        a channel that coalesces needs the size of part of a run).
         """
         state = self._inbound.get(m.data_channel(handle))
         if state is None:
             raise ValueError(f"stream handle {handle} has no channel")
-        buffered_handle, size = state.process(reissue=reissue)
-        released = self.streams.theirs.release(buffered_handle)
+        buffered_handle, size = state.process(reissue=reissue, count=count, size=size)
+        released = self.streams.theirs.release(buffered_handle, count)
         if released.deleted:
             self._inbound.pop(m.data_channel(handle), None)
         return size
