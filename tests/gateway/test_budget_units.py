@@ -19,7 +19,14 @@ from headgate.gateway.budget import (
     address_key,
     token_key,
 )
-from headgate.gateway.turns import TURN_COST, Passes, TurnShare, TurnTaker
+from headgate.gateway.turns import (
+    MAX_DEBT_PASSES,
+    TURN_COST,
+    TURN_SECONDS,
+    Passes,
+    TurnShare,
+    TurnTaker,
+)
 
 
 def test_a_budget_pays_a_burst_at_once_then_its_rate_and_says_how_long_a_debt_waits() -> None:
@@ -251,3 +258,36 @@ async def test_a_cause_alone_takes_every_turn_its_connections_want() -> None:
     unshared = [_Backlog(None, None, 64 << 20) for _ in range(4)]
     await _run_passes(unshared, 50)
     assert sum(b.taken for b in shared) >= 0.9 * sum(b.taken for b in unshared)
+
+
+async def test_a_cause_whose_batches_cost_more_to_store_gets_fewer_turns() -> None:
+    """The log writer's appends are taken from the cause's time too (deficit round robin)."""
+    passes = Passes()
+    dear, cheap = TurnShare(), TurnShare()
+    dear_conn = _Backlog(passes, dear, 64 << 20)
+    cheap_conn = _Backlog(passes, cheap, 64 << 20)
+    step = dear_conn.step
+
+    def dear_step(limit: int) -> int:
+        took = step(limit)
+        if took:
+            # Each slice's appends cost two whole turns of time, after the turn.
+            asyncio.get_running_loop().call_soon(passes.spent, dear, 2 * TURN_SECONDS)
+        return took
+
+    dear_conn.taker._step = dear_step
+    await _run_passes([dear_conn, cheap_conn], 300)
+    assert cheap_conn.taken > 0 and dear_conn.taken > 0
+    assert dear_conn.taken < cheap_conn.taken / 2, (dear_conn.taken, cheap_conn.taken)
+
+
+async def test_a_debt_run_up_while_alone_is_forgiven_when_others_come() -> None:
+    """Debts are only between causes: alone, a cause's appends put it in no debt."""
+    passes = Passes()
+    share = TurnShare()
+    passes.visit(share)
+    passes.spent(share, 10.0)
+    assert share.credit >= -MAX_DEBT_PASSES * TURN_SECONDS
+    await asyncio.sleep(0)  # a new pass, still alone
+    passes.visit(share)
+    assert share.credit == TURN_SECONDS

@@ -1076,9 +1076,7 @@ async def _noisy_writers(target: Target, run: Run, connections: int, records: in
     peers = [await opened(address, target.token, report) for _ in range(connections)]
     engaged = asyncio.get_running_loop().call_later(0.3, run.engage)
     try:
-        await asyncio.gather(
-            *(_noisy_writer(p, NOISY_STREAM, run, records, report) for p in peers)
-        )
+        await asyncio.gather(*(_noisy_writer(p, NOISY_STREAM, run, records, report) for p in peers))
     finally:
         engaged.cancel()
         run.engage()
