@@ -25,6 +25,16 @@ Systems, all on 127.0.0.1 in this run:
   installed): XADD to A and B on one connection; A's reader stops XREADing.
 * ZeroMQ PUSH/PULL with a high-water mark: one PUSH socket; the PULL side
   hands A's messages to A's consumer, whose queue fills while it stalls.
+* NATS JetStream (``nats-server -js`` started here on a free port, if
+  installed; ``--nats-server PATH`` picks another): A and B are work-queue
+  streams on the file store, each holding at most the headgate log's capacity,
+  ``discard: new``, so a full stream refuses publishes ("maximum bytes
+  exceeded") instead of dropping old messages. One connection publishes both,
+  one message per record, at most 8 batches of acks outstanding per stream;
+  a refused message is published again after a pause (20 ms, doubling to
+  320 ms). The consumer pulls and acknowledges each message (a work queue
+  deletes what is acknowledged: its release); A's stops pulling. How durable
+  an ack is depends on the server: see ``bench/natsjs.py``.
 
 Figures, per system:
 
@@ -33,7 +43,7 @@ Figures, per system:
 * ``A overshoot/drops``: what A sent that the receiver could not put where
   it belongs: headgate's bytes held in gateway memory beyond the log (window,
   xonxoff) or dropped; bytes stuck in kernel buffers (TCP); A's backlog in
-  Redis memory; messages queued in ZeroMQ.
+  Redis memory; messages queued in ZeroMQ; JetStream's refused publishes.
 * ``peak RSS``: the receiving process (gateway, h2 server, Redis, TCP reader,
   ZeroMQ puller); the
   gateway's budget is its RSS before the load plus each stream's mapped log
@@ -835,6 +845,173 @@ async def run_redis(timing: Timing, solo: bool) -> Result:
             server.wait(5)
 
 
+# --- NATS JetStream -------------------------------------------------------------------
+
+#: Batches each stream's publisher keeps unacknowledged (publish_async's bound is
+#: this many batches' records), as headgate's window policy does.
+NATS_WINDOW = WINDOW
+#: A refused batch is published again after this, doubling up to NATS_RETRY_MAX_S.
+NATS_RETRY_S = 0.02
+NATS_RETRY_MAX_S = 0.32
+
+
+def nats_consumer(conn: Connection, url: str, timing: Timing, streams: list[str]) -> None:
+    """Pull each stream's messages and acknowledge each one (a work-queue stream
+    deletes what is acknowledged: JetStream's release); A stalls."""
+    import nats
+
+    async def main() -> dict[str, list[float]]:
+        nc = await nats.connect(url)
+        js = nc.jetstream()
+        subs = {s: await js.pull_subscribe(s, durable=f"consumer-{s}", stream=s) for s in streams}
+        conn.send("ready")
+        t0: float = await asyncio.to_thread(conn.recv)
+        stall, resume, end = schedule(t0, timing)
+        timeline = Timeline(t0, timing.end)
+
+        async def drain(stream: str) -> None:
+            while time.monotonic() < end:
+                if stream == "A" and stall <= time.monotonic() < resume:
+                    await asyncio.sleep(0.01)
+                    continue
+                try:
+                    messages = await subs[stream].fetch(256, timeout=0.05)
+                except (nats.errors.TimeoutError, TimeoutError):  # nats-py raises either
+                    continue
+                for message in messages:
+                    timeline.add(stream, len(message.data))
+                    await message.ack()
+
+        await asyncio.gather(*(drain(s) for s in streams))
+        await nc.close()
+        return timeline.buckets
+
+    conn.send(asyncio.run(main()))
+
+
+async def run_nats(timing: Timing, solo: bool, binary: str | None) -> Result:
+    """JetStream on a file store: streams A and B as work-queue streams of the same
+    capacity as headgate's logs, ``discard: new`` (a full stream refuses new
+    messages rather than dropping old ones, which is what flow control needs),
+    one connection publishing both with publish_async."""
+    import natsjs
+
+    result = Result(system="NATS JetStream")
+    found = natsjs.find_server(binary)
+    missing = natsjs.client_missing()
+    if missing or found is None:
+        result.skipped = missing or natsjs.skip_reason(binary)
+        return result
+    import nats
+    from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
+
+    server = natsjs.JetStreamServer.start(found)
+    try:
+        result.system = f"NATS JetStream ({server.label})"
+        capacity = capacity_for(timing)
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        publisher = natsjs.AckedPublisher(nc, 2 * NATS_WINDOW * BATCH_RECORDS)
+        await publisher.start()
+        length = timing.solo if solo else timing.end
+        run = Timing(timing.rate, timing.stall_at, timing.resume_at, length, timing.solo)
+        if solo:
+            run = Timing(timing.rate, length + 1, length + 1, length, timing.solo)
+        streams = ["B"] if solo else ["A", "B"]
+        for name in streams:
+            await js.add_stream(
+                name=name,
+                subjects=[name],
+                storage=StorageType.FILE,
+                retention=RetentionPolicy.WORK_QUEUE,
+                discard=DiscardPolicy.NEW,
+                max_bytes=capacity,
+            )
+        sampler = RssSampler(server.pid)
+        ctx = multiprocessing.get_context("spawn")
+        parent, kid = ctx.Pipe()
+        consumer = ctx.Process(target=nats_consumer, args=(kid, server.url, run, streams))
+        consumer.start()
+        t0 = await start_child(parent)
+        value = os.urandom(RECORD)
+        batches = [0]
+        refused: dict[str, int] = dict.fromkeys(streams, 0)
+        reasons: set[str] = set()
+        in_flight: dict[str, list[asyncio.Task[None]]] = {s: [] for s in streams}
+        stop_at = t0 + run.end
+
+        async def publish(stream: str, count: int) -> list[asyncio.Future[str | None]]:
+            return [await publisher.publish(stream, value) for _ in range(count)]
+
+        async def settle(stream: str, futures: list[asyncio.Future[str | None]]) -> None:
+            """Wait for a batch's acks; publish what was refused again, backing off."""
+            delay = NATS_RETRY_S
+            while futures:
+                outcomes = await asyncio.gather(*futures)
+                failed = [o for o in outcomes if o is not None]
+                if not failed:
+                    return
+                refused[stream] += len(failed)
+                reasons.add(failed[0])
+                if time.monotonic() + delay >= stop_at:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, NATS_RETRY_MAX_S)
+                futures = await publish(stream, len(failed))
+
+        async def send(stream: str, _: int) -> None:
+            batches[0] += 1
+            window = in_flight[stream]
+            while len(window) >= NATS_WINDOW:
+                await window.pop(0)
+            window.append(asyncio.create_task(settle(stream, await publish(stream, BATCH_RECORDS))))
+
+        peak_stored = [0]
+
+        async def watch() -> None:
+            while "A" in streams:
+                await asyncio.sleep(0.2)
+                info = await js.stream_info("A")
+                peak_stored[0] = max(peak_stored[0], info.state.bytes)
+
+        await asyncio.sleep(max(0.0, t0 - time.monotonic()))
+        tasks = [asyncio.create_task(paced(s, run, t0, send, run.end)) for s in streams]
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(max(0.0, stop_at - time.monotonic()))
+        for task in [*tasks, watcher]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+                await task
+        for task in [t for window in in_flight.values() for t in window]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, nats.errors.Error):
+                await task
+        if not await asyncio.to_thread(parent.poll, 30.0):
+            sampler.stop()
+            consumer.kill()
+            result.skipped = "failed: the consumer process sent no result (see its error above)"
+            return result
+        result.buckets = parent.recv()
+        consumer.join(5)
+        result.peak_rss = sampler.stop()
+        result.memory = sampler.over_time(t0)
+        result.peak_anon = sampler.peak_anon
+        await nc.close()
+        # PubAcks and refusals received per batch offered (refused records come back).
+        replies = publisher.acks + publisher.refusals
+        result.ctl_per_batch = replies / batches[0] if batches[0] else None
+        reason = f" ({sorted(reasons)[0]})" if reasons else ""
+        result.overshoot = (
+            f"{refused.get('A', 0):,} publishes to A refused{reason}, each published again; "
+            f"A stored at most {peak_stored[0] / KiB:,.0f} KiB "
+            f"(max_bytes {capacity / KiB:,.0f} KiB)"
+        )
+        result.note = f"1 PubAck per record; {server.durability}"
+        return result
+    finally:
+        server.stop()
+
+
 # --- ZeroMQ ---------------------------------------------------------------------------
 
 ZMQ_HWM = 64  # messages (batches) per socket queue
@@ -926,7 +1103,7 @@ async def run_zmq(timing: Timing, solo: bool) -> Result:
 # --- running, table, plots ------------------------------------------------------------------
 
 
-async def measure(name: str, timing: Timing) -> Result:
+async def measure(name: str, timing: Timing, nats_server: str | None = None) -> Result:
     runners: dict[str, Callable[[bool], Any]] = {
         "credit": lambda solo: run_headgate("credit", timing, solo),
         "window": lambda solo: run_headgate("window", timing, solo),
@@ -935,6 +1112,7 @@ async def measure(name: str, timing: Timing) -> Result:
         "tcp": lambda solo: run_tcp(timing, solo),
         "redis": lambda solo: run_redis(timing, solo),
         "zmq": lambda solo: run_zmq(timing, solo),
+        "nats": lambda solo: run_nats(timing, solo, nats_server),
     }
     solo: Result = await runners[name](True)
     if solo.skipped:
@@ -1031,7 +1209,7 @@ def table(results: list[Result], timing: Timing) -> str:
     return "\n".join(rows)
 
 
-SYSTEMS = ("credit", "window", "xonxoff", "h2", "tcp", "redis", "zmq")
+SYSTEMS = ("credit", "window", "xonxoff", "h2", "tcp", "redis", "zmq", "nats")
 
 
 def main() -> None:
@@ -1043,6 +1221,12 @@ def main() -> None:
     parser.add_argument(
         "--only", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to run"
     )
+    parser.add_argument(
+        "--nats-server",
+        metavar="PATH",
+        help="the nats-server to compare with (default: nats-server on PATH; "
+        "2.10 or later fsyncs before each ack, see bench/natsjs.py)",
+    )
     args = parser.parse_args()
     timing = Timing.default(args.quick)
     print(
@@ -1053,7 +1237,7 @@ def main() -> None:
     results = []
     for name in args.only:
         started = time.monotonic()
-        result = asyncio.run(measure(name, timing))
+        result = asyncio.run(measure(name, timing, args.nats_server))
         results.append(result)
         if not result.skipped:
             path = plot(result, timing)

@@ -37,6 +37,17 @@ per-record call (``await client.send(stream, value)``) and bulk call; it has
 no flow control beyond TCP's. The baseline's latency runs use the same rate
 as headgate's.
 
+NATS JetStream, in the same run where a ``nats-server`` is installed
+(``--nats-server PATH`` picks one, ``--no-nats`` skips it; without one the
+report says so in one line): a file-store stream per run, one message per
+record, each awaiting its PubAck asynchronously with at most 4,000
+outstanding (row 1 and 3.x; JetStream has no call for many records), each
+record's ack awaited before the next (row 6), and latency at half of its own
+row 6 rate (row 4). Where the server has it (2.10 and later) it runs with
+``sync_interval: always``, an fsync before each ack, as durable as headgate's;
+``--nats-default-sync`` keeps its default (acks from the page cache, fsync
+every 2 minutes). ``bench/natsjs.py`` says which, on every report.
+
 No Release is sent: each run writes a fresh stream and at most 384 MiB of
 records, inside the stream's capacity, so credit never runs out. The machine
 may be shared, so throughput rounds interleave headgate and the baseline and
@@ -350,8 +361,8 @@ class BaselineClient(asyncio.Protocol):
 
 @dataclass(frozen=True)
 class RunSpec:
-    system: str  # "headgate" or "baseline"
-    mode: str  # "send", "bulk", "arrow" or "paced"
+    system: str  # "headgate", "baseline" or "nats"
+    mode: str  # "send", "bulk", "arrow", "paced", or "ack-each" (nats only)
     size: int
     port: int
     stream: str
@@ -578,11 +589,64 @@ async def _run_baseline(spec: RunSpec, conn: Connection, pool: list[bytes]) -> R
         transport.close()
 
 
+#: JetStream acknowledgements a NATS publisher awaits at once (nats-py's own
+#: default bound for publish_async).
+NATS_OUTSTANDING = 4000
+
+
+async def _run_nats(spec: RunSpec, conn: Connection, pool: list[bytes]) -> RunResult:
+    """JetStream: a file-store stream per run, records published with their acks
+    awaited asynchronously (at most NATS_OUTSTANDING at once); ``flush`` waits for
+    every ack. ``ack-each`` awaits each record's ack before the next record."""
+    import nats
+    from nats.js.api import StorageType
+
+    import natsjs
+
+    nc = await nats.connect(f"nats://127.0.0.1:{spec.port}")
+    js = nc.jetstream()
+    publisher = natsjs.AckedPublisher(nc, NATS_OUTSTANDING)
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            await js.add_stream(name=spec.stream, subjects=[spec.stream], storage=StorageType.FILE)
+            await publisher.start()
+            await publisher.publish(spec.stream, pool[0])  # a first round trip; not counted
+            await publisher.settled()
+
+        async def send(stream: str, value: bytes) -> None:
+            stored = await publisher.publish(stream, value)
+            if spec.mode == "ack-each":
+                await stored
+
+        async def send_many(stream: str, values: Sequence[bytes]) -> None:
+            for value in values:  # JetStream has no call for many messages
+                await publisher.publish(stream, value)
+
+        await _go(conn)
+        drive = replace(spec, mode="send") if spec.mode == "ack-each" else spec
+        async with asyncio.timeout(spec.duration + RUN_GRACE_S):
+            result = await _instrumented(
+                spec, _drive(drive, pool, send, send_many, publisher.settled, publisher.settled)
+            )
+        if publisher.refusals or publisher.acks != result.records + 1:
+            result.error = (
+                f"{publisher.acks} acks and {publisher.refusals} refusals for "
+                f"{result.records + 1} messages"
+            )
+        async with asyncio.timeout(START_TIMEOUT_S):
+            await js.delete_stream(spec.stream)  # frees the disk; not counted
+        return result
+    finally:
+        await nc.close()
+
+
 async def _run(spec: RunSpec, conn: Connection) -> RunResult:
     pool = _pool(spec.size)
     try:
         if spec.system == "headgate":
             return await _run_headgate(spec, conn, pool)
+        if spec.system == "nats":
+            return await _run_nats(spec, conn, pool)
         return await _run_baseline(spec, conn, pool)
     except Exception as exc:
         return RunResult(error=f"{type(exc).__name__}: {exc}")
@@ -624,6 +688,16 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _proc_status(pid: int, key: str) -> int:
+    """A /proc/<pid>/status figure in kB (0 if gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
 class Server:
     """A subprocess that prints ``listening on HOST:PORT`` when ready."""
 
@@ -661,12 +735,7 @@ class Server:
 
     def status(self, key: str) -> int:
         """A /proc/<pid>/status figure in kB (0 if gone)."""
-        try:
-            text = Path(f"/proc/{self.pid}/status").read_text()
-        except OSError:
-            return 0
-        match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
-        return int(match.group(1)) if match else 0
+        return _proc_status(self.pid, key)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -676,18 +745,18 @@ class Server:
 
 
 class Sampler(threading.Thread):
-    """Peak RssAnon of some servers, sampled every SAMPLE_INTERVAL_S."""
+    """Peak RssAnon of some server processes (name -> pid), sampled every SAMPLE_INTERVAL_S."""
 
-    def __init__(self, servers: list[Server]) -> None:
+    def __init__(self, pids: dict[str, int]) -> None:
         super().__init__(daemon=True)
-        self.servers = servers
-        self.peak = {s.name: 0 for s in servers}
+        self.pids = pids
+        self.peak = dict.fromkeys(pids, 0)
         self.halt = threading.Event()
 
     def run(self) -> None:
         for _ in range(int(3600 / SAMPLE_INTERVAL_S)):
-            for server in self.servers:
-                self.peak[server.name] = max(self.peak[server.name], server.status("RssAnon"))
+            for name, pid in self.pids.items():
+                self.peak[name] = max(self.peak[name], _proc_status(pid, "RssAnon"))
             if self.halt.wait(SAMPLE_INTERVAL_S):
                 return
 
@@ -973,6 +1042,38 @@ def _headgate_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "headgate.cli"]
 
 
+#: The NATS JetStream peer's name among the systems.
+NATS = "nats"
+
+
+def _start_nats(args: argparse.Namespace) -> tuple[Any, str]:
+    """The JetStream server to compare with, or None, and one line that says which
+    server and how durable its acks are, or why it is skipped."""
+    import natsjs
+
+    missing = natsjs.client_missing()
+    if missing:
+        return None, missing
+    if args.no_nats:
+        return None, "skipped (--no-nats)"
+    binary = natsjs.find_server(args.nats_server)
+    if binary is None:
+        return None, natsjs.skip_reason(args.nats_server)
+    server = natsjs.JetStreamServer.start(binary, fsync_each=not args.nats_default_sync)
+    return server, f"{server.label}, {server.durability}"
+
+
+def _systems(mode: str, with_nats: bool) -> tuple[str, ...]:
+    """Which systems run a workload: JetStream has no bulk call and no Arrow input
+    (its row 2 would repeat row 1), and only it has ``ack-each``."""
+    if mode == "arrow":
+        return ("headgate",)
+    if mode == "ack-each":
+        return (NATS,)
+    nats = (NATS,) if with_nats and mode != "bulk" else ()
+    return ("headgate", "baseline", *nats)
+
+
 def benchmark(args: argparse.Namespace) -> int:
     quick: bool = args.quick
     rounds = 1 if quick else 2
@@ -990,7 +1091,12 @@ def benchmark(args: argparse.Namespace) -> int:
     profiles: list[tuple[str, str]] = []
     allocations: dict[tuple[str, str, int], Allocations] = {}
     log_bytes = 0
+    nats_server: Any = None
+    nats_note = "not started"
     try:
+        nats_server, nats_note = _start_nats(args)
+        if nats_server is not None:  # a skipped peer is said once, in the report
+            print(f"# NATS JetStream: {nats_note}", file=sys.stderr, flush=True)
         workers = Workers(max(PROCESS_COUNTS))
         gateway = Server(
             "gateway",
@@ -1010,9 +1116,14 @@ def benchmark(args: argparse.Namespace) -> int:
             base / "baseline.log",
         )
         servers.append(baseline)
-        sampler = Sampler(servers)
+        pids = {server.name: server.pid for server in servers}
+        if nats_server is not None:
+            pids[NATS] = nats_server.pid
+        sampler = Sampler(pids)
         sampler.start()
         ports = {"headgate": gateway.port, "baseline": baseline.port}
+        if nats_server is not None:
+            ports[NATS] = nats_server.port
         serial = iter(range(1_000_000))
 
         def specs(system: str, mode: str, size: int, procs: int, **extra: Any) -> list[RunSpec]:
@@ -1033,11 +1144,12 @@ def benchmark(args: argparse.Namespace) -> int:
             ]
 
         workloads = [("send", 1), ("bulk", 1), ("arrow", 1)] + [("send", n) for n in PROCESS_COUNTS]
+        if nats_server is not None:
+            workloads.append(("ack-each", 1))
         for round_number in range(rounds):
             for size in RECORD_SIZES:
                 for mode, procs in workloads:
-                    systems = ("headgate",) if mode == "arrow" else ("headgate", "baseline")
-                    for system in systems:
+                    for system in _systems(mode, nats_server is not None):
                         results = workers.run(specs(system, mode, size, procs))
                         key = (system, mode, size, procs)
                         figure = figures.setdefault(key, Figure())
@@ -1049,8 +1161,12 @@ def benchmark(args: argparse.Namespace) -> int:
                             flush=True,
                         )
         for size in RECORD_SIZES:
-            rate = figures[("headgate", "send", size, 1)].rate / 2
-            for system in ("headgate", "baseline"):
+            for system in _systems("paced", nats_server is not None):
+                # Half load: headgate's own rate for headgate and the baseline. JetStream
+                # is far below it; paced bursts keep a few records in flight, as its
+                # row 6 does (row 1 keeps thousands), so half of row 6's rate.
+                own = (NATS, "ack-each") if system == NATS else ("headgate", "send")
+                rate = figures[(*own, size, 1)].rate / 2
                 run = specs(system, "paced", size, 1, duration=latency_duration, rate=rate)
                 latencies[(system, size)] = _latency(workers.run(run)[0], rate)
                 print(
@@ -1066,6 +1182,8 @@ def benchmark(args: argparse.Namespace) -> int:
                     profiles.append((f"{mode} {size} B", result.profile or str(result.error)))
         for server in servers:
             rss[server.name] = (server.status("VmHWM"), sampler.peak[server.name])
+        if nats_server is not None:
+            rss[NATS] = (_proc_status(nats_server.pid, "VmHWM"), sampler.peak[NATS])
         log_bytes = sum(
             f.stat().st_size for f in (base / "gateway" / "streams").rglob("*.term") if f.is_file()
         )
@@ -1080,10 +1198,13 @@ def benchmark(args: argparse.Namespace) -> int:
             workers.stop()
         for server in servers:
             server.stop()
+        if nats_server is not None:
+            nats_server.stop()
         shutil.rmtree(base, ignore_errors=True)
 
     elapsed = time.monotonic() - started
     _report(args, figures, latencies, rss, log_bytes, load_start, elapsed)
+    _report_nats(figures, latencies, rss, nats_note)
     _report_allocations(allocations)
     for name, text in profiles:
         print(f"\n### cProfile, producer process, headgate {name}\n\n```\n{text.strip()}\n```")
@@ -1168,6 +1289,69 @@ def _report(
     )
 
 
+def _report_nats(
+    figures: dict[tuple[str, str, int, int], Figure],
+    latencies: dict[tuple[str, int], Latency],
+    rss: dict[str, tuple[int, int]],
+    note: str,
+) -> None:
+    """JetStream beside headgate, row by row, or the one line saying why not."""
+    if (NATS, "send", RECORD_SIZES[0], 1) not in figures:
+        print(f"\nNATS JetStream: {note}")
+        return
+    print(f"\n### NATS JetStream: {note}\n")
+    print("| # | measurement | record | headgate | NATS JetStream | headgate / NATS |")
+    print("|---|---|--:|---|---|--:|")
+    rows = [
+        (
+            "1",
+            "1 process, one call per record (JetStream: async publish, acks awaited at the end)",
+            "send",
+            1,
+        ),
+        *[(f"3.{n}", f"{n} processes, one call per record", "send", n) for n in PROCESS_COUNTS],
+    ]
+    for size in RECORD_SIZES:
+        for number, label, mode, procs in rows:
+            ours, theirs = (
+                figures[("headgate", mode, size, procs)],
+                figures[(NATS, mode, size, procs)],
+            )
+            print(
+                f"| {number} | {label} | {size} B | {_rate(ours, size)} | {_rate(theirs, size)} | "
+                f"{_ratio(ours.rate, theirs.rate)} |"
+            )
+        each = figures[(NATS, "ack-each", size, 1)]
+        print(
+            f"| 6 | 1 process, each record's ack awaited before the next | {size} B | - | "
+            f"{_rate(each, size)} | - |"
+        )
+        ours_lat, theirs_lat = latencies[("headgate", size)], latencies[(NATS, size)]
+        print(
+            f"| 4 | p50 / p99 / max, send to ack, at half load (headgate: half its row 1; "
+            f"JetStream: half its row 6): "
+            f"{ours_lat.rate:,.0f} rec/s and {theirs_lat.rate:,.0f} rec/s (JetStream achieved "
+            f"{theirs_lat.achieved:,.0f}) | {size} B | {_lat(ours_lat)} | "
+            f"{_lat(theirs_lat)} | - (other rates) |"
+        )
+    hwm, anon = rss.get("gateway", (0, 0))
+    nats_hwm, nats_anon = rss.get(NATS, (0, 0))
+    print(
+        f"| 5 | peak RSS of the server: VmHWM (sampled peak RssAnon) | all | "
+        f"{hwm / 1024:,.0f} MiB ({anon / 1024:,.0f} MiB) | "
+        f"{nats_hwm / 1024:,.0f} MiB ({nats_anon / 1024:,.0f} MiB) | {_ratio(hwm, nats_hwm)} |"
+    )
+    print(
+        "\nJetStream: one file-store stream per run (limits retention), one message per "
+        f"record, published with a reply inbox and at most {NATS_OUTSTANDING:,} acks "
+        "awaited at once; a run's clock stops when every PubAck has arrived. It has no call "
+        "for many records (row 2) and no Arrow input (2b). Row 4: bursts every 1 ms, each "
+        "closed by waiting for its acks, at half of headgate's row 1 rate for headgate and "
+        "at half of JetStream's row 6 rate for JetStream (paced bursts keep a few records "
+        "in flight, as row 6 does; at half its row 1 rate it fell behind and queued)."
+    )
+
+
 def _report_allocations(allocations: dict[tuple[str, str, int], Allocations]) -> None:
     if not allocations:
         return
@@ -1227,6 +1411,17 @@ def main() -> int:
         action="store_true",
         help="skip the allocation counts (which build bench/_alloc_hook.c with the C compiler)",
     )
+    parser.add_argument(
+        "--nats-server",
+        metavar="PATH",
+        help="the nats-server to compare with (default: nats-server on PATH; skipped if none)",
+    )
+    parser.add_argument(
+        "--nats-default-sync",
+        action="store_true",
+        help="run JetStream with its default sync (fsync every 2 min), not sync_interval: always",
+    )
+    parser.add_argument("--no-nats", action="store_true", help="skip the NATS JetStream peer")
     parser.add_argument(
         "--baseline-server",
         nargs=2,

@@ -119,9 +119,12 @@ class _SyntheticReader(DataSourceStreamReader):
                 [
                     pa.repeat(pa.scalar(STREAM, pa.string()), count),
                     pa.array(positions // 1000 * 1000),
+                    pa.array(positions % 1000),  # index: 1,000 records a frame
                     pa.array(np.full(count, PRODUCER, dtype=np.int64)),
                     pa.array(positions),
-                    pa.array(BASE_TIME_US + positions // 1000 * 1000).view(schema.field(4).type),
+                    pa.array(BASE_TIME_US + positions // 1000 * 1000).view(
+                        schema.field("ingest_time").type
+                    ),
                     pa.nulls(count, pa.binary()),
                     values_for(pool, first, count),
                 ],

@@ -18,6 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
+from headgate.client import ReleaseClient
+from headgate.client.reader import SyncReader
 from headgate.log import LogReader
 from headgate.protocol.records import decode_records
 
@@ -461,46 +463,89 @@ def test_ctrl_c_while_the_gateway_does_not_answer_says_nothing_was_sent(tmp_path
     )
 
 
+#: A stream of two small terms, which a few thousand lines fill.
+SMALL_STREAM = (
+    '[gateway]\nterm_length = "64KiB"\nmax_message_size = "16KiB"\n'
+    '[streams.events]\ncapacity = "128KiB"\n'
+)
+
+
+def _send_until_full(tmp_path: Path, address: str) -> str:
+    """Send more than the stream holds; the notice ``headgate send`` gives once the
+    stream stays full (or all it said), then Ctrl-C."""
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * 200) for i in range(5000)))
+    sender = subprocess.Popen(
+        [*HEADGATE, "send", "events", str(source), "--gateway", address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sender.stderr is not None
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(sender.stderr or ()))
+        reader.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any("is full" in x for x in lines):
+            if sender.poll() is not None:
+                break
+            time.sleep(0.1)
+        sender.send_signal(signal.SIGINT)
+        sender.wait(30)
+        reader.join(10)
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait(10)
+    return next((x for x in lines if "is full" in x), "".join(lines))
+
+
 def test_send_says_when_its_stream_stays_full_and_why(tmp_path: Path) -> None:
     # A stream of two small terms that nobody releases fills at once.
     config = tmp_path / "gw.toml"
-    config.write_text(
-        '[gateway]\nterm_length = "64KiB"\nmax_message_size = "16KiB"\n'
-        '[streams.events]\ncapacity = "128KiB"\n'
-    )
+    config.write_text(SMALL_STREAM)
     gateway, address = serve(tmp_path / "data", "-c", str(config))
     try:
-        source = tmp_path / "in.jsonl"
-        source.write_bytes(
-            b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * 200) for i in range(5000))
-        )
-        sender = subprocess.Popen(
-            [*HEADGATE, "send", "events", str(source), "--gateway", address],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert sender.stderr is not None
-            lines: list[str] = []
-            reader = threading.Thread(target=lambda: lines.extend(sender.stderr or ()))
-            reader.start()
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and not any("is full" in x for x in lines):
-                if sender.poll() is not None:
-                    break
-                time.sleep(0.1)
-            sender.send_signal(signal.SIGINT)
-            sender.wait(30)
-            reader.join(10)
-        finally:
-            if sender.poll() is None:
-                sender.kill()
-                sender.wait(10)
+        said = _send_until_full(tmp_path, address)
     finally:
         stop(gateway)
-    said = next((x for x in lines if "is full" in x), "".join(lines))
     assert said.startswith("headgate send: events is full for 2 s: its log is full"), said
+    assert "until the stream's consumer" in said
+    assert "its log is full and no consumer has released it since the gateway started:" in said
+
+
+def test_send_says_since_when_the_consumer_of_a_full_stream_has_not_released(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "gw.toml"
+    config.write_text(SMALL_STREAM)
+    gateway, address = serve(tmp_path / "data", "-c", str(config))
+    try:
+        first = tmp_path / "first.txt"
+        first.write_text("one\ntwo\n")
+        sent = subprocess.run(
+            [*HEADGATE, "send", "events", str(first), "--gateway", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert sent.returncode == 0, sent.stderr
+        # A consumer reads the two records, releases them once, and stops.
+        with SyncReader(address) as reader:
+            (info,) = reader.list_streams()
+        with ReleaseClient(address) as client:
+            client.release("events", info.durable_position)
+            assert client.flush(10)
+        said = _send_until_full(tmp_path, address)
+    finally:
+        stop(gateway)
+    assert said.startswith("headgate send: events is full for 2 s: its log is full and "), said
+    since = re.search(
+        r"its consumer has not released it since \d\d:\d\d:\d\d UTC \((\d+) s ago\): ", said
+    )
+    assert since is not None, said
+    assert 2 <= int(since.group(1)) <= 60  # the stream filled after the release
     assert "until the stream's consumer" in said
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -137,3 +140,58 @@ def test_the_pypi_description_starts_with_pip_install_and_the_readme_with_make()
     readme = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
     assert readme[0] == "```sh"
     assert [line.split()[:2] for line in readme[1:3]] == [["make", "run"], ["make", "test"]]
+
+
+def _setup_module() -> Any:
+    """setup.py as a module (its setup() call runs only as __main__, as builds run it)."""
+    spec = importlib.util.spec_from_file_location("headgate_setup", REPO / "setup.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:setup.py install is deprecated")
+def test_the_build_puts_the_pyspark_python_file_at_the_top_of_site_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wheel installs its build directory's top into site-packages; an editable
+    install (``make setup``) writes its top level through the install command."""
+    from setuptools import Distribution  # type: ignore[import-untyped]
+
+    setup_module = _setup_module()
+    build_py_class = setup_module.BuildPyWithPth
+    pth = REPO / "src" / setup_module.PTH_FILE
+    monkeypatch.chdir(REPO)
+    for editable in (False, True):
+        dist = Distribution({"name": "headgate", "cmdclass": {"build_py": build_py_class}})
+        top = tmp_path / ("editable" if editable else "wheel")
+        if editable:
+            install = dist.get_command_obj("install")
+            install.install_lib = str(top)  # what setuptools' editable_wheel does
+        command = dist.get_command_obj("build_py")
+        command.build_lib = str(tmp_path / "build-lib" if editable else top)
+        command.editable_mode = editable
+        command.ensure_finalized()
+        command.run()
+        assert (top / pth.name).read_bytes() == pth.read_bytes(), editable
+        assert (str(top / pth.name) in command.get_outputs()) is not editable
+    assert "include src/headgate-pyspark-python.pth" in (REPO / "MANIFEST.in").read_text()
+
+
+def test_the_pyspark_python_file_sets_the_interpreter_unless_it_is_set(tmp_path: Path) -> None:
+    shutil.copy(REPO / "src" / "headgate-pyspark-python.pth", tmp_path)
+    show = (
+        f"import site; site.addsitedir({str(tmp_path)!r}); "
+        "import os; print(os.environ.get('PYSPARK_PYTHON'))"
+    )
+    bare = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_")}
+    for extra, expected in (({}, sys.executable), ({"PYSPARK_PYTHON": "/opt/py"}, "/opt/py")):
+        shown = subprocess.run(
+            [sys.executable, "-S", "-c", show],
+            env={**bare, **extra},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert shown.stdout.strip() == expected, shown.stderr

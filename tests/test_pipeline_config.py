@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,8 @@ def no_spark(monkeypatch: pytest.MonkeyPatch) -> None:
             ["streams.b and streams.a share the output directory"],
         ),
         ("[streams.a\n", ["not valid TOML"]),
+        ("missing_streams = 'later'\n" + GOOD_STREAM, ["missing_streams must be 'fail' or 'wait'"]),
+        ("missing_streams = true\n" + GOOD_STREAM, ["missing_streams must be 'fail' or 'wait'"]),
     ],
 )
 def test_a_bad_file_is_refused_with_its_name_and_key(
@@ -96,6 +99,11 @@ def test_the_example_file_is_valid_and_the_help_shows_an_example() -> None:
     assert ticks.partition_by == ("symbol",) and ticks.max_bytes_per_trigger == 16 * 1024**2
     assert dict(config.stream("accounting").options) == {"sep": ";", "nullValue": "-"}
     assert config.gateway == "127.0.0.1:7878"
+    # It is started before its producers (README): it waits for its streams.
+    assert config.missing_streams == "wait"
+    assert load_pipeline_config(EXAMPLE.with_name("compose") / "pipeline.toml").missing_streams == (
+        "wait"
+    )
     assert config.output("ticks") == Path("headgate-data/parquet/ticks")
     assert config.checkpoint("audit") == Path("headgate-data/checkpoints/audit")
     result = CliRunner().invoke(main, ["pipeline", "--help"])
@@ -165,6 +173,27 @@ def test_a_checkpoint_is_refused_for_another_definition_of_its_query(tmp_path: P
         check_definitions(config(output=str(tmp_path / "elsewhere")))
     # Refusing changed nothing: the original definition still resumes.
     check_definitions(first)
+    # A checkpoint of a headgate whose rows had no index column (issue 14)
+    # would mix two shapes in one dataset: refused, saying so.
+    older = json.loads(record.read_text())
+    del older["columns"]
+    record.write_text(json.dumps(older))
+    with pytest.raises(ConfigError) as before_index:
+        check_definitions(first)
+    assert (
+        "(columns changed; rows now carry stream, position, index, producer, sequence, "
+        "ingest_time). To start over, delete"
+    ) in str(before_index.value)
+    # So is a checkpoint that Spark used under a headgate that recorded no definition.
+    record.unlink()
+    (first.checkpoint("audit") / "offsets").mkdir()
+    (first.checkpoint("audit") / "offsets" / "0").write_text("v1\n{}\n{}\n")
+    with pytest.raises(ConfigError, match=r"was made by an older headgate, whose rows lacked"):
+        check_definitions(first)
+    assert not record.exists()
+    check_definitions(config(output=str(tmp_path / "new-out"), checkpoint=str(tmp_path / "ck")))
+    with pytest.raises(ConfigError, match=r"older headgate"):
+        check_definitions(first, write_new=False)  # the check before Spark's analyser, too
     # A record that is not JSON is named, not a traceback.
     record.write_text("{not json")
     with pytest.raises(ConfigError, match="cannot read"):

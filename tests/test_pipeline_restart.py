@@ -33,7 +33,9 @@ def test_failures_older_than_the_window_are_forgotten_and_streams_count_apart() 
     assert policy.failed("alpha", now=120.0) is None
 
 
-def write_checkpoint(root: Path, batches: dict[int, dict[str, int]], committed: list[int]) -> Path:
+def write_checkpoint(
+    root: Path, batches: dict[int, dict[str, object]], committed: list[int]
+) -> Path:
     """Spark's offset and commit logs as laid out: version, metadata, a line per source."""
     (root / "offsets").mkdir(parents=True)
     (root / "commits").mkdir()
@@ -46,7 +48,7 @@ def write_checkpoint(root: Path, batches: dict[int, dict[str, int]], committed: 
     return root
 
 
-def _json(end: dict[str, int]) -> str:
+def _json(end: dict[str, object]) -> str:
     import json
 
     return json.dumps(end)
@@ -63,6 +65,24 @@ def test_the_committed_positions_are_the_planned_end_of_the_last_committed_batch
     )
     (checkpoint / "commits" / ".2.9f1c.tmp").write_text("half")  # Spark's temp file
     assert committed_positions(checkpoint) == {"alpha": 2048}
+
+
+def test_a_committed_offset_inside_a_batch_releases_only_up_to_that_batch(
+    tmp_path: Path,
+) -> None:
+    # A query started at record address 4096:2 and read nothing of alpha yet:
+    # the batch at 4096 is not read, so the log before it is all that is done.
+    checkpoint = write_checkpoint(
+        tmp_path / "alpha",
+        {0: {"alpha": "4096:2", "beta": 64}},
+        committed=[0],
+    )
+    assert committed_positions(checkpoint) == {"alpha": 4096, "beta": 64}
+    for hostile in ("4096:-1", "nonsense", True, -5):
+        bad = write_checkpoint(
+            tmp_path / f"bad-{hostile}", {0: {"alpha": hostile, "beta": 64}}, committed=[0]
+        )
+        assert committed_positions(bad) == {"beta": 64}
 
 
 def test_a_checkpoint_with_nothing_committed_or_unreadable_releases_nothing(

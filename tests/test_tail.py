@@ -101,6 +101,40 @@ def test_tail_from_a_position_and_sampled(served: str, tmp_path: Path) -> None:
     assert sampled.stdout.splitlines() == ["b0", "b2"]
 
 
+def test_tail_from_a_record_address_starts_at_that_record_inside_its_batch(
+    served: str, tmp_path: Path
+) -> None:
+    send(served, "s", [f"r{i}" for i in range(6)], tmp_path)  # one send: one batch
+    everything = tail(served, "s", "--from", "earliest", "--count", "6", "--format", "json")
+    records = [json.loads(line) for line in everything.stdout.splitlines()]
+    # Issue 14: all three (here six) records showed the same position and nothing else.
+    addresses = [(r["position"], r["index"]) for r in records]
+    assert addresses == [(records[0]["position"], i) for i in range(6)], addresses
+    position = records[0]["position"]
+    inside = tail(served, "s", "--from", f"{position}:4", "--count", "2", "--format", "json")
+    assert inside.returncode == 0, inside.stderr
+    assert [json.loads(line) for line in inside.stdout.splitlines()] == records[4:6]
+    plain = tail(served, "s", "--from", f"{position}:2", "--count", "1")
+    assert plain.stdout.splitlines() == ["r2"]
+    past = tail(served, "s", "--from", f"{position}:6", "--count", "1")
+    assert past.returncode == 1
+    assert past.stderr.splitlines() == [
+        f"headgate tail: record address {position}:6 is past the end of its batch in 's': "
+        f"the batch at position {position} holds 6 records (indexes 0 to 5)"
+    ]
+    for hostile, why in [
+        ("-1", "'-1' is not a record address (POSITION or POSITION:INDEX)"),
+        (f"{position}:-1", "is not a record address"),
+        ("1:2:3", "is not a record address"),
+        ("12x", "is not a record address"),
+        (str(2**63), "position 9223372036854775808 is larger than a log position can be"),
+        ("0:" + "9" * 30, "is larger than a batch can hold"),
+    ]:
+        refused = tail(served, "s", "--from", hostile)
+        assert refused.returncode == 2, refused.stderr
+        assert why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+
+
 def test_tail_errors_are_clear(served: str, tmp_path: Path) -> None:
     bad_from = tail(served, "s", "--from", "yesterday")
     assert bad_from.returncode == 2

@@ -462,7 +462,8 @@ def send(
     "start",
     default="now",
     show_default=True,
-    help="now (new records only), earliest, or a log position to start at.",
+    help="now (new records only), earliest, or a record address to start at: "
+    "POSITION[:INDEX], as --format json prints them.",
 )
 @click.option("--sample", type=click.IntRange(min=1), default=1, help="Show one batch in N.")
 @click.option(
@@ -471,7 +472,8 @@ def send(
     type=click.Choice(["raw", "json"]),
     default="raw",
     show_default=True,
-    help="raw: one value per line; json: one object per record, with its position.",
+    help="raw: one value per line; json: one object per record, with its address "
+    "(position and index).",
 )
 @click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
 @_security_options
@@ -491,6 +493,7 @@ def tail(
     {"missed_batches": N} lines with --format json).
     """
     from headgate.client.reader import ReaderError
+    from headgate.log.address import AddressError
     from headgate.tail import TailOptions, explain, parse_start, run_tail
 
     if not is_valid_name(stream):
@@ -506,6 +509,9 @@ def tail(
         asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
         click.echo(f"headgate tail: {explain(exc, tail_options)}", err=True)
+        sys.exit(1)
+    except AddressError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         pass
@@ -663,6 +669,156 @@ def run(data_dir: Path, seconds: float) -> None:
         sys.exit(1)
 
 
+class _ConsumersGroup(click.Group):
+    """``headgate consumers [STREAM...]`` lists; ``reset`` and ``delete`` change one.
+
+    A first argument that is not a subcommand (a stream name, an option, or
+    nothing) goes to ``list``, so that ``headgate consumers clicks`` reads
+    as it is written.
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or args[0] not in (*self.commands, "--help", "-h"):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_ConsumersGroup)
+def consumers() -> None:
+    """A gateway's named consumers: list them (the default), reset or delete one."""
+
+
+@consumers.command(name="list")
+@click.argument("names", nargs=-1)
+@_gateway_option
+@_security_options
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table, or one JSON object per consumer (for scripts).",
+)
+def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
+    """The named consumers of every stream (or of the streams NAMES), with their lag.
+
+    position: what the consumer committed; lag: the durable bytes after it,
+    and the age of the oldest of them; blocking: whether it holds the
+    producers back; state: ok, idle (blocking and not releasing past
+    idle_release_seconds) or detached (made non-blocking for idling).
+    """
+    from headgate.client.reader import ReaderError
+    from headgate.streams_admin import list_consumers
+
+    try:
+        rows = asyncio.run(list_consumers(gateway, _security(options), names))
+    except (ReaderError, LookupError) as exc:
+        click.echo(f"headgate consumers: {exc}", err=True)
+        sys.exit(1)
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps(row.as_dict()))
+        return
+    if not rows:
+        click.echo("no consumers", err=True)
+        return
+    header = ("stream", "consumer", "position", "lag", "lag_s", "blocking", "state")
+    table = [header] + [
+        (
+            r.stream,
+            r.consumer,
+            f"{r.position:,}",
+            _bytes_text(r.lag_bytes),
+            f"{r.lag_seconds:,.1f}",
+            "yes" if r.blocking else f"no ({r.on_data_loss})",
+            r.state,
+        )
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    for line in table:
+        cells = [
+            c.ljust(w) if i < 2 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ]
+        click.echo("  ".join(cells).rstrip())
+
+
+def _reset_target(text: str) -> Any:
+    """``earliest``, ``latest``, a position, or an ISO time (UTC unless it says)."""
+    from datetime import UTC, datetime
+
+    from headgate.protocol import messages as m
+
+    if text in ("earliest", "latest"):
+        return m.ResetTo(text)
+    if text.isdigit():
+        return int(text)
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise click.BadParameter(
+            f"{text!r}: expected earliest, latest, a position, or an ISO time "
+            "such as 2026-11-25T03:00:00Z"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return m.ResetTime(round(when.timestamp() * 1_000_000))
+
+
+def _change_consumer(gateway: str, options: dict[str, Any], change: Callable[..., Any]) -> int:
+    from headgate.client.reader import Reader, ReaderError
+
+    security = _security(options)
+
+    async def run() -> int:
+        async with Reader(gateway, client_name="headgate-consumers", security=security) as r:
+            return int(await change(r))
+
+    try:
+        return asyncio.run(run())
+    except ReaderError as exc:
+        click.echo(f"headgate consumers: {exc}", err=True)
+        sys.exit(1)
+
+
+@consumers.command(name="reset")
+@click.argument("name")
+@click.option("--stream", required=True, help="The consumer's stream.")
+@click.option(
+    "--to",
+    "target",
+    required=True,
+    help="earliest, latest, a log position, or an ISO time (UTC unless it says).",
+)
+@_gateway_option
+@_security_options
+def consumers_reset(name: str, stream: str, target: str, gateway: str, **options: Any) -> None:
+    """Move consumer NAME of a stream back (to replay what the log holds) or forward.
+
+    Needs a token with the admin right. A time moves it to the first record
+    stored at or after it.
+    """
+    to = _reset_target(target)
+    position = _change_consumer(gateway, options, lambda r: r.reset_consumer(stream, name, to))
+    click.echo(f"consumer {name!r} of stream {stream!r} is at {position:,}")
+
+
+@consumers.command(name="delete")
+@click.argument("name")
+@click.option("--stream", required=True, help="The consumer's stream.")
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+@_gateway_option
+@_security_options
+def consumers_delete(name: str, stream: str, yes: bool, gateway: str, **options: Any) -> None:
+    """Delete consumer NAME of a stream; the log is freed of what it held (admin right)."""
+    if not yes:
+        click.confirm(f"delete consumer {name!r} of stream {stream!r}?", abort=True)
+    position = _change_consumer(gateway, options, lambda r: r.delete_consumer(stream, name))
+    click.echo(f"deleted consumer {name!r} of stream {stream!r} (it was at {position:,})")
+
+
 @main.group()
 def streams() -> None:
     """List and describe a gateway's streams; delete one from a stopped gateway's directory."""
@@ -673,7 +829,10 @@ def _print_streams(rows: list[Any], fmt: str) -> None:
         for row in rows:
             click.echo(json.dumps(row.as_dict()))
         return
-    header = ("stream", "start", "durable", "tail", "retained")
+    from headgate.streams_admin import release_phrase
+
+    now = time.time()
+    header = ("stream", "start", "durable", "tail", "retained", "released")
     table = [header] + [
         (
             r.stream,
@@ -681,15 +840,17 @@ def _print_streams(rows: list[Any], fmt: str) -> None:
             f"{r.durable_position:,}",
             f"{r.tail_position:,}",
             _bytes_text(r.retained_bytes),
+            release_phrase(r.released_at_us, now),
         )
         for r in rows
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
+        # Names and the release time read from the left, numbers from the right.
         cells = [row[0].ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(row[1:], widths[1:], strict=True)
+            c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)
         ]
-        click.echo("  ".join(cells).rstrip())
+        click.echo("  ".join([*cells, row[-1]]).rstrip())
 
 
 def _bytes_text(n: int) -> str:
@@ -734,7 +895,8 @@ def streams_list(gateway: str, fmt: str, **options: Any) -> None:
     """Every stream of the gateway, with its positions and the bytes it retains.
 
     start: the oldest position kept (what Spark released is gone); durable:
-    what is on disk and readable; tail: where the next batch goes.
+    what is on disk and readable; tail: where the next batch goes; released:
+    when a consumer last moved start (the gateway's clock, UTC).
     """
     rows = _streams_from(gateway, (), options)
     if not rows and fmt == "table":
@@ -749,16 +911,21 @@ def streams_list(gateway: str, fmt: str, **options: Any) -> None:
 @_streams_format
 @_security_options
 def streams_describe(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
-    """The positions of the streams NAMES; an unknown name is an error."""
+    """The positions of the streams NAMES, and when their consumers last released
+    them; an unknown name is an error."""
     rows = _streams_from(gateway, names, options)
     if fmt == "json":
         _print_streams(rows, fmt)
         return
+    from headgate.streams_admin import release_phrase
+
+    now = time.time()
     for row in rows:
         click.echo(f"{row.stream}:")
         for key, value in row.as_dict().items():
-            if key != "stream":
+            if isinstance(value, int) and key != "released_at_us":
                 click.echo(f"  {key}: {value:,}")
+        click.echo(f"  released: {release_phrase(row.released_at_us, now)}")
 
 
 @streams.command(name="delete")

@@ -48,6 +48,18 @@ Example ``headgate.toml``::
     # resume them at `xon` (defaults: 3/4 and 1/4 of the capacity)
     # xoff = "6MiB"
     # xon = "2MiB"
+    # Consumers (see README, "Consumers"): a blocking consumer that has not
+    # released for idle_release_seconds while it has data to commit is held
+    # to (hold: producers wait, one WARNING) or detached (becomes non-blocking).
+    idle_release_seconds = 300
+    idle_policy = "hold"     # hold (default) or detach
+
+    [streams.ticks.consumers.archive]
+    blocking = true          # its pace throttles the producers (default)
+    [streams.ticks.consumers.live]
+    blocking = false         # never throttles; may fall behind what the log holds
+    on_data_loss = "skip"    # fail (default): an error naming the positions;
+                             # skip: read on from the oldest held position
 
 ``headgate serve`` re-reads the file on SIGHUP: capacities change at once
 (see :meth:`headgate.gateway.Gateway.reconfigure`).
@@ -61,6 +73,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+# Consumer names follow the stream names' rule (protocol.messages.is_valid_name).
+_CONSUMER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 _SIZE = re.compile(r"^\s*(\d+)\s*(B|KiB|MiB|GiB|KB|MB|GB|K|M|G)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -81,6 +95,12 @@ DEFAULT_METRICS_PORT = 9108
 
 #: The flow-control policies a stream can use (see PROTOCOL.md, "Flow-control policies").
 POLICIES = ("credit", "window", "xonxoff")
+#: What a read behind the log does for a non-blocking consumer.
+DATA_LOSS_OUTCOMES = ("fail", "skip")
+#: What becomes of a blocking consumer idle for ``idle_release_seconds``.
+IDLE_POLICIES = ("hold", "detach")
+#: Default of a stream's ``idle_release_seconds``.
+DEFAULT_IDLE_RELEASE_S = 300.0
 
 
 class ConfigError(ValueError):
@@ -156,6 +176,17 @@ def format_address(host: str, port: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsumerSettings:
+    """One named consumer of a stream, as the gateway's TOML declares it."""
+
+    #: Whether the consumer holds the log, and so the producers, back.
+    blocking: bool = True
+    #: ``fail`` or ``skip``: what a read behind the log does once the
+    #: consumer is non-blocking (declared so, or detached).
+    on_data_loss: str = "fail"
+
+
+@dataclass(frozen=True, slots=True)
 class StreamSettings:
     """Settings for one stream; unset fields fall back to the gateway's."""
 
@@ -169,6 +200,13 @@ class StreamSettings:
     xoff: int | None = None
     #: ``xonxoff``: unreleased bytes at which they resume.
     xon: int | None = None
+    #: Named consumers the gateway creates at start (``[streams.S.consumers.C]``).
+    consumers: tuple[tuple[str, ConsumerSettings], ...] = ()
+    #: A blocking consumer that has not released for this long, while it
+    #: has something to release, is idle (None: the default, 300 s).
+    idle_release_seconds: float | None = None
+    #: ``hold`` or ``detach``: what an idle blocking consumer's stream does.
+    idle_policy: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +352,19 @@ class GatewayConfig:
             return override.capacity
         return self.stream_capacity
 
+    def consumers_for(self, name: str) -> dict[str, ConsumerSettings]:
+        """The consumers the configuration declares for stream ``name``."""
+        return dict(self.streams.get(name, StreamSettings()).consumers)
+
+    def idle_rule_for(self, name: str) -> tuple[float, str]:
+        """``(idle_release_seconds, idle_policy)`` of stream ``name``, defaults applied."""
+        over = self.streams.get(name, StreamSettings())
+        seconds = over.idle_release_seconds
+        return (
+            DEFAULT_IDLE_RELEASE_S if seconds is None else seconds,
+            over.idle_policy or "hold",
+        )
+
     def flow_for(self, name: str) -> FlowSettings:
         """The flow-control settings of stream ``name``, overrides applied."""
         over = self.streams.get(name, StreamSettings())
@@ -450,7 +501,17 @@ _REPLACED_KEYS = {
     "max_control_rate": "work_budget_ms (milliseconds of gateway work per second per token, "
     "shared by the token's connections; see README, Limits)",
 }
-_STREAM_KEYS = {"capacity", "policy", "window", "xoff", "xon"}
+_STREAM_KEYS = {
+    "capacity",
+    "policy",
+    "window",
+    "xoff",
+    "xon",
+    "consumers",
+    "idle_release_seconds",
+    "idle_policy",
+}
+_CONSUMER_KEYS = {"blocking", "on_data_loss"}
 
 
 def _policy(value: object, what: str) -> str:
@@ -545,13 +606,57 @@ def _stream_from_table(table: dict[str, Any], where: str) -> StreamSettings:
 
     policy = table.get("policy")
     window = table.get("window")
+    idle = table.get("idle_release_seconds")
+    if idle is not None and (
+        isinstance(idle, bool) or not isinstance(idle, int | float) or idle <= 0
+    ):
+        raise ConfigError(
+            f"{where}.idle_release_seconds: expected a number of seconds above 0, got {idle!r}"
+        )
+    idle_policy = table.get("idle_policy")
+    if idle_policy is not None and idle_policy not in IDLE_POLICIES:
+        raise ConfigError(
+            f"{where}.idle_policy: expected one of {', '.join(IDLE_POLICIES)}, got {idle_policy!r}"
+        )
+    consumers_raw = table.get("consumers", {})
+    if not isinstance(consumers_raw, dict):
+        raise ConfigError(f"{where}.consumers must be a table of tables")
+    consumers = tuple(
+        (name, _consumer_from_table(name, value, f"{where}.consumers.{name}"))
+        for name, value in consumers_raw.items()
+    )
     return StreamSettings(
         capacity=size("capacity"),
         policy=None if policy is None else _policy(policy, f"{where}.policy"),
         window=None if window is None else _count(window, f"{where}.window"),
         xoff=size("xoff"),
         xon=size("xon"),
+        consumers=consumers,
+        idle_release_seconds=None if idle is None else float(idle),
+        idle_policy=idle_policy,
     )
+
+
+def _consumer_from_table(name: str, table: object, where: str) -> ConsumerSettings:
+    if not _CONSUMER_NAME.fullmatch(name):
+        raise ConfigError(
+            f"{where}: {name!r} is not a valid consumer name (letters, digits, '.', '_', '-')"
+        )
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where} must be a table")
+    unknown = set(table) - _CONSUMER_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    blocking = table.get("blocking", True)
+    if not isinstance(blocking, bool):
+        raise ConfigError(f"{where}.blocking: expected true or false, got {blocking!r}")
+    on_data_loss = table.get("on_data_loss", "fail")
+    if on_data_loss not in DATA_LOSS_OUTCOMES:
+        raise ConfigError(
+            f"{where}.on_data_loss: expected one of {', '.join(DATA_LOSS_OUTCOMES)}, "
+            f"got {on_data_loss!r}"
+        )
+    return ConsumerSettings(blocking=blocking, on_data_loss=on_data_loss)
 
 
 def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayConfig:

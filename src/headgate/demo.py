@@ -254,7 +254,14 @@ class _Demo:
             self.spark.udf.register("slow_score", slow_score, "int")
             self.pipeline = Pipeline(
                 self.spark,
-                pipeline_config_from_dict({"data_dir": str(self.data_dir), "streams": PIPELINE}),
+                pipeline_config_from_dict(
+                    # Spark starts before the producers create the streams.
+                    {
+                        "data_dir": str(self.data_dir),
+                        "missing_streams": "wait",
+                        "streams": PIPELINE,
+                    }
+                ),
                 release=self._release,
             )
             try:
@@ -417,9 +424,11 @@ class _Demo:
         async def snapshot() -> dict[str, Any]:
             return dict(producer.statistics().streams)
 
+        coro = snapshot()
         try:
-            streams: dict[str, Any] = thread.run(snapshot(), 10)
+            streams: dict[str, Any] = thread.run(coro, 10)
         except RuntimeError:  # its loop is already closed: the last figures stand
+            coro.close()  # never scheduled: no "never awaited" warning
             return self._last_producer_streams
         self._last_producer_streams = streams
         return streams

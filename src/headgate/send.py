@@ -15,6 +15,7 @@ import contextlib
 import json
 import signal
 import threading
+import time
 from array import array
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ INTERRUPT_GRACE_S: Final = 5.0
 #: Bytes the reading thread hands over at a time, and chunks it may hold ahead.
 #: A stream that gives no credit this long is said to be full (on stderr).
 FULL_AFTER_S: Final = 2.0
+#: How long saying why a stream is full may wait for the gateway's DescribeStreams.
+DESCRIBE_TIMEOUT_S: Final = 5.0
 _CHUNK_BYTES: Final = 1 << 16
 _CHUNKS_AHEAD: Final = 8
 _POLICIES: Final[dict[str, Policy]] = {
@@ -289,8 +292,9 @@ class _CtrlC:
         return True
 
 
-def _waiting(producer: Producer, stream: str) -> tuple[int, str] | None:
-    """Records acknowledged so far and why ``stream`` would be stuck, while batches wait.
+def _waiting(producer: Producer, stream: str) -> tuple[int, str | None] | None:
+    """Records acknowledged so far, while batches of ``stream`` wait, and the
+    gateway's reason when it cannot store (None: the stream's log is full).
 
     None while nothing waits for the gateway (or the producer is not connected:
     reconnecting is another story).
@@ -299,16 +303,40 @@ def _waiting(producer: Producer, stream: str) -> tuple[int, str] | None:
     stats = snapshot.streams.get(stream)
     if stats is None or not snapshot.connected or not stats.batches_queued:
         return None
-    if stats.storage_full is not None:
-        return stats.records_acked, f"the gateway cannot store it now: {stats.storage_full}"
-    return stats.records_acked, (
-        "its log is full: the gateway gives no credit until the stream's consumer "
+    return stats.records_acked, stats.storage_full
+
+
+def _why_full(storage_full: str | None, silence: str | None) -> str:
+    """Why a stream stays full: the gateway's disk, or its log, which only its
+    consumer frees (``silence``: since when nobody released it, if the gateway says)."""
+    if storage_full is not None:
+        return f"the gateway cannot store it now: {storage_full}"
+    full = "its log is full" if silence is None else f"its log is full and {silence}"
+    return (
+        f"{full}: the gateway gives no credit until the stream's consumer "
         "(the Spark pipeline) writes what is there and releases it"
     )
 
 
-async def _watch_full(producer: Producer, stream: str, console: Console) -> None:
-    """Say on stderr when ``stream`` stays full (batches wait, nothing is acknowledged)."""
+async def _consumer_silence(options: SendOptions) -> str | None:
+    """Since when no consumer released ``options.stream``, from the gateway's
+    DescribeStreams; None when it cannot say (an older gateway, a token that may
+    not read the stream, no answer in DESCRIBE_TIMEOUT_S)."""
+    from headgate.client.reader import ReaderError
+    from headgate.streams_admin import consumer_silence, list_streams
+
+    try:
+        async with asyncio.timeout(DESCRIBE_TIMEOUT_S):
+            (row,) = await list_streams(options.gateway, options.security, [options.stream])
+    except (ReaderError, LookupError, OSError, TimeoutError):
+        return None
+    return consumer_silence(row.released_at_us, time.time())
+
+
+async def _watch_full(producer: Producer, options: SendOptions, console: Console) -> None:
+    """Say on stderr when the stream stays full (batches wait, nothing is
+    acknowledged), why, and since when its consumer has not released it."""
+    stream = options.stream
     loop = asyncio.get_running_loop()
     since: float | None = None
     acked = -1
@@ -333,8 +361,10 @@ async def _watch_full(producer: Producer, stream: str, console: Console) -> None
         if since is None:
             since = now
         if not said and now - since >= FULL_AFTER_S:
+            silence = None if waiting[1] is not None else await _consumer_silence(options)
             console.print(
-                f"headgate send: {stream} is full for {now - since:.0f} s: {waiting[1]}",
+                f"headgate send: {stream} is full for {now - since:.0f} s: "
+                f"{_why_full(waiting[1], silence)}",
                 markup=False,
                 highlight=False,
                 soft_wrap=True,
@@ -354,7 +384,7 @@ async def _send_all(
         report.interrupted = True
         return
     report.connected = True
-    watcher = asyncio.create_task(_watch_full(producer, options.stream, progress.console))
+    watcher = asyncio.create_task(_watch_full(producer, options, progress.console))
     try:
         with progress:
             fed = await ctrl_c.run(_feed(producer, source, options, report, progress))

@@ -18,22 +18,27 @@ from typing import BinaryIO
 
 from headgate.client.reader import Missed, Reader, ReaderError, ReaderRefused, TailBatch
 from headgate.client.security import ClientSecurity
+from headgate.log.address import AddressError, RecordAddress
 from headgate.protocol.messages import StartAt
 from headgate.protocol.records import decode_records
 
 __all__ = ["TailOptions", "explain", "parse_start", "run_tail"]
 
 
-def parse_start(text: str) -> StartAt | int:
-    """``now``, ``earliest`` or a log position; ValueError says what is accepted."""
+def parse_start(text: str) -> StartAt | RecordAddress:
+    """``now``, ``earliest`` or a record address; ValueError says what is accepted."""
     word = text.strip().lower()
     if word == "now":
         return StartAt.NOW
     if word == "earliest":
         return StartAt.EARLIEST
-    if word.isdigit():
-        return int(word)
-    raise ValueError(f"--from must be now, earliest or a log position (a number), got {text!r}")
+    try:
+        return RecordAddress.parse(word)
+    except AddressError as error:
+        raise ValueError(
+            "--from must be now, earliest or a log position (POSITION:INDEX for a record "
+            f"inside its batch, as --format json prints them); {error}"
+        ) from None
 
 
 #: The gateway's refusals of a subscription that a user causes by what they
@@ -53,7 +58,10 @@ def explain(error: ReaderError, options: TailOptions) -> str:
     if _NO_STREAM.search(error.text):
         return f"gateway {options.gateway} has no stream called {stream!r}"
     match = _NOT_A_BOUNDARY.search(error.text)
-    if match and int(match[1]) == options.start:  # later: damage, the gateway's to explain
+    start = options.start
+    if (
+        match and isinstance(start, RecordAddress) and int(match[1]) == start.position
+    ):  # later: damage, the gateway's to explain
         return (
             f"position {match[1]} is not where a batch of {stream!r} starts; use --from "
             "earliest, now, or a position that `headgate tail --format json` printed"
@@ -71,7 +79,9 @@ def explain(error: ReaderError, options: TailOptions) -> str:
 class TailOptions:
     gateway: str
     stream: str
-    start: StartAt | int = StartAt.NOW
+    #: Where to start: now, earliest, or a record's address (its batch's
+    #: position, and its index in the batch).
+    start: StartAt | RecordAddress = StartAt.NOW
     sample_every: int = 1
     #: "raw" (one value per line) or "json" (one object per record).
     output: str = "raw"
@@ -88,20 +98,23 @@ def _text(data: bytes, name: str) -> dict[str, str]:
         return {f"{name}_base64": base64.b64encode(data).decode("ascii")}
 
 
-def _write_batch(batch: TailBatch, options: TailOptions, out: BinaryIO, budget: int | None) -> int:
+def _write_batch(
+    batch: TailBatch, options: TailOptions, out: BinaryIO, budget: int | None, skip: int = 0
+) -> int:
+    """Write the batch's records from index ``skip`` on, at most ``budget``; return how many."""
     values, keys = decode_records(batch.records).to_lists()
-    if budget is not None:
-        values = values[:budget]
+    values = values[skip:] if budget is None else values[skip : skip + budget]
     if options.output == "raw":
         out.write(b"".join(v + b"\n" for v in values))
         return len(values)
     h = batch.header
     stamp = datetime.fromtimestamp(h.timestamp_us / 1e6, UTC).isoformat()
     lines = []
-    for i, value in enumerate(values):
+    for i, value in enumerate(values, start=skip):
         record: dict[str, object] = {
             "stream": batch.stream,
             "position": h.position,
+            "index": i,
             "producer": h.producer_id,
             "sequence": h.first_sequence + i,
             "ingest_time": stamp,
@@ -129,21 +142,30 @@ async def run_tail(options: TailOptions, out: BinaryIO) -> int:
     """Follow the stream until ``count`` records were written; return that number.
 
     Raises :class:`~headgate.client.reader.ReaderError` (naming the gateway)
-    when the gateway cannot be reached or refuses the subscription.
+    when the gateway cannot be reached or refuses the subscription, and
+    :class:`~headgate.log.address.AddressError` when the batch at the start
+    address has no record at its index.
     """
     written = 0
+    start = options.start
+    # Records of the first batch before the start address's index are not shown.
+    inside = start if isinstance(start, RecordAddress) and start.index else None
+    position = start.position if isinstance(start, RecordAddress) else start
     async with Reader(
         options.gateway, client_name="headgate-tail", security=options.security
     ) as reader:
-        subscription = reader.subscribe(
-            options.stream, options.start, sample_every=options.sample_every
-        )
+        subscription = reader.subscribe(options.stream, position, sample_every=options.sample_every)
         async for item in subscription:
             if isinstance(item, Missed):
                 _write_missed(item, options, out)
                 continue
+            skip = 0
+            if inside is not None and item.position == inside.position:
+                inside.check_in_frame(options.stream, item.position, item.record_count)
+                skip = inside.index
+            inside = None
             budget = None if options.count is None else options.count - written
-            written += _write_batch(item, options, out, budget)
+            written += _write_batch(item, options, out, budget, skip)
             out.flush()
             if options.count is not None and written >= options.count:
                 break

@@ -50,6 +50,8 @@ class Snapshot:
     #: stream -> ``[(le, cumulative count)]`` of the ack latency histogram.
     ack_buckets: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     gateway: dict[str, float] = field(default_factory=dict)
+    #: stream -> consumer -> its samples (``consumer_lag_bytes``, ...).
+    consumers: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
 
 
 def parse(text: str, at: float = 0.0) -> Snapshot:
@@ -69,7 +71,10 @@ def parse(text: str, at: float = 0.0) -> Snapshot:
             for sample in family.samples:
                 name = sample.name.removeprefix("headgate_")
                 labels = sample.labels
-                if "stream" in labels:
+                if "stream" in labels and "consumer" in labels:
+                    by_stream = snap.consumers.setdefault(labels["stream"], {})
+                    by_stream.setdefault(labels["consumer"], {})[name] = sample.value
+                elif "stream" in labels:
                     stream = labels["stream"]
                     if name == "stream_fsync_seconds_bucket":
                         le = float(labels["le"])
@@ -197,7 +202,7 @@ def _table(title: str, columns: list[_Column]) -> Table:
 
 
 def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = False) -> Group:
-    """A summary line and three tables: streams, their latency, then connections.
+    """A summary line and four tables: streams, their latency, consumers, then connections.
 
     Rates and ack latency are over the interval since ``previous``. Without
     ``wide`` the view fits 80 columns: a stream name or a peer that does not
@@ -290,13 +295,45 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
             cells[-1:-1] = [f"{num('connection_read_pauses_total'):,.0f}"]
             cells.append(_size(num("connection_ring_bytes")))
         connections.add_row(*cells)
+    consumers = _table(
+        "consumers",
+        [
+            ("stream", _WHOLE if wide else 14),
+            ("consumer", _WHOLE if wide else 14),
+            ("lag", None),
+            ("lag s", None),
+            ("blocking", None),
+            ("state", None),
+        ],
+    )
+    for stream_name in sorted(snap.consumers):
+        for consumer_name, row in sorted(snap.consumers[stream_name].items()):
+            lag_s = row.get("consumer_lag_seconds")
+            detached = row.get("consumer_detached_total", 0.0) and not row.get(
+                "consumer_blocking", 0.0
+            )
+            state = (
+                "[red]idle[/red]"
+                if row.get("consumer_idle", 0.0)
+                else "detached"
+                if detached
+                else "ok"
+            )
+            consumers.add_row(
+                stream_name,
+                consumer_name,
+                _size(row.get("consumer_lag_bytes", 0.0)),
+                "-" if lag_s is None else f"{lag_s:,.1f}",
+                "yes" if row.get("consumer_blocking", 0.0) else "no",
+                state,
+            )
     queued = snap.gateway.get("writer_queue_messages", 0.0)
     waiting = snap.gateway.get("durability_loans", 0.0)
     summary = Text(
         f"connections {snap.gateway.get('connections', 0.0):.0f}; batches waiting "
         f"for the writer {queued:.0f}, for the disk {waiting:.0f}"
     )
-    return Group(summary, streams, latency, connections)
+    return Group(summary, streams, latency, consumers, connections)
 
 
 def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, object]:
@@ -331,6 +368,10 @@ def as_json(snap: Snapshot, previous: Snapshot | None = None) -> dict[str, objec
         "gateway": plain(snap.gateway),
         "streams": streams,
         "connections": {c: plain(snap.connections[c]) for c in sorted(snap.connections)},
+        "consumers": {
+            stream: {name: plain(row) for name, row in sorted(snap.consumers[stream].items())}
+            for stream in sorted(snap.consumers)
+        },
     }
 
 

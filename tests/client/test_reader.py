@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from headgate.client import Producer
+from headgate.client import Producer, ReleaseClient
 from headgate.client.reader import Missed, Reader, ReaderError, SyncReader, TailBatch
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
@@ -115,6 +115,47 @@ async def test_list_streams_reports_positions_and_term_length(tmp_path: Path) ->
             assert info.durable_position == log.durable_position > 0
             assert info.tail_position == log.tail_position
             assert info.term_length == 64 * KiB
+
+
+async def test_describe_streams_says_when_a_release_last_moved_each_stream(
+    tmp_path: Path,
+) -> None:
+    async with gateway(tmp_path / "d") as gw:
+        await produce(gw, "a", 300)
+        await produce(gw, "b", 10, producer_id=8)
+        async with Reader(address(gw)) as reader:
+            listed = await reader.list_streams()
+            described = await reader.describe_streams()
+        # The same positions as ListStreams, and no release since the gateway started.
+        assert [d.info for d in described] == listed
+        assert [d.released_at_us for d in described] == [0, 0]
+        with LogReader.open(tmp_path / "d" / "streams" / "a") as log:
+            first, second = (f.end_position for f in log.read(0)[:2])
+
+        def release_over_the_wire(position: int) -> None:
+            with ReleaseClient(address(gw)) as client:
+                client.release("a", position)
+                assert client.flush(10)
+
+        before = time.time_ns() // 1000
+        await asyncio.to_thread(release_over_the_wire, first)
+        after = time.time_ns() // 1000
+        async with Reader(address(gw)) as reader:
+            a, b = await reader.describe_streams()
+        assert a.info.start_position == first
+        assert before <= a.released_at_us <= after
+        assert b.released_at_us == 0  # its consumer never released it
+        # A Release that moves nothing (the same position, or behind it) is not news.
+        await asyncio.sleep(0.01)
+        gw.release("a", first)
+        gw.release("a", 0)
+        async with Reader(address(gw)) as reader:
+            assert (await reader.describe_streams())[0].released_at_us == a.released_at_us
+        gw.release("a", second)
+        async with Reader(address(gw)) as reader:
+            moved = (await reader.describe_streams())[0]
+        assert moved.info.start_position == second
+        assert moved.released_at_us > a.released_at_us
 
 
 async def test_a_slow_fetcher_holds_the_gateway_to_its_guarantees(tmp_path: Path) -> None:

@@ -123,6 +123,7 @@ def edge_values() -> tuple[list[bytes], list[bytes]]:
                 )
             ),
             glob(m.ListStreams(request_id=v)),
+            glob(m.DescribeStreams(request_id=v)),
             glob(m.Ack(handle=v, next_sequence=v, durable_position=v)),
             bind + encode_frame(Absolve(channel=2, amount=v)),
             bind + encode_frame(Plead(channel=2, target=v)),

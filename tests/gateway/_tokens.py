@@ -17,6 +17,7 @@ class Token:
     secret: str
     write: tuple[str, ...] = ()
     read: tuple[str, ...] = ()
+    consume: tuple[str, ...] = ()
     admin: bool = False
     max_streams: int | None = None
 
@@ -30,6 +31,8 @@ class Token:
             lines.append(f"write = {json.dumps(list(self.write))}")
         if self.read:
             lines.append(f"read = {json.dumps(list(self.read))}")
+        if self.consume:
+            lines.append(f"consume = {json.dumps(list(self.consume))}")
         if self.admin:
             lines.append("admin = true")
         if self.max_streams is not None:

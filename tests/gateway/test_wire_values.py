@@ -113,6 +113,27 @@ FIELDS: list[tuple[str, Callable[[int], bytes]]] = [
         ),
     ),
     ("ListStreams.request_id", lambda v: glob(m.ListStreams(request_id=v))),
+    ("DescribeStreams.request_id", lambda v: glob(m.DescribeStreams(request_id=v))),
+    (
+        "StreamDescriptions (unexpected)",
+        lambda v: glob(
+            m.StreamDescriptions(
+                request_id=v,
+                streams=(
+                    m.StreamDescription(
+                        info=m.StreamInfo(
+                            stream="s",
+                            start_position=v,
+                            durable_position=v,
+                            tail_position=v,
+                            term_length=v,
+                        ),
+                        released_at_us=min(v, m.MAX_TIME_US),
+                    ),
+                ),
+            )
+        ),
+    ),
     ("Ack", lambda v: glob(m.Ack(handle=v, next_sequence=v, durable_position=v))),
     ("Missed", lambda v: glob(m.Missed(handle=v, count=v))),
     ("FetchDone", lambda v: glob(m.FetchDone(request_id=v, next_position=v, batches=v))),

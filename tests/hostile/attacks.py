@@ -685,7 +685,12 @@ def _u64_cases(stream: str, token: str) -> dict[str, tuple[str, list[bytes]]]:
     cases: dict[str, tuple[str, list[bytes]]] = {}
     for v in U64_EDGES:
         name = {0: "0", 1: "1", 1 << 63: "2^63", U64_MAX: "2^64-1"}[v]
-        fields = {"request_id": 1, "start_position": 0, "end_position": U64_MAX, "max_bytes": 4096}
+        fields: dict[str, Any] = {
+            "request_id": 1,
+            "start_position": 0,
+            "end_position": U64_MAX,
+            "max_bytes": 4096,
+        }
         for attr in fields:
             fetch = m.Fetch(stream=stream, **{**fields, attr: v})
             cases[f"Fetch.{attr}={name}"] = ("reader", [glob(fetch)])

@@ -24,6 +24,7 @@ from headgate.protocol.messages import (
     MAX_NAME_BYTES,
     MAX_SCHEMA_TEXT_BYTES,
     MAX_TEXT_BYTES,
+    MAX_TIME_US,
     MAX_TOKEN_BYTES,
     SCHEMA_CHANNEL,
     SEQUENCE_LIMIT,
@@ -33,6 +34,7 @@ from headgate.protocol.messages import (
     BindSchema,
     BindStream,
     ChannelMessage,
+    DescribeStreams,
     Error,
     Fetch,
     FetchDone,
@@ -50,6 +52,8 @@ from headgate.protocol.messages import (
     Pong,
     Release,
     StartAt,
+    StreamDescription,
+    StreamDescriptions,
     StreamInfo,
     StreamList,
     Subscribe,
@@ -149,6 +153,26 @@ global_messages: st.SearchStrategy[GlobalMessage] = st.one_of(
                 durable_position=u64s,
                 tail_position=u64s,
                 term_length=u64s,
+            ),
+            max_size=4,
+        ).map(tuple),
+    ),
+    st.builds(DescribeStreams, request_id=u64s),
+    st.builds(
+        StreamDescriptions,
+        request_id=u64s,
+        streams=st.lists(
+            st.builds(
+                StreamDescription,
+                info=st.builds(
+                    StreamInfo,
+                    stream=names,
+                    start_position=u64s,
+                    durable_position=u64s,
+                    tail_position=u64s,
+                    term_length=u64s,
+                ),
+                released_at_us=st.integers(min_value=0, max_value=MAX_TIME_US),
             ),
             max_size=4,
         ).map(tuple),
@@ -375,6 +399,36 @@ def test_stream_names(name: str, valid: bool) -> None:
         Subscribe(stream="s", start=-1),
         Fetch(request_id=0, stream="s", start_position=0, end_position=U64_MAX + 1, max_bytes=0),
         BindSchema(name="s", text="x" * (MAX_SCHEMA_TEXT_BYTES + 1)),
+        StreamDescriptions(
+            request_id=1,
+            streams=(
+                StreamDescription(
+                    info=StreamInfo(
+                        stream="s",
+                        start_position=0,
+                        durable_position=0,
+                        tail_position=0,
+                        term_length=1,
+                    ),
+                    released_at_us=MAX_TIME_US + 1,
+                ),
+            ),
+        ),
+        StreamDescriptions(
+            request_id=1,
+            streams=(
+                StreamDescription(
+                    info=StreamInfo(
+                        stream="s",
+                        start_position=0,
+                        durable_position=0,
+                        tail_position=0,
+                        term_length=1,
+                    ),
+                    released_at_us=-1,
+                ),
+            ),
+        ),
     ],
 )
 def test_messages_the_peer_would_refuse_are_not_encoded(
@@ -421,6 +475,15 @@ def c64(value: int) -> str:
         "25 00 01",  # StreamList that promises a stream and holds none
         "25 00 ff ff ff ff ff ff ff ff ff",  # StreamList of 2^64-1 streams
         "25 00 01 01 2e 00 00 00 00",  # StreamList entry named "."
+        "26",  # DescribeStreams without a request id
+        "28 00 00",  # DescribeStreams with a trailing byte
+        "29 00 01",  # StreamDescriptions that promises a stream and holds none
+        "29 00 ff ff ff ff ff ff ff ff ff",  # StreamDescriptions of 2^64-1 streams
+        "29 00 01 01 61 00 00 00 00",  # an entry cut before its release time
+        "29 00 01 01 61 00 00 00 00 ff 03 84 44 0c cc 73 5f",  # a release time cut short
+        "29 00 01 01 61 00 00 00 00 ff 03 84 44 0c cc 73 60 00",  # after the year 9999
+        "29 00 01 01 61 00 00 00 00 ff ff ff ff ff ff ff ff ff",  # a release time of 2^64-1
+        "29 00 02 01 61 00 00 00 00 00",  # two streams promised, one given
         "04 01 00 fd 04 01" + "61" * 1025,  # Error text of 1025 bytes
     ],
 )
@@ -428,6 +491,15 @@ def test_malformed_global_messages(payload: str) -> None:
     with pytest.raises(MessageError) as raised:
         decode_global(bytes.fromhex(payload))
     assert raised.value.code is ErrorCode.MALFORMED_MESSAGE
+
+
+def test_the_latest_release_time_is_the_last_microsecond_of_the_year_9999() -> None:
+    entry = "01 61 00 00 00 00" + " " + c64(MAX_TIME_US)
+    decoded = decode_global(bytes.fromhex("29 00 01 " + entry))
+    assert isinstance(decoded, StreamDescriptions)
+    assert decoded.streams[0].released_at_us == MAX_TIME_US
+    with pytest.raises(MessageError, match="after the year 9999"):
+        decode_global(bytes.fromhex("29 00 01 01 61 00 00 00 00 " + c64(MAX_TIME_US + 1)))
 
 
 def test_a_huge_declared_length_is_refused_without_the_bytes() -> None:

@@ -27,7 +27,7 @@ from headgate.client import Producer
 from headgate.config import GatewayConfig
 from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
-from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict
+from headgate.spark.pipeline import Pipeline, error_text, pipeline_config_from_dict
 
 STREAMS = ("alpha", "beta", "gamma")
 RECORDS = 3000  # per stream
@@ -109,6 +109,26 @@ def test_batch_read_through_a_gateway_matches_the_local_read(
     assert sorted(rows) == sorted(tuple(r) for r in local.select(*columns).collect())
 
 
+def test_a_read_through_a_gateway_starts_exactly_at_a_record_address(
+    spark: SparkSession, gateway: RunningGateway
+) -> None:
+    def read(**extra: str) -> list[tuple[int, int, bytes]]:
+        reader = spark.read.format("headgate").option("gateway", gateway.address)
+        for key, value in {"streams": "alpha", **extra}.items():
+            reader = reader.option(key, value)
+        rows = reader.load().select("position", "index", "value").collect()
+        return sorted((r.position, r["index"], bytes(r.value)) for r in rows)
+
+    everything = read()
+    assert [v for _, _, v in everything] == expected_values("alpha")
+    # A record in the middle of a batch of several: its address is in the output.
+    at = next(i for i, (_, index, _) in enumerate(everything) if index == 2 and i > RECORDS // 2)
+    position, index, _ = everything[at]
+    assert read(startingOffsets=json.dumps({"alpha": f"{position}:{index}"})) == everything[at:]
+    with pytest.raises(Exception, match=rf"record address {position}:999 is past the end of"):
+        read(startingOffsets=json.dumps({"alpha": f"{position}:999"}))
+
+
 def test_streaming_available_now_through_a_gateway_with_admission_control(
     spark: SparkSession, gateway: RunningGateway, tmp_path: Path
 ) -> None:
@@ -136,6 +156,71 @@ def test_streaming_available_now_through_a_gateway_with_admission_control(
         ).collect()
     ]
     check_exactly_once(rows, ("alpha", "gamma"))
+
+
+@pytest.mark.parametrize("where", ["gateway", "path"])
+def test_a_stream_that_does_not_exist_fails_at_start_naming_the_streams_that_do(
+    spark: SparkSession, gateway: RunningGateway, tmp_path: Path, where: str
+) -> None:
+    place = gateway.address if where == "gateway" else str(tmp_path / "data")
+    query = (
+        spark.readStream.format("headgate")
+        .option(where, place)
+        .option("streams", "alpha,nosuch,betta")
+        .load()
+        .writeStream.format("memory")
+        .queryName(f"missing_via_{where}")
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    with pytest.raises(Exception) as failed:
+        query.awaitTermination(120)
+    line = error_text(failed.value)
+    held = f"gateway {place}" if where == "gateway" else f"data directory {place}"
+    assert line.startswith(
+        f"headgate: streams 'nosuch', 'betta' do not exist ({held} has alpha, beta, gamma). "
+    ), line
+    assert "missingStreams to 'wait'" in line
+    assert not spark.table(f"missing_via_{where}").count()
+    with pytest.raises(Exception, match=r"stream 'nosuch' does not exist \("):
+        spark.read.format("headgate").option(where, place).option(
+            "streams", "nosuch"
+        ).load().collect()
+
+
+@pytest.mark.parametrize("where", ["gateway", "path"])
+def test_missing_streams_wait_reads_a_stream_that_its_producer_creates_later(
+    spark: SparkSession, gateway: RunningGateway, tmp_path: Path, where: str
+) -> None:
+    name = f"waited_via_{where}"
+    place = gateway.address if where == "gateway" else str(tmp_path / "data")
+    query = (
+        spark.readStream.format("headgate")
+        .option(where, place)
+        .option("streams", "late")
+        .option("missingStreams", "wait")
+        .load()
+        .writeStream.format("memory")
+        .queryName(name)
+        .option("checkpointLocation", str(tmp_path / "checkpoint"))
+        .trigger(processingTime="0.2 seconds")
+        .start()
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not query.recentProgress:  # it runs, with nothing to read
+            assert query.isActive and time.monotonic() < deadline, query.exception()
+            time.sleep(0.1)
+        gateway.produce("late", expected_values("late", 500), producer_id=200)
+        while spark.table(name).count() < 500:
+            assert query.isActive and time.monotonic() < deadline, query.exception()
+            time.sleep(0.1)
+        query.processAllAvailable()
+        values = [bytes(r.value) for r in spark.sql(f"SELECT value FROM {name}").collect()]
+    finally:
+        query.stop()
+    assert sorted(values) == expected_values("late", 500)
 
 
 def test_a_gateway_that_is_down_is_a_clear_error_naming_it(spark: SparkSession) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,12 @@ import pytest
 from headgate.config import ConfigError
 from headgate.log import StreamLog
 from headgate.protocol.records import encode_records
-from headgate.spark.pipeline import Pipeline, load_pipeline_config, pipeline_config_from_dict
+from headgate.spark.pipeline import (
+    Pipeline,
+    error_text,
+    load_pipeline_config,
+    pipeline_config_from_dict,
+)
 
 
 def write_stream(data_dir: Path, name: str, values: list[bytes], per_batch: int = 10) -> int:
@@ -71,15 +77,69 @@ def test_good_rows_reach_parquet_bad_ones_the_dead_letters_and_releases_follow_c
     dead = pq.read_table(data / "parquet" / "_dead_letters" / "ticks").to_pydict()
     assert sorted(dead["sequence"]) == [17, 50]
     assert dead["raw"][dead["sequence"].index(17)] == b"{not json"
+    # Each row carries its record's address (10 records a batch here).
+    assert sorted(zip(dead["sequence"], dead["index"], strict=True)) == [(17, 7), (50, 0)]
     assert all("not valid json" in e for e in dead["error"])
     raw = pq.read_table(data / "parquet" / "raw").to_pydict()
     assert sorted(raw["value"]) == sorted(b"r%d" % i for i in range(40))
+    assert sorted(zip(raw["sequence"], raw["index"], strict=True)) == [
+        (i, i % 10) for i in range(40)
+    ]
     # maxRecordsPerTrigger=30 made several batches; each commit was released,
     # the last one included.
     tick_releases = [p for s, p in released if s == "ticks"]
     assert len(tick_releases) >= 3 and tick_releases == sorted(tick_releases)
     assert tick_releases[-1] == end_ticks
     assert ("raw", end_raw) in released
+
+
+def test_a_pipeline_waits_for_a_stream_that_does_not_exist_only_when_told_to(
+    spark: Any, tmp_path: Path
+) -> None:
+    data = tmp_path / "data"
+    write_stream(data, "other", [b"x"])
+
+    def pipeline(missing: str) -> Pipeline:
+        return Pipeline(
+            spark,
+            pipeline_config_from_dict(
+                {
+                    "data_dir": str(data),
+                    "missing_streams": missing,
+                    "output_dir": str(tmp_path / f"out-{missing}"),
+                    "checkpoint_dir": str(tmp_path / f"ck-{missing}"),
+                    "streams": {"later": {"trigger_seconds": 0.2}},
+                }
+            ),
+        )
+
+    failing = pipeline("fail")
+    failing.start(available_now=True)
+    try:
+        with pytest.raises(Exception) as refused:
+            failing.await_done(120)
+    finally:
+        failing.stop()
+    assert error_text(refused.value).startswith(
+        f"headgate: stream 'later' does not exist (data directory {data} has other). "
+    )
+    waiting = pipeline("wait")
+    waiting.start()
+    output = tmp_path / "out-wait" / "later"
+    try:
+        deadline = time.monotonic() + 120
+        while waiting.queries["later"].lastProgress is None:  # it runs, reading nothing
+            assert waiting.queries["later"].isActive and time.monotonic() < deadline
+            time.sleep(0.1)
+        write_stream(data, "later", [b"a%d" % i for i in range(25)])  # its producer comes
+        while not output.exists() or pq.read_table(output).num_rows < 25:
+            assert waiting.queries["later"].isActive and time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        waiting.stop()
+    assert sorted(pq.read_table(output).to_pydict()["value"]) == sorted(
+        b"a%d" % i for i in range(25)
+    )
 
 
 def test_a_replayed_batch_replaces_its_own_files(spark: Any, tmp_path: Path) -> None:

@@ -28,12 +28,17 @@ from headgate.protocol.records import encode_records
 from headgate.spark import SCHEMA, SourceError
 from headgate.spark.decode import StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import StreamLogs, StreamSelection, admit, plan_slices
-from headgate.spark.source import HeadgatePartition, HeadgateStreamReader, SourceOptions
+from headgate.spark.source import (
+    HeadgatePartition,
+    HeadgateStreamReader,
+    SourceOptions,
+    missing_streams_error,
+)
 
 TERM = 4096  # small terms: ranges cross many terms and padding
 BASE_TIME_US = 1_700_000_000_000_000
 
-Row = tuple[str, int, int, int, int, bytes | None, bytes]
+Row = tuple[str, int, int, int, int, int, bytes | None, bytes]
 
 
 @dataclass
@@ -43,7 +48,7 @@ class Stream:
     name: str
     directory: Path
     producer: int
-    #: (stream, position, producer, sequence, ingest_time_us, key, value), in log order.
+    #: (stream, position, index, producer, sequence, ingest_time_us, key, value), in log order.
     rows: list[Row] = field(default_factory=list)
     #: (position, end_position, record count) of each frame.
     frames: list[tuple[int, int, int]] = field(default_factory=list)
@@ -81,7 +86,16 @@ class Stream:
                 for i, value in enumerate(values):
                     key = None if key_list is None else key_list[i]
                     self.rows.append(
-                        (self.name, result.position, self.producer, first + i, stamp, key, value)
+                        (
+                            self.name,
+                            result.position,
+                            i,
+                            self.producer,
+                            first + i,
+                            stamp,
+                            key,
+                            value,
+                        )
                     )
                 self.next_sequence += size
             log.sync()
@@ -108,6 +122,7 @@ def spark_rows(frame: DataFrame) -> list[Row]:
     rows = frame.selectExpr(
         "stream",
         "position",
+        "index",
         "producer",
         "sequence",
         "unix_micros(ingest_time) AS ingest_us",
@@ -118,6 +133,7 @@ def spark_rows(frame: DataFrame) -> list[Row]:
         (
             r.stream,
             r.position,
+            r["index"],
             r.producer,
             r.sequence,
             r.ingest_us,
@@ -126,7 +142,7 @@ def spark_rows(frame: DataFrame) -> list[Row]:
         )
         for r in rows
     ]
-    return sorted(out, key=lambda row: (row[0], row[1], row[3]))
+    return sorted(out, key=lambda row: (row[0], row[1], row[2]))
 
 
 def wait_until(condition: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
@@ -183,6 +199,62 @@ def test_options_are_checked_when_the_source_is_created(data_dir: Path) -> None:
     )
     refused(options(data_dir, maxRecordsPerTrigger="0"), "must be positive")
     refused(options(data_dir, maxBytesPerTrigger="lots"), "must be an integer")
+    assert parsed.missing_streams == "fail"
+    assert (
+        SourceOptions.parse(options(data_dir, streams="a", missingStreams=" Wait")).missing_streams
+        == "wait"
+    )
+    refused(
+        options(data_dir, streams="a", missingStreams="later"), "must be fail or wait, got 'later'"
+    )
+    refused(options(data_dir, missingStreams="wait"), "'missingStreams' applies to .*'streams'")
+    refused(
+        options(data_dir, streamPattern="a.*", missingStreams="fail"),
+        "'missingStreams' applies to .*'streams'",
+    )
+
+
+def test_a_named_stream_that_does_not_exist_is_refused_unless_told_to_wait(
+    data_dir: Path,
+) -> None:
+    for name in ("a", "b"):
+        make_stream(data_dir, name).append([2])
+    (data_dir / "streams" / "half-made").mkdir()  # not a log yet: not a stream
+    named = options(data_dir, streams="a,nosuch,half-made")
+    refused = HeadgateStreamReader(SourceOptions.parse(named))
+    try:
+        with pytest.raises(SourceError) as error:
+            refused.initialOffset()
+    finally:
+        refused.stop()
+    assert str(error.value).startswith(
+        "headgate: streams 'nosuch', 'half-made' do not exist "
+        f"(data directory {data_dir} has a, b). "
+    )
+    assert "missingStreams to 'wait'" in str(error.value) and "\n" not in str(error.value)
+    # A query that resumes a checkpoint is checked at its first latestOffset;
+    # a stream its offset already holds is not "missing" but gone (its own message).
+    resumed = HeadgateStreamReader(SourceOptions.parse(options(data_dir, streams="a,gone")))
+    try:
+        with pytest.raises(SourceError, match=r"stream 'gone' does not exist"):
+            resumed.latestOffset({"a": 0}, resumed.getDefaultReadLimit())
+        with pytest.raises(SourceError, match=r"stream 'gone': its log directory .* is gone"):
+            resumed.latestOffset({"a": 0, "gone": 64}, resumed.getDefaultReadLimit())
+    finally:
+        resumed.stop()
+    waiting = HeadgateStreamReader(SourceOptions.parse({**named, "missingStreams": "wait"}))
+    try:
+        assert waiting.initialOffset() == {"a": 0}
+    finally:
+        waiting.stop()
+
+
+def test_the_missing_stream_message_lists_at_most_twenty_streams() -> None:
+    existing = [f"s{i:02d}" for i in range(25)]
+    line = missing_streams_error(["x"], existing, "gateway h:1")
+    assert "stream 'x' does not exist (gateway h:1 has s00, s01," in line
+    assert "s19 and 5 more)" in line and "s20" not in line
+    assert "(gateway h:1 has no streams yet)" in missing_streams_error(["x"], [], "gateway h:1")
 
 
 # --- without Spark: admission, splitting, decoding -------------------------------------
@@ -243,7 +315,7 @@ def test_partitions_cut_at_frame_boundaries_and_cover_the_range_once(data_dir: P
                 for row in batch.to_pylist()
             ]
             assert sorted((r["stream"], r["sequence"]) for r in rows) == sorted(
-                (s.name, s.rows[i][3]) for s in (a, b) for i in range(len(s.rows))
+                (s.name, s.rows[i][4]) for s in (a, b) for i in range(len(s.rows))
             )
     finally:
         logs.close()
@@ -260,9 +332,7 @@ def test_batches_have_the_declared_schema_and_own_their_memory(data_dir: Path) -
     batches = list(read_slice(str(data_dir), StreamSlice("a", 0, a.end), arrow_schema()))
     assert batches[0].schema.equals(to_arrow_schema(SCHEMA, timezone="UTC"))
     rows = [tuple(r.values()) for b in batches for r in b.to_pylist()]
-    assert [(r[0], r[1], r[2], r[3], r[5], r[6]) for r in rows] == [
-        (r[0], r[1], r[2], r[3], r[5], r[6]) for r in a.rows
-    ]
+    assert [(*r[:5], r[6], r[7]) for r in rows] == [(*r[:5], r[6], r[7]) for r in a.rows]
 
 
 def test_reader_and_partitions_pickle_without_open_logs(data_dir: Path) -> None:
@@ -305,6 +375,144 @@ def test_a_released_position_is_named_in_the_error(data_dir: Path) -> None:
             list(read_slice(str(data_dir), StreamSlice("a", 0, a.end), arrow_schema()))
     finally:
         reader.stop()
+
+
+# --- without Spark: record addresses -------------------------------------------------
+
+
+def test_starting_offsets_take_record_addresses_and_refuse_anything_else(data_dir: Path) -> None:
+    def starting(value: object) -> object:
+        text = json.dumps({"a": value})
+        return SourceOptions.parse(options(data_dir, startingOffsets=text)).starting
+
+    assert starting("4096:2") == {"a": "4096:2"}
+    assert starting("4096:0") == starting("4096") == starting(4096) == {"a": 4096}
+    assert starting(" 7 ") == {"a": 7}
+    for hostile, why in [
+        (-1, "position -1 is outside 0 to"),
+        (2**63, "outside 0 to 9223372036854775807"),
+        ("9223372036854775808", "larger than a log position can be"),
+        ("1:4294967295", "index 4294967295 is larger than a batch can hold"),
+        ("1:-1", "'1:-1' is not a record address"),
+        ("-1:0", "'-1:0' is not a record address"),
+        ("1:2:3", "not a record address"),
+        ("1_000", "not a record address"),
+        ("1: 2", "not a record address"),
+        ("\u0661", "not a record address"),  # an Arabic-Indic one: int() would take it
+        ("", "not a record address"),
+        (1.5, "1.5 is not a record address"),
+        (True, "True is not a record address"),
+        (None, "None is not a record address"),
+        ([1, 2], "not a record address"),
+    ]:
+        with pytest.raises(ValueError, match=rf"option 'startingOffsets': stream 'a': .*{why}"):
+            starting(hostile)
+    with pytest.raises(ValueError, match=r"must be 'earliest' or 'latest' or a JSON object"):
+        SourceOptions.parse(options(data_dir, startingOffsets='{"a": ' + "9" * 5000 + "}"))
+    with pytest.raises(ValueError, match=r"position 9{20}\.\.\.\(4000 digits\) is outside"):
+        starting(10**4000 - 1)
+    with pytest.raises(ValueError, match=r"endingOffsets.*'4096:2' is inside a batch"):
+        SourceOptions.parse(options(data_dir, endingOffsets='{"a": "4096:2"}'))
+    assert SourceOptions.parse(options(data_dir, endingOffsets='{"a": "64:0"}')).ending == {"a": 64}
+
+
+def test_a_start_inside_a_batch_is_checked_against_the_log(data_dir: Path) -> None:
+    a = make_stream(data_dir, "a")
+    a.append([3, 1, 4], release=None)
+    second, third = a.frames[1][0], a.frames[2][0]
+
+    def start(value: str) -> object:
+        text = json.dumps({"a": value})
+        reader = HeadgateStreamReader(SourceOptions.parse(options(data_dir, startingOffsets=text)))
+        try:
+            return reader.initialOffset()
+        finally:
+            reader.stop()
+
+    assert start(f"{third}:3") == {"a": f"{third}:3"}
+    assert start(f"{second}:0") == {"a": second}
+    assert start(str(a.end)) == {"a": a.end}  # the end: new records only
+    where = "headgate: option 'startingOffsets': stream 'a': "
+    with pytest.raises(SourceError) as past:
+        start(f"{third}:4")
+    assert str(past.value) == (
+        f"{where}record address {third}:4 is past the end of its batch in 'a': the batch at "
+        f"position {third} holds 4 records (indexes 0 to 3)"
+    )
+    with pytest.raises(
+        SourceError, match=rf"{where}record address {second}:1 is past .* 1 record "
+    ):
+        start(f"{second}:1")
+    with pytest.raises(SourceError, match=rf"{where}no batch starts at position {second + 8} "):
+        start(str(second + 8))
+    with pytest.raises(SourceError, match=rf"{where}record address {a.end}:1 is past the end of"):
+        start(f"{a.end}:1")
+    with pytest.raises(
+        SourceError, match=rf"{where}record address 999999 is past the end of the log \({a.end}\)"
+    ):
+        start("999999")
+    b = make_stream(data_dir, "b")
+    b.append([10] * 60)
+    b.append([1], release=2 * TERM)
+    reader = HeadgateStreamReader(
+        SourceOptions.parse(options(data_dir, startingOffsets='{"b": "0:1"}'))
+    )
+    try:
+        with pytest.raises(SourceError, match=r"stream 'b': position 0 was already released"):
+            reader.initialOffset()
+    finally:
+        reader.stop()
+
+
+def test_a_stream_that_starts_inside_a_batch_keeps_its_address_until_it_reads_it(
+    data_dir: Path,
+) -> None:
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    old = make_stream(data_dir, "old")
+    old.append([5] * 4, clock=0)
+    late = make_stream(data_dir, "late", producer=2)
+    late.append([3] * 2, clock=10_000_000)
+    inside = f"{late.frames[0][0]}:2"
+    reader = HeadgateStreamReader(
+        SourceOptions.parse(options(data_dir, startingOffsets=json.dumps({"late": inside})))
+    )
+    try:
+        start = reader.initialOffset()
+        assert start == {"late": inside, "old": 0}
+        # Oldest first: the old stream's frames fill the batch; "late" does not move
+        # and must not become its batch's first record.
+        first = reader.latestOffset(start, ReadMaxRows(10))
+        assert first == {"late": inside, "old": old.frames[2][0]}
+        second = reader.latestOffset(first, ReadMaxRows(100))
+        assert second == {"late": late.end, "old": old.end}
+        pieces = [p for part in reader.planner.partitions(first, second) for p in part.slices]
+        assert {(p.stream, p.start, p.skip) for p in pieces} == {
+            ("late", late.frames[0][0], 2),
+            ("old", old.frames[2][0], 0),
+        }
+        rows = [
+            r
+            for p in pieces
+            for b in read_slice(str(data_dir), p, arrow_schema())
+            for r in b.to_pylist()
+        ]
+        got = sorted((r["stream"], r["position"], r["index"], r["sequence"]) for r in rows)
+        expected = [r for r in late.rows if (r[1], r[2]) >= (late.frames[0][0], 2)]
+        expected += [r for r in old.rows if r[1] >= old.frames[2][0]]
+        assert got == sorted((r[0], r[1], r[2], r[4]) for r in expected)
+    finally:
+        reader.stop()
+
+
+def test_read_slice_skips_to_the_index_and_refuses_one_past_the_batch(data_dir: Path) -> None:
+    a = make_stream(data_dir, "a")
+    a.append([4, 2])
+    batches = list(read_slice(str(data_dir), StreamSlice("a", 0, a.end, skip=3), arrow_schema()))
+    rows = [(r["position"], r["index"], r["sequence"]) for b in batches for r in b.to_pylist()]
+    assert rows == [(0, 3, 3), (a.frames[1][0], 0, 4), (a.frames[1][0], 1, 5)]
+    with pytest.raises(SourceError, match="the batch at position 0 has no record at index 4"):
+        list(read_slice(str(data_dir), StreamSlice("a", 0, a.end, skip=4), arrow_schema()))
 
 
 # --- with Spark ---------------------------------------------------------------------------
@@ -364,9 +572,9 @@ def test_available_now_gives_each_stream_exactly_its_records(
         ).collect()
     }
     assert counts == {
-        s.name: (len(s.rows), len(s.rows), sum(r[5] is None for r in s.rows)) for s in streams
+        s.name: (len(s.rows), len(s.rows), sum(r[6] is None for r in s.rows)) for s in streams
     }
-    expected = sorted((row for s in streams for row in s.rows), key=lambda r: (r[0], r[1], r[3]))
+    expected = sorted((row for s in streams for row in s.rows), key=lambda r: (r[0], r[1], r[2]))
     assert spark_rows(spark.table("every_record")) == expected
     progress = query.lastProgress
     assert progress is not None
@@ -470,8 +678,33 @@ def test_starting_offsets_json_and_streams_absent_from_it(
     )
     expected = [r for r in a.rows if r[1] >= from_here] + b.rows
     assert spark_rows(spark.table("from_json")) == sorted(
-        expected, key=lambda r: (r[0], r[1], r[3])
+        expected, key=lambda r: (r[0], r[1], r[2])
     )
+
+
+def test_starting_offsets_at_a_record_inside_a_batch_start_exactly_there(
+    spark: SparkSession, data_dir: Path, tmp_path: Path
+) -> None:
+    a = make_stream(data_dir, "a")
+    a.append([3] * 6)
+    some = spark_rows(spark.read.format("headgate").option("path", str(data_dir)).load())
+    _, position, index, *_ = some[10]  # the output gives the address ...
+    assert index == 1
+    run_available_now(
+        spark,
+        data_dir,
+        tmp_path / "ck",
+        "from_address",
+        startingOffsets=json.dumps({"a": f"{position}:{index}"}),  # ... startingOffsets takes it
+    )
+    assert spark_rows(spark.table("from_address")) == some[10:]
+    batch = spark_rows(
+        spark.read.format("headgate")
+        .option("path", str(data_dir))
+        .option("startingOffsets", json.dumps({"a": f"{position}:2"}))
+        .load()
+    )
+    assert batch == some[11:]
 
 
 def test_latest_and_a_stream_created_while_running(
@@ -501,7 +734,7 @@ def test_latest_and_a_stream_created_while_running(
         )
         query.processAllAvailable()
         assert spark_rows(spark.table("live")) == sorted(
-            old.rows[before:] + new.rows, key=lambda r: (r[0], r[1], r[3])
+            old.rows[before:] + new.rows, key=lambda r: (r[0], r[1], r[2])
         )
     finally:
         query.stop()

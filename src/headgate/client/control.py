@@ -1,5 +1,8 @@
 """The release client: tells a gateway how far Spark has committed each stream.
 
+Each client commits the positions of one named consumer (``consumer``,
+``default`` unless given; see PROTOCOL.md, "Consumers").
+
 The pipeline learns that a micro-batch is committed in Spark's
 ``StreamingQueryListener``, which runs on a py4j callback thread that Spark
 shares with every other listener. So :meth:`ReleaseClient.release` never
@@ -18,8 +21,8 @@ exponential backoff, forever, until :meth:`ReleaseClient.close`; a session
 that the gateway closes within seconds of its opening counts as a failed
 attempt, so the pauses keep growing (:mod:`headgate.client.backoff`).
 
-A gateway that answers a Release with an Error (an unknown stream, or a
-position beyond its log's tail, as after a gateway lost data it had not made
+A gateway that answers a Release with an Error (an unknown stream or
+consumer, or a position beyond its log's tail, as after a gateway lost data it had not made
 durable) closes the connection. Which Release it refused is not said, so
 every position written on that connection counts as settled, the refusal is
 logged, and the client reconnects: the next commit brings a newer position.
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
 from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
+from headgate.config import ConsumerSettings
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
@@ -99,7 +103,17 @@ class ReleaseClient:
             handshake) may take.
         max_backoff: the longest pause between two connection attempts.
         security: token and TLS settings (:class:`ClientSecurity`); Release
-            needs a token with the ``admin`` right on a gateway with tokens.
+            needs a token with the ``admin`` right, or a ``consume`` pattern
+            matching ``stream/consumer``, on a gateway with tokens.
+        consumer: the consumer whose positions this client commits, on every
+            stream it releases (see PROTOCOL.md, "Consumers"); the default,
+            ``default``, is the one consumer of a stream declaring none, and
+            of a data directory from before consumers.
+        declare: if given, the consumer is declared with these settings
+            (DeclareConsumer) on each connection, before its first Release of
+            each stream: created at the stream's oldest held position if the
+            gateway does not have it, left alone if it does (with other
+            settings the gateway refuses, and the refusal is logged).
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -112,9 +126,16 @@ class ReleaseClient:
         connect_timeout: float = 5.0,
         max_backoff: float = 2.0,
         security: ClientSecurity | None = None,
+        consumer: str = m.DEFAULT_CONSUMER,
+        declare: ConsumerSettings | None = None,
     ) -> None:
         if connect_timeout <= 0 or max_backoff <= 0:
             raise ValueError("connect_timeout and max_backoff must be positive")
+        if not m.is_valid_name(consumer):
+            raise ValueError(f"{consumer!r} is not a consumer name")
+        #: The consumer every Release of this client names.
+        self.consumer = consumer
+        self._declare = declare
         self.address = GatewayAddress.parse(address)
         self._security = security or ClientSecurity()
         # Fail now, in the caller's thread, on settings that cannot work.
@@ -146,7 +167,7 @@ class ReleaseClient:
     # -- the caller's side ----------------------------------------------------------
 
     def release(self, stream: str, position: int) -> None:
-        """Spark committed everything of ``stream`` before ``position``; returns at once."""
+        """The consumer committed everything of ``stream`` before ``position``; returns at once."""
         if not m.is_valid_name(stream):
             raise ValueError(f"{stream!r} is not a stream name")
         if not 0 <= position < 1 << 64:
@@ -325,7 +346,11 @@ class ReleaseClient:
                 message = event.message
                 if isinstance(message, m.Error):
                     text = f"{message.code.name}: {message.text}"
-                    refused = message.code in (ErrorCode.UNEXPECTED_FRAME, ErrorCode.FORBIDDEN)
+                    refused = message.code in (
+                        ErrorCode.UNEXPECTED_FRAME,
+                        ErrorCode.FORBIDDEN,
+                        ErrorCode.UNKNOWN_CONSUMER,
+                    )
                     raise _Closed(text, refused=refused, code=message.code)
                 if isinstance(message, m.Goodbye):
                     raise _Closed(f"the gateway said goodbye ({message.code.name})")
@@ -348,6 +373,7 @@ class ReleaseClient:
         ``keepalive``: send a Ping after this many idle seconds (0: never).
         """
         written: dict[str, int] = {}  # positions written on this connection
+        declared: set[str] = set()  # streams whose consumer was declared on it
         probes: dict[int, dict[str, int]] = {}  # Ping nonce -> what it confirms
         nonce = 0
         last_write = time.monotonic()
@@ -363,7 +389,20 @@ class ReleaseClient:
                     }
                 if todo:
                     for stream, position in sorted(todo.items()):
-                        session.send_global(m.Release(stream=stream, position=position))
+                        if self._declare is not None and stream not in declared:
+                            declared.add(stream)
+                            session.send_global(
+                                m.DeclareConsumer(
+                                    request_id=len(declared),
+                                    stream=stream,
+                                    consumer=self.consumer,
+                                    blocking=self._declare.blocking,
+                                    skip_data_loss=self._declare.on_data_loss == "skip",
+                                )
+                            )
+                        session.send_global(
+                            m.Release(stream=stream, position=position, consumer=self.consumer)
+                        )
                     written.update(todo)
                     nonce += 1
                     probes[nonce] = dict(written)

@@ -27,7 +27,7 @@ import itertools
 import ssl as ssl_module
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -230,7 +230,9 @@ class Reader:
         self._fetch_channels: dict[str, _Channel] = {}
         self._by_handle: dict[int, _Channel] = {}
         self._fetches: dict[int, _Fetch] = {}
-        self._lists: dict[int, asyncio.Future[m.StreamList]] = {}
+        self._lists: dict[int, asyncio.Future[m.StreamList | m.StreamDescriptions]] = {}
+        self._consumer_requests: dict[int, asyncio.Future[int]] = {}
+        self._consumer_lists: dict[int, asyncio.Future[m.ConsumerList]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         self._keepalive: asyncio.TimerHandle | None = None
@@ -240,6 +242,11 @@ class Reader:
         self.welcome: m.Welcome | None = None
         #: Where the last completed fetch says the next one should start.
         self.last_next_position: int | None = None
+        #: Bytes the last fetch of a ``skip`` consumer jumped over (freed
+        #: before it read them); 0 for other fetches.
+        self.last_skipped_bytes = 0
+        #: Records among them, or None where the gateway could not count them.
+        self.last_skipped_records: int | None = 0
 
     # -- connection ---------------------------------------------------------------
 
@@ -397,10 +404,18 @@ class Reader:
                 if fetch is not None:
                     fetch.done = message
                     self._changed.set()
-            case m.StreamList(request_id=request_id):
+            case m.StreamList(request_id=request_id) | m.StreamDescriptions(request_id=request_id):
                 future = self._lists.pop(request_id, None)
                 if future is not None and not future.done():
                     future.set_result(message)
+            case m.ConsumerList(request_id=request_id):
+                listed = self._consumer_lists.pop(request_id, None)
+                if listed is not None and not listed.done():
+                    listed.set_result(message)
+            case m.ConsumerPosition(request_id=request_id, position=position):
+                declared = self._consumer_requests.pop(request_id, None)
+                if declared is not None and not declared.done():
+                    declared.set_result(position)
             case m.Missed(handle=handle, count=count):
                 channel = self._by_handle.get(handle)
                 if channel is not None:
@@ -439,6 +454,14 @@ class Reader:
             if not future.done():
                 future.set_exception(error)
         self._lists.clear()
+        for declared in self._consumer_requests.values():
+            if not declared.done():
+                declared.set_exception(error)
+        self._consumer_requests.clear()
+        for listed in self._consumer_lists.values():
+            if not listed.done():
+                listed.set_exception(error)
+        self._consumer_lists.clear()
         self._changed.set()
         for channel in [*self._by_handle.values(), *self._to_bind]:
             channel.wake.set()
@@ -477,16 +500,43 @@ class Reader:
 
     async def list_streams(self) -> list[m.StreamInfo]:
         """Every stream of the gateway with its positions, sorted by name."""
+        answer = await self._ask(m.ListStreams(request_id=next(self._ids)))
+        if not isinstance(answer, m.StreamList):
+            raise ReaderError(f"gateway {self._where} answered ListStreams with {answer!r}")
+        return list(answer.streams)
+
+    async def describe_streams(self) -> list[m.StreamDescription]:
+        """Every stream of the gateway with its positions and when its consumer
+        last released it, sorted by name.
+
+        A gateway that predates DescribeStreams refuses it and closes the
+        connection (:class:`ReaderError` with code ``MALFORMED_MESSAGE``); ask
+        again with :meth:`list_streams` on a new Reader.
+        """
+        answer = await self._ask(m.DescribeStreams(request_id=next(self._ids)))
+        if not isinstance(answer, m.StreamDescriptions):
+            raise ReaderError(f"gateway {self._where} answered DescribeStreams with {answer!r}")
+        return list(answer.streams)
+
+    async def _ask(
+        self, request: m.ListStreams | m.DescribeStreams
+    ) -> m.StreamList | m.StreamDescriptions:
         self._check()
-        request_id = next(self._ids)
-        future: asyncio.Future[m.StreamList] = asyncio.get_running_loop().create_future()
-        self._lists[request_id] = future
-        self._session.send_global(m.ListStreams(request_id=request_id))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[m.StreamList | m.StreamDescriptions] = loop.create_future()
+        self._lists[request.request_id] = future
+        self._session.send_global(request)
         self._write()
-        return list((await future).streams)
+        return await future
 
     async def fetch(
-        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+        self,
+        stream: str,
+        start: int,
+        end: int | None = None,
+        *,
+        max_bytes: int = 0,
+        consumer: str | None = None,
     ) -> AsyncGenerator[TailBatch, None]:
         """Yield the stored batches of ``stream`` in ``[start, end)``, in log order.
 
@@ -496,6 +546,11 @@ class Reader:
         at a time per reader; others wait their turn. A fetch left early
         still receives (and discards) the rest of what it asked for, so keep
         early exits to fetches limited by ``end`` or ``max_bytes``.
+
+        With ``consumer``, the fetch reads as that named consumer: a start
+        the log has freed already fails (``DATA_LOST``) or, for a ``skip``
+        consumer, reads on from the oldest held position, and
+        :attr:`last_skipped_bytes` says how many bytes were skipped.
         """
         if not m.is_valid_name(stream):
             raise ValueError(f"{stream!r} is not a valid stream name")
@@ -517,6 +572,7 @@ class Reader:
                         start_position=start,
                         end_position=U64_MAX if end is None else end,
                         max_bytes=max_bytes,
+                        consumer=consumer,
                     )
                 )
             except ValueError as error:
@@ -533,6 +589,10 @@ class Reader:
                     taken += 1
                     yield item
                 self.last_next_position = fetch.done.next_position
+                self.last_skipped_bytes = fetch.done.skipped_bytes or 0
+                self.last_skipped_records = (
+                    0 if fetch.done.skipped_bytes is None else fetch.done.skipped_records
+                )
             finally:
                 # Abandoned early: the rest of this fetch still arrives on the
                 # stream's channel, ahead of the next fetch's batches; take it.
@@ -545,10 +605,18 @@ class Reader:
                 self._fetches.pop(request_id, None)
 
     async def fetch_all(
-        self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0
+        self,
+        stream: str,
+        start: int,
+        end: int | None = None,
+        *,
+        max_bytes: int = 0,
+        consumer: str | None = None,
     ) -> tuple[list[TailBatch], int]:
         """All batches of a fetch, and the position where a next fetch starts."""
-        batches = [b async for b in self.fetch(stream, start, end, max_bytes=max_bytes)]
+        batches = [
+            b async for b in self.fetch(stream, start, end, max_bytes=max_bytes, consumer=consumer)
+        ]
         assert self.last_next_position is not None
         return batches, self.last_next_position
 
@@ -579,11 +647,67 @@ class Reader:
         self._write()
         return Subscription(self, channel)
 
-    async def release(self, stream: str, position: int) -> None:
-        """Tell the gateway a consumer committed everything of ``stream`` before ``position``."""
+    async def release(self, stream: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> None:
+        """Tell the gateway ``consumer`` committed everything of ``stream`` before ``position``."""
         self._check()
-        self._session.send_global(m.Release(stream=stream, position=position))
+        self._session.send_global(m.Release(stream=stream, position=position, consumer=consumer))
         self._write()
+
+    async def reset_consumer(
+        self, stream: str, consumer: str, to: m.ResetTo | int | m.ResetTime
+    ) -> int:
+        """Move ``consumer`` of ``stream`` (``admin``); its new position."""
+        return await self._consumer_request(
+            lambda request_id: m.ResetConsumer(
+                request_id=request_id, stream=stream, consumer=consumer, to=to
+            )
+        )
+
+    async def delete_consumer(self, stream: str, consumer: str) -> int:
+        """Delete ``consumer`` of ``stream`` (``admin``); the position it had."""
+        return await self._consumer_request(
+            lambda request_id: m.DeleteConsumer(
+                request_id=request_id, stream=stream, consumer=consumer
+            )
+        )
+
+    async def _consumer_request(self, make: Callable[[int], m.GlobalMessage]) -> int:
+        """Send a consumer request; the position its ConsumerPosition answer carries."""
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._consumer_requests[request_id] = future
+        self._session.send_global(make(request_id))
+        self._write()
+        return await future
+
+    async def list_consumers(self, stream: str) -> list[m.ConsumerInfo]:
+        """The consumers of ``stream`` with their positions and lag, sorted by name."""
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[m.ConsumerList] = asyncio.get_running_loop().create_future()
+        self._consumer_lists[request_id] = future
+        self._session.send_global(m.ListConsumers(request_id=request_id, stream=stream))
+        self._write()
+        return list((await future).consumers)
+
+    async def declare_consumer(
+        self, stream: str, consumer: str, *, blocking: bool = True, skip_data_loss: bool = False
+    ) -> int:
+        """Create consumer ``consumer`` of ``stream`` (or find it); its committed position.
+
+        Needs ``admin`` or a ``consume`` pattern matching ``stream/consumer``.
+        A new consumer starts at the oldest position the log holds.
+        """
+        return await self._consumer_request(
+            lambda request_id: m.DeclareConsumer(
+                request_id=request_id,
+                stream=stream,
+                consumer=consumer,
+                blocking=blocking,
+                skip_data_loss=skip_data_loss,
+            )
+        )
 
 
 class Subscription:
@@ -670,6 +794,9 @@ class SyncReader:
 
     def list_streams(self) -> list[m.StreamInfo]:
         return self._run(self._fresh().list_streams())
+
+    def describe_streams(self) -> list[m.StreamDescription]:
+        return self._run(self._fresh().describe_streams())
 
     def fetch(
         self, stream: str, start: int, end: int | None = None, *, max_bytes: int = 0

@@ -7,7 +7,9 @@ A token file is TOML with one ``[[token]]`` table per token::
     sha256 = "3f0a...64 hex digits" # headgate token prints this line
     write = ["clicks", "sensor-*"]  # fnmatch patterns of writable streams
     read = ["clicks"]               # tail subscriptions and Spark Fetch
-    admin = false                   # Release of positions, runtime changes
+    consume = ["clicks/archive"]    # "stream/consumer" patterns: Release and
+                                    # DeclareConsumer of those consumers
+    admin = false                   # Release and declare of any consumer, runtime changes
     max_streams = 100               # new streams it may create (optional)
 
 The gateway never sees a token at rest, only its SHA-256. A plain hash and
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_KEYS = {"name", "sha256", "write", "read", "admin", "max_streams"}
+_KEYS = {"name", "sha256", "write", "read", "consume", "admin", "max_streams"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +66,8 @@ class Rights:
     write: tuple[str, ...] = ()
     #: Patterns of streams the peer may tail or fetch.
     read: tuple[str, ...] = ()
+    #: Patterns of ``stream/consumer`` the peer may Release and declare.
+    consume: tuple[str, ...] = ()
     #: Whether the peer may release stream positions and change settings.
     admin: bool = False
     #: How many new streams the token's peers may create, together; None for
@@ -77,6 +81,15 @@ class Rights:
     def can_read(self, stream: str) -> bool:
         """Whether the peer may subscribe to or fetch ``stream``."""
         return any(fnmatch.fnmatchcase(stream, p) for p in self.read)
+
+    def can_consume(self, stream: str, consumer: str) -> bool:
+        """Whether the peer may Release (and declare) ``consumer`` of ``stream``.
+
+        The ``admin`` right covers every consumer; a ``consume`` pattern
+        covers those whose ``stream/consumer`` it matches.
+        """
+        key = f"{stream}/{consumer}"
+        return self.admin or any(fnmatch.fnmatchcase(key, p) for p in self.consume)
 
     def can_administer(self) -> bool:
         """Whether the peer may Release positions and change runtime settings."""
@@ -140,6 +153,17 @@ def _patterns(value: Any, what: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _consume_patterns(value: Any, what: str) -> tuple[str, ...]:
+    patterns = _patterns(value, what)
+    for pattern in patterns:
+        if "/" not in pattern:
+            raise ConfigError(
+                f'{what}: {pattern!r} names no consumer; use "stream/consumer" '
+                '(patterns allowed on both sides, e.g. "clicks/*")'
+            )
+    return patterns
+
+
 def load_tokens(path: Path) -> TokenTable:
     """Read a tokens file; errors name the file, the entry and the key."""
     try:
@@ -190,6 +214,7 @@ def load_tokens(path: Path) -> TokenTable:
             name=name,
             write=_patterns(table.get("write", []), f"{where} ({name}).write"),
             read=_patterns(table.get("read", []), f"{where} ({name}).read"),
+            consume=_consume_patterns(table.get("consume", []), f"{where} ({name}).consume"),
             admin=admin,
             max_streams=max_streams,
         )

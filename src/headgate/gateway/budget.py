@@ -94,6 +94,10 @@ class Cost:
     #: A new producer id's claim: a line appended to the owners' table and
     #: fsynced on the event loop (``headgate.gateway.identity``).
     CLAIM = 1000.0
+    #: A Release that moves a consumer, or a DeclareConsumer that creates
+    #: one: the stream's consumers file rewritten and fsynced on the event
+    #: loop (``headgate.gateway.consumers``).
+    CONSUMER_WRITE = 1000.0
     #: A TLS handshake (public-key operations; charged once it is done).
     TLS_HANDSHAKE = 2000.0
 

@@ -96,12 +96,22 @@ def load_snapshot(path: Path) -> DedupSnapshot | None:
 
 def write_snapshot(path: Path, snapshot: DedupSnapshot) -> None:
     """Replace the snapshot at ``path`` atomically and durably (raises OSError)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
     body = {
         "position": snapshot.position,
         "producers": {str(k): v for k, v in snapshot.producers.items()},
     }
+    write_json_durably(path, body)
+
+
+def write_json_durably(path: Path, body: object) -> None:
+    """Replace the JSON file at ``path`` so that a crash leaves the old one or the new one.
+
+    The one home of the gateway's crash rule for its state files (producer
+    state, consumers): a temporary file, fsynced, renamed into place, then the
+    directory fsynced. Raises OSError (a full disk) with the old file intact.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
     with open(tmp, "w") as f:
         json.dump(body, f)
         f.flush()

@@ -17,6 +17,9 @@ Metrics, all prefixed ``headgate_`` (labels in brackets)::
     stream_duplicate_batches_total, stream_dropped_batches_total       [stream]
     stream_fsync_seconds (histogram, one observation per group commit) [stream]
     ack_latency_seconds (histogram, one observation per acked batch)   [stream]
+    consumer_position, consumer_lag_bytes, consumer_lag_seconds, consumer_blocking (0/1),
+    consumer_idle (0/1: idle, producers held), consumer_detached_total,
+    consumer_skipped_bytes_total, consumer_skipped_records_total      [stream, consumer]
     connection_debt, connection_debt_threshold, connection_peak_debt   [connection, peer, producer]
     connection_reads_paused (0/1), connection_read_pauses_total        [connection, peer, producer]
     connection_ring_bytes, connection_ring_in_use_bytes                [connection, peer, producer]
@@ -176,6 +179,44 @@ class GatewayCollector(Collector):
             ack.add_metric(name, buckets=entry.ack_buckets, sum_value=entry.ack_sum)
         yield from (capacity, free, fill, tail, durable, release, guarantees, writers)
         yield from (batches, records, duplicates, drops, fsync, ack)
+
+        k = ["stream", "consumer"]
+        position = gauge("consumer_position", "The consumer's committed log position.", k)
+        lag = gauge("consumer_lag_bytes", "Durable log bytes after the consumer's position.", k)
+        lag_seconds = gauge(
+            "consumer_lag_seconds", "Age of the oldest durable record not committed.", k
+        )
+        blocking = gauge("consumer_blocking", "1 if the consumer holds producers back.", k)
+        idle = gauge(
+            "consumer_idle",
+            "1 while a blocking consumer idles past idle_release_seconds (policy hold).",
+            k,
+        )
+        detached = counter(
+            "consumer_detached", "Times the idle rule made the consumer non-blocking.", k
+        )
+        skipped = counter(
+            "consumer_skipped_bytes", "Log bytes freed before the consumer read them.", k
+        )
+        skipped_records = counter(
+            "consumer_skipped_records",
+            "Records freed before the consumer read them (where counted).",
+            k,
+        )
+        for entry in snap.streams:
+            for consumer in entry.stats.consumers:
+                labels = [entry.stats.name, consumer.name]
+                position.add_metric(labels, consumer.position)
+                lag.add_metric(labels, consumer.lag_bytes)
+                if consumer.lag_seconds is not None:
+                    lag_seconds.add_metric(labels, consumer.lag_seconds)
+                blocking.add_metric(labels, 1 if consumer.blocking else 0)
+                idle.add_metric(labels, 1 if consumer.idle else 0)
+                detached.add_metric(labels, consumer.detached_total)
+                skipped.add_metric(labels, consumer.skipped_bytes)
+                skipped_records.add_metric(labels, consumer.skipped_records)
+        yield from (position, lag, lag_seconds, blocking, idle, detached, skipped)
+        yield skipped_records
 
         c = ["connection", "peer", "producer"]
         debt = gauge("connection_debt", "Units of work in flight charged to the connection.", c)

@@ -75,6 +75,15 @@ class _FetchJob:
     end: int
     #: TailRecords sent so far.
     sent: int = 0
+    #: Bytes a ``skip`` consumer jumped over (freed before it read them).
+    skipped: int = 0
+    #: Records among them, or None where they could not be counted.
+    skipped_records: int | None = 0
+    #: Where the fetch started reading (``max_bytes`` counts from here).
+    start: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.start = self.cursor
 
 
 @dataclass(eq=False)
@@ -214,8 +223,9 @@ class ReaderConnection:
         # Log bytes per frame lately (sizes the reads; small until seen).
         self._frame_bytes = 64
         self._jobs: deque[_FetchJob] = deque()
-        # ListStreams waiting for their turn (request ids), and who may see what.
-        self._listings: deque[int] = deque()
+        # ListStreams and DescribeStreams waiting for their turn, in order, and
+        # who may see what.
+        self._listings: deque[m.ListStreams | m.DescribeStreams] = deque()
         self._visible: Callable[[str], bool] = lambda name: True
         self._fetch_handles: dict[str, int] = {}
         # Requests that need a handle, in request order: a stream name (its
@@ -231,37 +241,47 @@ class ReaderConnection:
 
     def on_request(
         self,
-        message: m.Fetch | m.Subscribe | m.ListStreams,
+        message: m.Fetch | m.Subscribe | m.ListStreams | m.DescribeStreams,
         visible: Callable[[str], bool] = lambda name: True,
     ) -> None:
         """A reader's request arrived; raises ProtocolError for one that cannot be served.
 
-        ``visible`` says which streams ListStreams shows (those the peer may read).
+        ``visible`` says which streams ListStreams and DescribeStreams show (those
+        the peer may read).
         """
         match message:
-            case m.ListStreams(request_id=request_id):
+            case m.ListStreams() | m.DescribeStreams():
                 # Answered in a serving turn, within the budget: a listing
                 # costs as much as the streams it walks, and a slice of
                 # received bytes can hold thousands of requests.
                 self._check_count(len(self._listings), "listings waiting")
                 self._visible = visible
-                self._listings.append(request_id)
+                self._listings.append(message)
             case m.Fetch():
                 self._charge(Cost.FETCH)
                 self._check_count(len(self._jobs), "fetches waiting")
                 stream = self._stream(message.stream)
+                start, skipped = message.start_position, 0
+                skipped_records: int | None = 0
+                if message.consumer is not None:
+                    # Behind the log: the consumer's on_data_loss (an error, or skip ahead).
+                    start, skipped, skipped_records = stream.read_start(message.consumer, start)
                 end = message.end_position
                 if end == U64_MAX:
                     # The durable end, or nothing if the reader is past it already.
-                    end = max(stream.log.durable_position, message.start_position)
-                self._check_range(stream, message.start_position, end)
+                    end = max(stream.log.durable_position, start)
+                elif skipped:
+                    end = max(end, start)  # all it asked for was freed: nothing to read
+                self._check_range(stream, start, end)
                 if (
                     message.stream not in self._fetch_handles
                     and message.stream not in self._binding
                 ):
                     self._binding.add(message.stream)
                     self._to_bind.append(message.stream)
-                self._jobs.append(_FetchJob(message, message.start_position, end))
+                self._jobs.append(
+                    _FetchJob(message, start, end, skipped=skipped, skipped_records=skipped_records)
+                )
             case m.Subscribe():
                 self._charge(Cost.SUBSCRIBE)
                 self._check_subscriptions()
@@ -419,11 +439,17 @@ class ReaderConnection:
             if not done:
                 break
             self._jobs.popleft()
+            if job.request.consumer is not None:
+                stream = self._streams.get(job.request.stream)
+                if stream is not None:
+                    stream.consumer_read(job.request.consumer, job.cursor)
             self._session.send_global(
                 m.FetchDone(
                     request_id=job.request.request_id,
                     next_position=job.cursor,
                     batches=job.sent,
+                    skipped_bytes=None if job.request.consumer is None else job.skipped,
+                    skipped_records=None if job.request.consumer is None else job.skipped_records,
                 )
             )
         for sub in self.subscriptions:
@@ -446,12 +472,26 @@ class ReaderConnection:
         if more:
             self._again(wait)
 
-    def _list_streams(self, request_id: int) -> None:
-        """Answer one ListStreams: the streams the peer may read, with their positions."""
+    def _list_streams(self, request: m.ListStreams | m.DescribeStreams) -> None:
+        """Answer one ListStreams or DescribeStreams: the streams the peer may read,
+        with their positions (and, described, when each was last released)."""
         visible = self._visible
-        listed = tuple(self._info(s) for name, s in sorted(self._streams.items()) if visible(name))
+        shown = [s for name, s in sorted(self._streams.items()) if visible(name)]
         self._cost += Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(self._streams)
-        self._session.send_global(m.StreamList(request_id=request_id, streams=listed))
+        answer: m.StreamList | m.StreamDescriptions
+        if isinstance(request, m.ListStreams):
+            answer = m.StreamList(
+                request_id=request.request_id, streams=tuple(self._info(s) for s in shown)
+            )
+        else:
+            answer = m.StreamDescriptions(
+                request_id=request.request_id,
+                streams=tuple(
+                    m.StreamDescription(info=self._info(s), released_at_us=s.released_at_us)
+                    for s in shown
+                ),
+            )
+        self._session.send_global(answer)
 
     def _again(self, delay: float) -> None:
         """Serve another turn after ``delay`` seconds (0: once others have run)."""
@@ -507,6 +547,17 @@ class ReaderConnection:
         while job.cursor < job.end and used < budget:
             if not self._can_send(handle):
                 return False, used  # read nothing that cannot be sent
+            if request.consumer is not None and job.cursor < stream.log.release_position:
+                # Freed while being served (a non-blocking consumer holds nothing).
+                job.cursor, skipped, records = stream.read_start(request.consumer, job.cursor)
+                job.skipped += skipped
+                job.skipped_records = (
+                    None
+                    if records is None or job.skipped_records is None
+                    else job.skipped_records + records
+                )
+                job.end = max(job.end, job.cursor)
+                continue
             try:
                 frames = self._read(stream, job.cursor, job.end)
             except LogError as error:
@@ -518,7 +569,7 @@ class ReaderConnection:
                 job.cursor = job.end  # only padding was left
                 break
             for frame in frames:
-                if job.sent and frame.end_position - request.start_position > limit:
+                if job.sent and frame.end_position - job.start > limit:
                     return True, used
                 if self._frames_left <= 0 or not self._room():
                     return False, used

@@ -61,7 +61,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from headgate.config import ConfigError, GatewayConfig, StreamSettings, format_address
+from headgate.config import (
+    ConfigError,
+    ConsumerSettings,
+    GatewayConfig,
+    StreamSettings,
+    format_address,
+)
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
@@ -842,10 +848,14 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     stream = gw.streams[writer.stream]
                     stream.remove_writer(writer)
                     gw.rebalance_soon(stream)
-            case MessageReceived(message=m.Fetch() | m.Subscribe() | m.ListStreams() as request):
+            case MessageReceived(
+                message=m.Fetch() | m.Subscribe() | m.ListStreams() | m.DescribeStreams() as request
+            ):
                 rights = self.rights
                 assert rights is not None
-                if not isinstance(request, m.ListStreams) and not rights.can_read(request.stream):
+                if isinstance(request, m.Fetch | m.Subscribe) and not rights.can_read(
+                    request.stream
+                ):
                     raise ProtocolError(
                         f"token {rights.name!r} may not read stream {request.stream!r}",
                         code=ErrorCode.FORBIDDEN,
@@ -853,14 +863,57 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 self.readers.on_request(request, visible=rights.can_read)
             case GuaranteesReceived(channel=channel):
                 self.readers.on_guarantees(channel)
-            case MessageReceived(message=m.Release(stream=name, position=position)):
+            case MessageReceived(
+                message=m.Release(stream=name, position=position, consumer=consumer)
+            ):
+                assert self.rights is not None
+                if not self.rights.can_consume(name, consumer):
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not release consumer {consumer!r} "
+                        f"of stream {name!r} (needs admin, or a consume pattern matching "
+                        f"{name}/{consumer})",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                if gw.release(name, position, consumer):
+                    self.charge(Cost.CONSUMER_WRITE)
+            case MessageReceived(message=m.ResetConsumer() | m.DeleteConsumer() as change):
                 assert self.rights is not None
                 if not self.rights.can_administer():
                     raise ProtocolError(
-                        f"token {self.rights.name!r} may not release stream positions",
+                        f"token {self.rights.name!r} may not reset or delete consumer "
+                        f"{change.consumer!r} of stream {change.stream!r} (needs admin)",
                         code=ErrorCode.FORBIDDEN,
                     )
-                gw.release(name, position)
+                self.charge(Cost.CONSUMER_WRITE)
+                position = gw.change_consumer(change)
+                self.session.send_global(
+                    m.ConsumerPosition(request_id=change.request_id, position=position)
+                )
+            case MessageReceived(message=m.ListConsumers(request_id=request_id, stream=name)):
+                assert self.rights is not None
+                if not self.rights.can_read(name):
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not read stream {name!r}",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                infos = gw.consumer_infos(name)
+                self.charge(Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(infos))
+                self.session.send_global(m.ConsumerList(request_id=request_id, consumers=infos))
+            case MessageReceived(message=m.DeclareConsumer() as declare):
+                assert self.rights is not None
+                if not self.rights.can_consume(declare.stream, declare.consumer):
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not declare consumer "
+                        f"{declare.consumer!r} of stream {declare.stream!r} (needs admin, or "
+                        f"a consume pattern matching {declare.stream}/{declare.consumer})",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                position, created = gw.declare_consumer(declare)
+                if created:
+                    self.charge(Cost.CONSUMER_WRITE)
+                self.session.send_global(
+                    m.ConsumerPosition(request_id=declare.request_id, position=position)
+                )
             case MessageReceived(message=m.Goodbye()):
                 self.close_with(self.session.data_to_send())
             case _:
@@ -1180,6 +1233,7 @@ class Gateway:
                 capacity=capacity,
                 term_length=self.config.term_length,
                 max_message_size=self.config.max_message_size,
+                consumers=self.config.consumers_for(name),
             )
             if stream.log.capacity != capacity:
                 # An existing log keeps the capacity it was created with; the
@@ -1291,6 +1345,15 @@ class Gateway:
                 settings = kept.flow_for(name)
             flow.update(settings)
         self.config = kept.validate()
+        for name, stream in self.streams.items():
+            # Consumers the reload declares are created now; one whose
+            # settings changed keeps its stored ones (the log says so), and
+            # one it no longer declares goes at the next start.
+            for consumer, wanted in self.config.consumers_for(name).items():
+                try:
+                    stream.declare_consumer(consumer, wanted, origin="config")
+                except ProtocolError as exc:
+                    log.warning("reload: %s", exc)
         for name in list(self.streams):
             capacity = self.config.stream_capacity_for(name)
             if capacity != self.streams[name].log.capacity:
@@ -1369,17 +1432,81 @@ class Gateway:
             counters = self._counters[name] = StreamCounters()
         return counters
 
-    def release(self, name: str, position: int) -> None:
-        """Spark is done with ``name`` before ``position``: reclaim and re-share."""
+    def release(self, name: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> bool:
+        """Consumer ``consumer`` is done with ``name`` before ``position``: reclaim and re-share.
+
+        Returns whether the consumer moved.
+        """
         stream = self.streams.get(name)
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        stream.release(position)
+        moved = stream.release(position, consumer, now=time.monotonic())
+        if moved:
+            stream.released_at_us = time.time_ns() // 1000
         # The next group commit stores the release and deletes the terms it
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)
         stream.rebalance(time.monotonic())
         stream.flush_writers()
+        return moved
+
+    def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:
+        """Create (or find) a named consumer of an existing stream; its position, and if new."""
+        stream = self.streams.get(declare.stream)
+        if stream is None:
+            raise ProtocolError(
+                f"no stream called {declare.stream!r}", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        settings = ConsumerSettings(
+            blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
+        )
+        return stream.declare_consumer(declare.consumer, settings)
+
+    def change_consumer(self, change: m.ResetConsumer | m.DeleteConsumer) -> int:
+        """Reset or delete a consumer (an admin's request); its position now (or last)."""
+        stream = self.streams.get(change.stream)
+        if stream is None:
+            raise ProtocolError(
+                f"no stream called {change.stream!r}", code=ErrorCode.UNEXPECTED_FRAME
+            )
+        now = time.monotonic()
+        if isinstance(change, m.ResetConsumer):
+            position = stream.reset_consumer(change.consumer, change.to, now)
+        else:
+            position = stream.delete_consumer(change.consumer)
+        self.mark_dirty(stream)
+        stream.rebalance(now)
+        stream.flush_writers()
+        return position
+
+    def consumer_infos(self, name: str) -> tuple[m.ConsumerInfo, ...]:
+        """The consumers of stream ``name`` as ListConsumers answers them, by name."""
+        stream = self.streams.get(name)
+        if stream is None:
+            raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
+        settings = stream.consumers.consumers
+        return tuple(
+            m.ConsumerInfo(
+                consumer=c.name,
+                position=c.position,
+                lag_bytes=c.lag_bytes,
+                lag_ms=round((c.lag_seconds or 0.0) * 1000),
+                blocking=c.blocking,
+                skip_data_loss=settings[c.name].on_data_loss == "skip",
+                detached=c.detached,
+                idle=c.idle,
+            )
+            for c in stream.statistics(time.time_ns() // 1000).consumers
+        )
+
+    def check_consumers(self, now: float) -> None:
+        """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""
+        for stream in self.streams.values():
+            idle_after, policy = self.config.idle_rule_for(stream.name)
+            if any(a.policy == "detach" for a in stream.check_idle(now, idle_after, policy)):
+                self.mark_dirty(stream)
+                stream.rebalance(now)
+                stream.flush_writers()
 
     def detach(self, conn: GatewayConnection) -> None:
         """A connection ended: its writers' unused credit goes back to the pool."""
@@ -1436,7 +1563,8 @@ class Gateway:
             stream.flush_writers()
 
     def statistics(self) -> list[StreamStatistics]:
-        return [s.statistics() for s in self.streams.values()]
+        now_us = time.time_ns() // 1000  # consumers' lag in seconds is wall-clock age
+        return [s.statistics(now_us) for s in self.streams.values()]
 
     def connection_statistics(self) -> list[ConnectionStatistics]:
         """Each connection's account, pauses and receive ring."""
@@ -1521,6 +1649,10 @@ class Gateway:
             now = time.monotonic()
             self.handshakes.forget_refilled(now)
             self.shares.prune(now)
+            try:
+                self.check_consumers(now)
+            except Exception:
+                log.exception("checking consumers failed")
             for stream in self.streams.values():
                 if stream.storage_error is not None and stream.retry_storage():
                     self.mark_dirty(stream)

@@ -1,7 +1,12 @@
 """One stream inside the gateway: its log, its writers' credit, dedup and acks.
 
-A stream's log has a fixed capacity: the bytes between Spark's release
-position and the tail. That capacity is the budget the stream's writers share.
+A stream's log has a fixed capacity: the bytes between the log's release
+position and the tail. That capacity is the budget the stream's writers
+share. The release position is the lowest position the stream's blocking
+consumers have committed (:mod:`headgate.gateway.consumers` is the one home
+of that rule; :meth:`Stream.release` stores a consumer's Release and frees
+the log up to the new floor), so the slowest blocking consumer alone decides
+what the producers may write.
 Each writer (one connection's channel for the stream) holds part of it as the
 capacity of its LCMUX server channel; a batch sits in that channel's buffer
 from the moment it is appended until Spark releases the log space behind it.
@@ -63,14 +68,21 @@ import errno
 import logging
 import os
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from headgate.config import ConsumerSettings
 from headgate.gateway.accounts import Account
+from headgate.gateway.consumers import (
+    ConsumerBook,
+    ConsumerStatistics,
+    IdleAction,
+    consumers_file,
+)
 from headgate.gateway.dedup import (
     SNAPSHOT_AT_OPEN_FRAMES,
     DedupSnapshot,
@@ -434,6 +446,8 @@ class StreamStatistics:
     #: Free capacity kept back for term rotations: the log is full for
     #: writers once ``free_capacity`` is down to about this.
     reserve: int = 0
+    #: The stream's named consumers, by name.
+    consumers: tuple[ConsumerStatistics, ...] = ()
 
 
 class Stream:
@@ -471,7 +485,16 @@ class Stream:
         self._appends: deque[tuple[int, int, int]] = deque()  # (end, producer, next_seq)
         # Batches in channel buffers, in log order: (end position, writer).
         self._inflight: deque[tuple[int, Writer]] = deque()
-        self._pending_release: int | None = None
+        #: The stream's named consumers (set by :meth:`open`).
+        self.consumers = ConsumerBook(name, state_file.with_name(f"{name}.consumers.json"), {})
+        # Whether a failed save of the consumers was logged (once per spell).
+        self._consumers_unsaved_logged = False
+        #: When a Release last moved one of this stream's consumers forward, in
+        #: microseconds since the Unix epoch (the gateway's wall clock, set by
+        #: the gateway); 0: none did since the gateway started. DescribeStreams
+        #: carries it, so a producer waiting on a full stream can say since when
+        #: its consumers have been silent.
+        self.released_at_us = 0
         self.appended_batches = 0
         self.appended_records = 0
         self.duplicate_batches = 0
@@ -505,17 +528,38 @@ class Stream:
         capacity: int,
         term_length: int,
         max_message_size: int,
+        consumers: Mapping[str, ConsumerSettings] | None = None,
     ) -> Stream:
-        """Open (or create) the stream's log and rebuild its dedup state.
+        """Open (or create) the stream's log, its consumers, and rebuild its dedup state.
 
         Dedup state comes from two places: a snapshot (see
         :mod:`headgate.gateway.dedup`) that covers the log up to a position,
-        and the headers of the frames after that position.
+        and the headers of the frames after that position. ``consumers``
+        are those the configuration declares (see
+        :meth:`~headgate.gateway.consumers.ConsumerBook.load`).
+
+        Raises:
+            LogError: the log, or the stream's consumers file, is damaged.
         """
         directory, state_file = stream_files(data_dir, name)
         stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
         stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
+        try:
+            stream.consumers = ConsumerBook.load(
+                name,
+                consumers_file(data_dir, name),
+                release_position=stream_log.release_position,
+                tail_position=stream_log.tail_position,
+                declared=consumers or {},
+            )
+        except ValueError as exc:
+            stream_log.close()
+            raise LogError(str(exc)) from None
+        if stream.consumers.unsaved:
+            stream._save_consumers()
         stream._recover_dedup()
+        # A consumer deleted or detached since the last life: free what it held.
+        stream._free_to_floor()
         return stream
 
     def _recover_dedup(self) -> None:
@@ -842,46 +886,105 @@ class Stream:
                 w.session.send_global(
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
                 )
-        if self._pending_release is not None:
-            pending, self._pending_release = self._pending_release, None
-            try:
-                self.release(pending)
-            except ProtocolError as exc:  # checked on arrival; only a bug lands here
-                log.error("dropping a pending release: %s", exc)
+        if self.consumers.unsaved:
+            self._save_consumers()
+        # Consumers may have committed past what was durable: free on as it is.
+        self._free_to_floor()
 
     # -- release and credit --------------------------------------------------------
 
-    def release(self, position: int) -> None:
-        """Spark committed everything before ``position``: free it, share it out.
+    def release(
+        self, position: int, consumer: str = m.DEFAULT_CONSUMER, *, now: float | None = None
+    ) -> bool:
+        """Consumer ``consumer`` committed everything before ``position``: store it, free the log.
 
-        A position beyond what is durable is remembered and applied as the
-        log becomes durable (Spark may read what is published before it is
-        fsynced). A position beyond the tail, or one that is not where a frame
-        ends, is refused: releasing it would discard data nobody has read.
+        The log is freed up to the lowest committed position of the
+        stream's blocking consumers (and no further than what is durable:
+        Spark may read what is published before it is fsynced; the rest is
+        freed as the log becomes durable), and the freed space is shared
+        out. A position at or below the consumer's is a no-op (a Release
+        sent twice). Nothing moves unless every check passes. Returns
+        whether the consumer moved (its file was written).
 
         Raises:
-            ProtocolError: the position is not one the consumer can have reached.
+            ProtocolError: an unknown consumer (UNKNOWN_CONSUMER); a position
+                beyond the tail, or not where a frame ends (its reader cannot
+                have reached it).
         """
-        durable = self.log.durable_position
-        if position > self.log.tail_position:
+        target = self.consumers.get(consumer)
+        if position <= target.position:
+            return False
+        self._check_release(consumer, position)
+        self.consumers.commit(target, position, now)
+        self._save_consumers()
+        self._free_to_floor()
+        return True
+
+    def _check_release(self, consumer: str, position: int) -> None:
+        """Raise unless ``position`` is a frame boundary a consumer can have read to."""
+        log_ = self.log
+        where = f"stream {self.name}: consumer {consumer!r} cannot release to {position}"
+        if position > log_.tail_position:
             raise ProtocolError(
-                f"stream {self.name}: cannot release to {position}, beyond the tail "
-                f"{self.log.tail_position}",
-                code=ErrorCode.UNEXPECTED_FRAME,
+                f"{where}, beyond the tail {log_.tail_position}", code=ErrorCode.UNEXPECTED_FRAME
             )
-        if position > durable:
-            if position != self.log.tail_position and not any(
-                end == position for end, _, _ in self._appends
-            ):
-                raise ProtocolError(
-                    f"stream {self.name}: cannot release to {position}, not the end of a frame",
-                    code=ErrorCode.UNEXPECTED_FRAME,
+        if position < log_.release_position:
+            # A non-blocking consumer behind the log, committing what it read
+            # before the log freed it: nothing is left there to check, and it
+            # frees nothing.
+            return
+        if position > log_.durable_position:
+            problem = (
+                None
+                if position == log_.tail_position
+                or any(end == position for end, _, _ in self._appends)
+                else "not the end of a frame"
+            )
+        else:
+            problem = log_.boundary_problem(position)
+        if problem is not None:
+            raise ProtocolError(f"{where}: {problem}", code=ErrorCode.UNEXPECTED_FRAME)
+
+    def _save_consumers(self) -> None:
+        """Store the consumers' positions; on failure the log frees nothing more until stored.
+
+        A failure is logged once until a save succeeds again (each group
+        commit tries again).
+        """
+        try:
+            self.consumers.save()
+        except OSError as exc:
+            if not self._consumers_unsaved_logged:
+                log.warning(
+                    "stream %s: consumer positions not stored (the log frees nothing past "
+                    "the stored ones until they are; tried again at each commit): %s",
+                    self.name,
+                    exc,
                 )
-            self._pending_release = max(position, self._pending_release or 0)
+                self._consumers_unsaved_logged = True
+        else:
+            if self._consumers_unsaved_logged:
+                log.warning("stream %s: consumer positions stored again", self.name)
+                self._consumers_unsaved_logged = False
+
+    def _free_to_floor(self) -> None:
+        """Free the log up to what every blocking consumer has stored, as far as it is durable.
+
+        With no blocking consumer nothing holds the log back, but it is
+        freed only once half of it is in use, so that non-blocking readers
+        find what was written lately and a release (with its producer-state
+        snapshot) is not paid at every group commit.
+        """
+        log_ = self.log
+        durable = log_.durable_position
+        floor = self.consumers.floor()
+        if floor is None:
+            if log_.tail_position - log_.release_position < log_.capacity // 2:
+                return
             position = durable
-        elif self._pending_release is not None and self._pending_release <= position:
-            self._pending_release = None
-        if position <= self.log.release_position:
+        else:
+            position = min(floor, durable)
+        if position <= log_.release_position:
             return
         # Frames being reclaimed must stay recognisable as duplicates.
         try:
@@ -890,15 +993,152 @@ class Stream:
             # A full disk: keep the space until the snapshot can be written
             # (the next commit of this stream tries again).
             log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
-            self._pending_release = max(position, self._pending_release or 0)
             return
+        if self.consumers.behind(position):
+            # A non-blocking consumer loses these frames: count their records.
+            try:
+                self.consumers.freeing(
+                    log_.release_position,
+                    position,
+                    (
+                        (h.position, h.record_count)
+                        for h in log_.scan_headers(log_.release_position, position, verify=False)
+                    ),
+                )
+            except LogError as exc:
+                log.warning("stream %s: freed records not counted: %s", self.name, exc)
         try:
-            self.log.release(position)
-        except LogError as exc:
-            raise ProtocolError(
-                f"stream {self.name}: {exc}", code=ErrorCode.UNEXPECTED_FRAME
-            ) from None
+            log_.release(position)
+        except LogError as exc:  # positions are checked on arrival: only a bug lands here
+            log.error("stream %s: cannot free the log to %d: %s", self.name, position, exc)
+            return
         self._process_released()
+
+    def declare_consumer(
+        self, name: str, settings: ConsumerSettings, *, origin: str = "runtime"
+    ) -> tuple[int, bool]:
+        """Create consumer ``name`` at the oldest held position (or find it).
+
+        Returns its position, and whether it is new (its file was written).
+
+        Raises:
+            ProtocolError: it exists with other settings.
+        """
+        consumer = self.consumers.declare(name, settings, self.log.release_position, origin=origin)
+        created = self.consumers.unsaved
+        if created:
+            self._save_consumers()
+            log.info(
+                "stream %s: consumer %s declared at %d (blocking=%s, on_data_loss=%s)",
+                self.name,
+                name,
+                consumer.position,
+                consumer.blocking,
+                consumer.on_data_loss,
+            )
+        return consumer.position, created
+
+    def reset_consumer(self, name: str, to: m.ResetTo | int | m.ResetTime, now: float) -> int:
+        """Move consumer ``name`` within what the log holds; its new position.
+
+        ``EARLIEST`` is the oldest held position, ``LATEST`` the durable end,
+        a :class:`~headgate.protocol.messages.ResetTime` the first durable
+        frame stored at or after it (the durable end if none). An explicit
+        position must be a frame boundary the log holds. Moving back replays
+        what the log still holds; a blocking consumer cannot go before it.
+
+        Raises:
+            ProtocolError: an unknown consumer, or a position the log does not hold.
+        """
+        self.consumers.get(name)  # unknown: refused before anything is read
+        log_ = self.log
+        if to is m.ResetTo.EARLIEST:
+            position = log_.release_position
+        elif to is m.ResetTo.LATEST:
+            position = log_.durable_position
+        elif isinstance(to, m.ResetTime):
+            position = log_.durable_position
+            for header in log_.scan_headers(
+                log_.release_position, log_.durable_position, verify=False
+            ):
+                if header.timestamp_us >= to.timestamp_us:
+                    position = header.position
+                    break
+        else:
+            assert isinstance(to, int)
+            position = to
+            if not log_.release_position <= position <= log_.tail_position:
+                raise ProtocolError(
+                    f"stream {self.name}: cannot reset consumer {name!r} to {position}: the "
+                    f"log holds [{log_.release_position}, {log_.tail_position}]",
+                    code=ErrorCode.UNEXPECTED_FRAME,
+                )
+            self._check_release(name, position)
+        consumer = self.consumers.reset(name, position, now)
+        self._save_consumers()
+        self._free_to_floor()
+        log.warning("stream %s: consumer %s reset to %d", self.name, name, consumer.position)
+        return consumer.position
+
+    def delete_consumer(self, name: str) -> int:
+        """Delete consumer ``name``; the log is freed of what it held. Its last position.
+
+        Raises:
+            ProtocolError: an unknown consumer.
+        """
+        consumer = self.consumers.delete(name)
+        self._save_consumers()
+        self._free_to_floor()
+        log.warning("stream %s: consumer %s deleted at %d", self.name, name, consumer.position)
+        return consumer.position
+
+    def read_start(self, consumer: str, start: int) -> tuple[int, int, int | None]:
+        """Where ``consumer`` reads from when it asks for ``start``; the bytes and records skipped.
+
+        Raises:
+            ProtocolError: an unknown consumer, or DATA_LOST (see
+                :meth:`~headgate.gateway.consumers.ConsumerBook.read_from`).
+        """
+        return self.consumers.read_from(consumer, start, self.log.release_position)
+
+    def consumer_read(self, consumer: str, end: int) -> None:
+        """A Fetch naming ``consumer`` ended at ``end`` (where its next read likely starts)."""
+        self.consumers.read(consumer, end)
+
+    def check_idle(self, now: float, idle_after: float, policy: str) -> list[IdleAction]:
+        """The idle rule for this stream's blocking consumers at ``now``; what it did.
+
+        ``hold``: one WARNING per idle spell, the consumer still blocks.
+        ``detach``: the consumer stops blocking (stored), a WARNING says so,
+        and the log is freed to the new floor, so the stream flows again.
+        """
+        actions = self.consumers.idle(now, idle_after, policy, self.log.durable_position)
+        for action in actions:
+            consumer = action.consumer
+            if action.policy == "detach":
+                log.warning(
+                    "stream %s: consumer %s has not released for %.1f s (at %d, durable %d); "
+                    "detached: it no longer holds the producers back",
+                    self.name,
+                    consumer.name,
+                    action.idle_for,
+                    consumer.position,
+                    self.log.durable_position,
+                )
+            else:
+                log.warning(
+                    "stream %s: consumer %s has not released for %.1f s (at %d, durable %d); "
+                    "producers wait for it (idle_policy = hold)",
+                    self.name,
+                    consumer.name,
+                    action.idle_for,
+                    consumer.position,
+                    self.log.durable_position,
+                )
+        if self.consumers.unsaved:
+            self._save_consumers()
+            self._free_to_floor()
+        return actions
 
     def _process_released(self) -> None:
         released = self.log.release_position
@@ -1195,7 +1435,8 @@ class Stream:
         self._resume_after_held()
         return True
 
-    def statistics(self) -> StreamStatistics:
+    def statistics(self, now_us: int | None = None) -> StreamStatistics:
+        """A snapshot; with ``now_us`` (wall clock, µs) each consumer's lag in seconds too."""
         return StreamStatistics(
             name=self.name,
             capacity=self.log.capacity,
@@ -1211,7 +1452,28 @@ class Stream:
             storage_problem=None if self.storage_error is None else str(self.storage_error),
             held_batches=len(self.held),
             reserve=self.reserve,
+            consumers=self.consumers.statistics(
+                self.log.durable_position,
+                None if now_us is None else (now_us, self._oldest_unreleased_timestamp),
+            ),
         )
+
+    def _oldest_unreleased_timestamp(self, position: int) -> int | None:
+        """The timestamp (µs) of the first durable frame at or after ``position``, if any.
+
+        One header read: the age of the oldest record a consumer at
+        ``position`` has not committed (from what the log still holds).
+        """
+        log_ = self.log
+        start = max(position, log_.release_position)
+        if start >= log_.durable_position:
+            return None
+        try:
+            for header in log_.scan_headers(start, log_.durable_position, verify=False):
+                return header.timestamp_us
+        except LogError:
+            return None  # a position the log cannot scan from: no age known
+        return None
 
     def close(self) -> None:
         """Make the log durable, save the dedup state at its tail, close the log.

@@ -1079,6 +1079,21 @@ class StreamLog:
             self._meta_dirty = True
         self._refresh_fast_end()
 
+    def boundary_problem(self, position: int) -> str | None:
+        """Why ``position`` is not a frame boundary of the log, or None if it is one.
+
+        For a position from the release position to the durable position
+        (what :meth:`release` accepts); the gateway checks a consumer's
+        Release with it before anything moves.
+        """
+        self._check_open()
+        if not self._release <= position <= self._durable:
+            return f"outside [{self._release}, {self._durable}]"
+        if position == self._tail or term_offset_of(position, self._term_length) == 0:
+            return None
+        problem = self._scanner.check_frame(position)
+        return None if problem is None else problem.reason
+
     # --- reading back ---------------------------------------------------------------
 
     def read(

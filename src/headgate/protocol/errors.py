@@ -74,6 +74,12 @@ class ErrorCode(IntEnum):
     #: A batch's first sequence skips ahead of the producer's next sequence on
     #: the stream (sequences are contiguous); the batch is not stored.
     OUT_OF_SEQUENCE = 21
+    #: A consumer read (Fetch) from a position the log no longer holds: it was
+    #: freed before that consumer read it (a non-blocking consumer with
+    #: ``on_data_loss = "fail"``). The text names both positions.
+    DATA_LOST = 22
+    #: A Release or Fetch names a consumer the stream does not have.
+    UNKNOWN_CONSUMER = 23
 
 
 class ProtocolError(Exception):

@@ -44,11 +44,13 @@ from headgate.protocol.errors import ErrorCode, MessageError
 
 __all__ = [
     "BATCH_HEADER_SIZE",
+    "DEFAULT_CONSUMER",
     "FIRST_DATA_CHANNEL",
     "MAX_NAME_BYTES",
     "MAX_SCHEMA_TEXT_BYTES",
     "MAX_SECRET_BYTES",
     "MAX_TEXT_BYTES",
+    "MAX_TIME_US",
     "MAX_TOKEN_BYTES",
     "PROTOCOL_VERSION",
     "SCHEMA_CHANNEL",
@@ -59,6 +61,12 @@ __all__ = [
     "BindSchema",
     "BindStream",
     "ChannelMessage",
+    "ConsumerInfo",
+    "ConsumerList",
+    "ConsumerPosition",
+    "DeclareConsumer",
+    "DeleteConsumer",
+    "DescribeStreams",
     "Error",
     "Fetch",
     "FetchDone",
@@ -69,13 +77,19 @@ __all__ = [
     "HandleType",
     "Hello",
     "HelloFlags",
+    "ListConsumers",
     "ListStreams",
     "MessageType",
     "Missed",
     "Ping",
     "Pong",
     "Release",
+    "ResetConsumer",
+    "ResetTime",
+    "ResetTo",
     "StartAt",
+    "StreamDescription",
+    "StreamDescriptions",
     "StreamInfo",
     "StreamList",
     "Subscribe",
@@ -115,6 +129,11 @@ MAX_SECRET_BYTES = 64
 #: Longest schema text (DDL), in bytes of UTF-8.
 MAX_SCHEMA_TEXT_BYTES = 65536
 
+#: The latest wall-clock time a message may name, in microseconds since the
+#: Unix epoch (UTC): the last microsecond of the year 9999, the end of what a
+#: calendar date (and Python's datetime) can show. A time beyond it is malformed.
+MAX_TIME_US = 253_402_300_799_999_999
+
 #: Every record's sequence number is below this: Spark reads sequences as a
 #: signed 64-bit long, and ``first_sequence + count`` (the next sequence, which
 #: an Ack carries) must stay a u64. A Batch reaching past it is malformed.
@@ -135,6 +154,10 @@ _BATCH_HEAD = struct.Struct("<QI")
 _TAIL_HEAD = struct.Struct("<QQQQqI")
 _TAIL_PREFIX = struct.Struct("<QQQQq")
 
+#: The consumer a Release or Fetch names when it names none (every old
+#: client): an old data directory's one release position is this consumer's.
+DEFAULT_CONSUMER = "default"
+
 # Stream and schema names: ASCII, so their UTF-8 length is their length.
 _NAME = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
@@ -152,12 +175,26 @@ class MessageType(IntEnum):
     FREE_HANDLE = 0x10
     ACK = 0x11
     RELEASE = 0x12
+    #: Release naming its consumer (Release is the default consumer's).
+    CONSUMER_RELEASE = 0x13
     SUBSCRIBE = 0x20
     MISSED = 0x21
     FETCH = 0x22
     FETCH_DONE = 0x23
     LIST_STREAMS = 0x24
     STREAM_LIST = 0x25
+    DESCRIBE_STREAMS = 0x28
+    STREAM_DESCRIPTIONS = 0x29
+    #: Fetch naming the consumer that reads.
+    CONSUMER_FETCH = 0x26
+    #: FetchDone answering a CONSUMER_FETCH: it adds the bytes skipped.
+    CONSUMER_FETCH_DONE = 0x27
+    DECLARE_CONSUMER = 0x30
+    CONSUMER_POSITION = 0x31
+    LIST_CONSUMERS = 0x32
+    CONSUMER_LIST = 0x33
+    RESET_CONSUMER = 0x34
+    DELETE_CONSUMER = 0x35
 
 
 class HandleType(IntEnum):
@@ -313,12 +350,21 @@ class Ack:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Release:
-    """The pipeline has committed everything of a stream before ``position``."""
+    """A consumer has committed everything of a stream before ``position``.
+
+    The gateway frees the log up to the lowest position among the stream's
+    blocking consumers. A Release of :data:`DEFAULT_CONSUMER` is type
+    ``RELEASE``, the bytes every old client sends (and an old gateway
+    reads); one naming another consumer is type ``CONSUMER_RELEASE``, with
+    the name after the position.
+    """
 
     #: The stream name.
     stream: str
-    #: Log space before this position may be reclaimed.
+    #: Everything before this position is committed by the consumer.
     position: int
+    #: The consumer's name (same rules as a stream name).
+    consumer: str = DEFAULT_CONSUMER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -357,6 +403,11 @@ class Fetch:
     end_position: int
     #: Stop after the batch that reaches this many bytes of records.
     max_bytes: int
+    #: The consumer reading, or None (an old client: no consumer's rules).
+    #: Named (message type ``CONSUMER_FETCH``), a start behind what the log
+    #: holds follows the consumer's ``on_data_loss`` (an error, or skipping
+    #: ahead, told in FetchDone).
+    consumer: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -370,6 +421,14 @@ class FetchDone:
     #: How many TailRecords this Fetch produced; because FetchDone is global it
     #: can overtake them, and the reader waits until it has seen this many.
     batches: int
+    #: Bytes of log the consumer skipped because they were freed before it
+    #: read them (``on_data_loss = "skip"``); present (0 or more, message
+    #: type ``CONSUMER_FETCH_DONE``) exactly when the Fetch named a consumer,
+    #: absent (None) otherwise.
+    skipped_bytes: int | None = None
+    #: Records among the skipped bytes, where the gateway could count them
+    #: (None: not counted; in CONSUMER_FETCH_DONE only).
+    skipped_records: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -404,6 +463,164 @@ class StreamList:
     request_id: int
     #: One entry per stream.
     streams: tuple[StreamInfo, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DescribeStreams:
+    """ListStreams, asking also when each stream's consumer last released it.
+
+    A request of its own rather than a field added to ListStreams: a message
+    ends where its last field ends, so an added field would be malformed to
+    every peer that predates it. A gateway that predates DescribeStreams
+    refuses it as an unknown type; its readers use ListStreams.
+    """
+
+    #: Chosen by the reader; StreamDescriptions echoes it.
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamDescription:
+    """One stream's positions, and when its release position last moved."""
+
+    #: The positions, as ListStreams gives them.
+    info: StreamInfo
+    #: When the gateway last took a Release that moved this stream's release
+    #: position forward, in microseconds since the Unix epoch (UTC, the
+    #: gateway's clock); 0 when none did since the gateway started.
+    released_at_us: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamDescriptions:
+    """The gateway's answer to DescribeStreams: every stream it holds, sorted by name."""
+
+    #: The request_id of the DescribeStreams.
+    request_id: int
+    #: One entry per stream.
+    streams: tuple[StreamDescription, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeclareConsumer:
+    """Create a named consumer of a stream at run time (or find the one that exists).
+
+    Needs the ``admin`` right or a ``consume`` pattern of the token that
+    matches ``stream/consumer``. A new consumer starts at the oldest position
+    the log holds; declaring an existing one with the same settings changes
+    nothing (so a pipeline can declare on every start), with other settings
+    it is refused.
+    """
+
+    #: Chosen by the client; ConsumerPosition echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The consumer's name (same rules as a stream name).
+    consumer: str
+    #: Whether the consumer holds the log (and so the producers) back.
+    blocking: bool = True
+    #: Non-blocking only: a read behind the log fails (False) or skips ahead (True).
+    skip_data_loss: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerPosition:
+    """The gateway's answer to DeclareConsumer, ResetConsumer and DeleteConsumer."""
+
+    #: The request_id of the request.
+    request_id: int
+    #: The consumer's committed position now (where it reads on from); for
+    #: DeleteConsumer, the position it had.
+    position: int
+
+
+class ResetTo(Enum):
+    """Where ResetConsumer moves a consumer, besides an explicit position or time."""
+
+    #: The oldest position the log holds.
+    EARLIEST = "earliest"
+    #: The durable end of the log: nothing left to read.
+    LATEST = "latest"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResetConsumer:
+    """Move a consumer's committed position, back or forth (the ``admin`` right).
+
+    ``to`` is :class:`ResetTo`, a log position (a frame boundary the log
+    holds), or a :class:`ResetTime` (the first record stored at or after it).
+    """
+
+    #: Chosen by the client; ConsumerPosition echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The consumer's name.
+    consumer: str
+    #: Where to.
+    to: ResetTo | int | ResetTime
+
+
+@dataclass(frozen=True, slots=True)
+class ResetTime:
+    """A time to reset a consumer to, in microseconds since the epoch (UTC)."""
+
+    timestamp_us: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeleteConsumer:
+    """Delete a consumer of a stream (the ``admin`` right); what it held is freed."""
+
+    #: Chosen by the client; ConsumerPosition echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: The consumer's name.
+    consumer: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ListConsumers:
+    """A request for the consumers of one stream (the ``read`` right on it)."""
+
+    #: Chosen by the client; ConsumerList echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerInfo:
+    """One consumer of a stream, as the gateway saw it when it answered."""
+
+    #: The consumer's name.
+    consumer: str
+    #: Its committed position.
+    position: int
+    #: Durable log bytes after its position.
+    lag_bytes: int
+    #: Age of the oldest durable record it has not committed, in milliseconds.
+    lag_ms: int
+    #: Whether it holds the log (and so the producers) back.
+    blocking: bool
+    #: Whether its reads behind the log skip ahead (else they fail).
+    skip_data_loss: bool = False
+    #: Whether the idle rule made it non-blocking.
+    detached: bool = False
+    #: Whether it is idle and holding the producers (``idle_policy = "hold"``).
+    idle: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ConsumerList:
+    """The gateway's answer to ListConsumers: the stream's consumers, sorted by name."""
+
+    #: The request_id of the ListConsumers.
+    request_id: int
+    #: One entry per consumer.
+    consumers: tuple[ConsumerInfo, ...]
 
 
 # --- channel messages ------------------------------------------------------
@@ -443,6 +660,14 @@ GlobalMessage = (
     | FetchDone
     | ListStreams
     | StreamList
+    | DescribeStreams
+    | StreamDescriptions
+    | DeclareConsumer
+    | ConsumerPosition
+    | ListConsumers
+    | ConsumerList
+    | ResetConsumer
+    | DeleteConsumer
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -650,9 +875,12 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.next_sequence, "next_sequence")
             _put_u64(out, message.durable_position, "durable_position")
         case Release():
-            out.append(MessageType.RELEASE)
+            named = message.consumer != DEFAULT_CONSUMER
+            out.append(MessageType.CONSUMER_RELEASE if named else MessageType.RELEASE)
             _put_name(out, message.stream, "stream name")
             _put_u64(out, message.position, "position")
+            if named:
+                _put_name(out, message.consumer, "consumer name")
         case Subscribe():
             if message.sample_every < 1:
                 raise ValueError("sample_every must be at least 1")
@@ -671,17 +899,79 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.handle, "handle")
             _put_u64(out, message.count, "count")
         case Fetch():
-            out.append(MessageType.FETCH)
+            named = message.consumer is not None
+            out.append(MessageType.CONSUMER_FETCH if named else MessageType.FETCH)
             _put_u64(out, message.request_id, "request_id")
             _put_name(out, message.stream, "stream name")
             _put_u64(out, message.start_position, "start_position")
             _put_u64(out, message.end_position, "end_position")
             _put_u64(out, message.max_bytes, "max_bytes")
+            if message.consumer is not None:
+                _put_name(out, message.consumer, "consumer name")
         case FetchDone():
-            out.append(MessageType.FETCH_DONE)
+            skipped = message.skipped_bytes is not None
+            if not skipped and message.skipped_records is not None:
+                raise ValueError("skipped_records goes only with skipped_bytes")
+            out.append(MessageType.CONSUMER_FETCH_DONE if skipped else MessageType.FETCH_DONE)
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, message.next_position, "next_position")
             _put_u64(out, message.batches, "batches")
+            if message.skipped_bytes is not None:
+                _put_u64(out, message.skipped_bytes, "skipped_bytes")
+                if message.skipped_records is None:
+                    out.append(0)
+                else:
+                    out.append(1)
+                    _put_u64(out, message.skipped_records, "skipped_records")
+        case DeclareConsumer():
+            out.append(MessageType.DECLARE_CONSUMER)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_name(out, message.consumer, "consumer name")
+            out.append((1 if message.blocking else 0) | (2 if message.skip_data_loss else 0))
+        case ConsumerPosition():
+            out.append(MessageType.CONSUMER_POSITION)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, message.position, "position")
+        case ResetConsumer():
+            out.append(MessageType.RESET_CONSUMER)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_name(out, message.consumer, "consumer name")
+            if message.to is ResetTo.EARLIEST:
+                out.append(0)
+            elif message.to is ResetTo.LATEST:
+                out.append(1)
+            elif isinstance(message.to, ResetTime):
+                out.append(3)
+                _put_u64(out, message.to.timestamp_us, "timestamp_us")
+            else:
+                out.append(2)
+                _put_u64(out, message.to, "position")
+        case DeleteConsumer():
+            out.append(MessageType.DELETE_CONSUMER)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_name(out, message.consumer, "consumer name")
+        case ListConsumers():
+            out.append(MessageType.LIST_CONSUMERS)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+        case ConsumerList():
+            out.append(MessageType.CONSUMER_LIST)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, len(message.consumers), "consumer count")
+            for entry in message.consumers:
+                _put_name(out, entry.consumer, "consumer name")
+                _put_u64(out, entry.position, "position")
+                _put_u64(out, entry.lag_bytes, "lag_bytes")
+                _put_u64(out, entry.lag_ms, "lag_ms")
+                out.append(
+                    (1 if entry.blocking else 0)
+                    | (2 if entry.skip_data_loss else 0)
+                    | (4 if entry.detached else 0)
+                    | (8 if entry.idle else 0)
+                )
         case ListStreams():
             out.append(MessageType.LIST_STREAMS)
             _put_u64(out, message.request_id, "request_id")
@@ -690,14 +980,34 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
             _put_u64(out, message.request_id, "request_id")
             _put_u64(out, len(message.streams), "stream count")
             for info in message.streams:
-                _put_name(out, info.stream, "stream name")
-                _put_u64(out, info.start_position, "start_position")
-                _put_u64(out, info.durable_position, "durable_position")
-                _put_u64(out, info.tail_position, "tail_position")
-                _put_u64(out, info.term_length, "term_length")
+                _put_stream_info(out, info)
+        case DescribeStreams():
+            out.append(MessageType.DESCRIBE_STREAMS)
+            _put_u64(out, message.request_id, "request_id")
+        case StreamDescriptions():
+            out.append(MessageType.STREAM_DESCRIPTIONS)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, len(message.streams), "stream count")
+            for described in message.streams:
+                _put_stream_info(out, described.info)
+                if not 0 <= described.released_at_us <= MAX_TIME_US:
+                    raise ValueError(
+                        f"released_at_us {described.released_at_us} is not a time "
+                        f"between 1970 and 9999"
+                    )
+                _put_u64(out, described.released_at_us, "released_at_us")
         case _:
             raise TypeError(f"not a headgate message: {message!r}")
     return bytes(out)
+
+
+def _put_stream_info(out: bytearray, info: StreamInfo) -> None:
+    """A stream's entry in StreamList, and the start of its entry in StreamDescriptions."""
+    _put_name(out, info.stream, "stream name")
+    _put_u64(out, info.start_position, "start_position")
+    _put_u64(out, info.durable_position, "durable_position")
+    _put_u64(out, info.tail_position, "tail_position")
+    _put_u64(out, info.term_length, "term_length")
 
 
 # --- decoding --------------------------------------------------------------
@@ -788,6 +1098,16 @@ def decode_bind_stream(payload: Buffer) -> BindStream:
     return message
 
 
+def _read_stream_info(reader: _Reader) -> StreamInfo:
+    return StreamInfo(
+        stream=reader.name("stream name"),
+        start_position=reader.u64("start_position"),
+        durable_position=reader.u64("durable_position"),
+        tail_position=reader.u64("tail_position"),
+        term_length=reader.u64("term_length"),
+    )
+
+
 def decode_bind_schema(payload: Buffer) -> BindSchema:
     """Decode the payload of a SendChannel on channel 1."""
     reader = _Reader(payload, "BindSchema")
@@ -795,6 +1115,14 @@ def decode_bind_schema(payload: Buffer) -> BindSchema:
     text = reader.text(MAX_SCHEMA_TEXT_BYTES, "schema text")
     reader.finish()
     return BindSchema(name=name, text=text)
+
+
+def _counted(reader: _Reader, field: str) -> int | None:
+    """A count that may be unknown: a presence byte (0 or 1), then the count if 1."""
+    known = reader.u8(f"{field} presence")
+    if known > 1:
+        raise MessageError(f"{field} presence must be 0 or 1, not {known}")
+    return reader.u64(field) if known else None
 
 
 def decode_global(payload: Buffer) -> GlobalMessage:
@@ -869,8 +1197,15 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 next_sequence=reader.u64("next_sequence"),
                 durable_position=reader.u64("durable_position"),
             )
-        case MessageType.RELEASE:
-            message = Release(stream=reader.name("stream name"), position=reader.u64("position"))
+        case MessageType.RELEASE | MessageType.CONSUMER_RELEASE:
+            stream = reader.name("stream name")
+            position = reader.u64("position")
+            consumer = (
+                reader.name("consumer name")
+                if message_type == MessageType.CONSUMER_RELEASE
+                else DEFAULT_CONSUMER
+            )
+            message = Release(stream=stream, position=position, consumer=consumer)
         case MessageType.SUBSCRIBE:
             stream = reader.name("stream name")
             start_kind = reader.u8("start")
@@ -889,19 +1224,107 @@ def decode_global(payload: Buffer) -> GlobalMessage:
             message = Subscribe(stream=stream, start=start, sample_every=sample_every)
         case MessageType.MISSED:
             message = Missed(handle=reader.u64("handle"), count=reader.u64("count"))
-        case MessageType.FETCH:
+        case MessageType.FETCH | MessageType.CONSUMER_FETCH:
             message = Fetch(
                 request_id=reader.u64("request_id"),
                 stream=reader.name("stream name"),
                 start_position=reader.u64("start_position"),
                 end_position=reader.u64("end_position"),
                 max_bytes=reader.u64("max_bytes"),
+                consumer=(
+                    reader.name("consumer name")
+                    if message_type == MessageType.CONSUMER_FETCH
+                    else None
+                ),
             )
-        case MessageType.FETCH_DONE:
+        case MessageType.FETCH_DONE | MessageType.CONSUMER_FETCH_DONE:
             message = FetchDone(
                 request_id=reader.u64("request_id"),
                 next_position=reader.u64("next_position"),
                 batches=reader.u64("batches"),
+                skipped_bytes=(
+                    reader.u64("skipped_bytes")
+                    if message_type == MessageType.CONSUMER_FETCH_DONE
+                    else None
+                ),
+                skipped_records=(
+                    _counted(reader, "skipped_records")
+                    if message_type == MessageType.CONSUMER_FETCH_DONE
+                    else None
+                ),
+            )
+        case MessageType.DECLARE_CONSUMER:
+            request_id = reader.u64("request_id")
+            stream = reader.name("stream name")
+            consumer = reader.name("consumer name")
+            flags = reader.u8("flags")
+            if flags & ~3:
+                raise MessageError(f"DECLARE_CONSUMER: undefined flags {flags:#04x}")
+            message = DeclareConsumer(
+                request_id=request_id,
+                stream=stream,
+                consumer=consumer,
+                blocking=bool(flags & 1),
+                skip_data_loss=bool(flags & 2),
+            )
+        case MessageType.RESET_CONSUMER:
+            request_id = reader.u64("request_id")
+            stream = reader.name("stream name")
+            consumer = reader.name("consumer name")
+            kind = reader.u8("to")
+            to: ResetTo | int | ResetTime
+            if kind == 0:
+                to = ResetTo.EARLIEST
+            elif kind == 1:
+                to = ResetTo.LATEST
+            elif kind == 2:
+                to = reader.u64("position")
+            elif kind == 3:
+                to = ResetTime(reader.u64("timestamp_us"))
+            else:
+                raise MessageError(f"RESET_CONSUMER: unknown kind {kind}")
+            message = ResetConsumer(request_id=request_id, stream=stream, consumer=consumer, to=to)
+        case MessageType.DELETE_CONSUMER:
+            message = DeleteConsumer(
+                request_id=reader.u64("request_id"),
+                stream=reader.name("stream name"),
+                consumer=reader.name("consumer name"),
+            )
+        case MessageType.LIST_CONSUMERS:
+            message = ListConsumers(
+                request_id=reader.u64("request_id"), stream=reader.name("stream name")
+            )
+        case MessageType.CONSUMER_LIST:
+            request_id = reader.u64("request_id")
+            count = reader.u64("consumer count")
+            # Each entry takes at least 6 bytes (as in STREAM_LIST).
+            if count > len(payload) // 6:
+                raise MessageError(f"CONSUMER_LIST: {count} consumers cannot fit in the message")
+            entries = []
+            for _ in range(count):
+                name = reader.name("consumer name")
+                position = reader.u64("position")
+                lag_bytes = reader.u64("lag_bytes")
+                lag_ms = reader.u64("lag_ms")
+                flags = reader.u8("flags")
+                if flags & ~15:
+                    raise MessageError(f"CONSUMER_LIST: undefined flags {flags:#04x}")
+                entries.append(
+                    ConsumerInfo(
+                        consumer=name,
+                        position=position,
+                        lag_bytes=lag_bytes,
+                        lag_ms=lag_ms,
+                        blocking=bool(flags & 1),
+                        skip_data_loss=bool(flags & 2),
+                        detached=bool(flags & 4),
+                        idle=bool(flags & 8),
+                    )
+                )
+            message = ConsumerList(request_id=request_id, consumers=tuple(entries))
+        case MessageType.CONSUMER_POSITION:
+            message = ConsumerPosition(
+                request_id=reader.u64("request_id"), position=reader.u64("position")
             )
         case MessageType.LIST_STREAMS:
             message = ListStreams(request_id=reader.u64("request_id"))
@@ -912,17 +1335,28 @@ def decode_global(payload: Buffer) -> GlobalMessage:
             # is malformed before anything is built for it.
             if count > len(payload) // 6:
                 raise MessageError(f"STREAM_LIST: {count} streams cannot fit in the message")
-            infos = []
-            for _ in range(count):
-                infos.append(
-                    StreamInfo(
-                        stream=reader.name("stream name"),
-                        start_position=reader.u64("start_position"),
-                        durable_position=reader.u64("durable_position"),
-                        tail_position=reader.u64("tail_position"),
-                        term_length=reader.u64("term_length"),
-                    )
+            infos = tuple(_read_stream_info(reader) for _ in range(count))
+            message = StreamList(request_id=request_id, streams=infos)
+        case MessageType.DESCRIBE_STREAMS:
+            message = DescribeStreams(request_id=reader.u64("request_id"))
+        case MessageType.STREAM_DESCRIPTIONS:
+            request_id = reader.u64("request_id")
+            count = reader.u64("stream count")
+            # Each entry takes at least 7 bytes (a StreamList entry and a time).
+            if count > len(payload) // 7:
+                raise MessageError(
+                    f"STREAM_DESCRIPTIONS: {count} streams cannot fit in the message"
                 )
-            message = StreamList(request_id=request_id, streams=tuple(infos))
+            described = []
+            for _ in range(count):
+                info = _read_stream_info(reader)
+                released_at_us = reader.u64("released_at_us")
+                if released_at_us > MAX_TIME_US:
+                    raise MessageError(
+                        f"STREAM_DESCRIPTIONS: released_at_us {released_at_us} is after the "
+                        "year 9999"
+                    )
+                described.append(StreamDescription(info=info, released_at_us=released_at_us))
+            message = StreamDescriptions(request_id=request_id, streams=tuple(described))
     reader.finish()
     return message

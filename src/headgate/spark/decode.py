@@ -45,6 +45,9 @@ class StreamSlice:
     start: int
     #: Log position just after the last frame to read (a frame boundary).
     end: int
+    #: Records of the frame at ``start`` that are not read: a query that
+    #: starts at a record address inside that frame (``startingOffsets``).
+    skip: int = 0
 
 
 def stream_directory(data_dir: str, stream: str) -> str:
@@ -60,6 +63,7 @@ def arrow_schema() -> pa.Schema:
         [
             pa.field("stream", pa.string()),
             pa.field("position", pa.int64()),
+            pa.field("index", pa.int64()),
             pa.field("producer", pa.int64()),
             pa.field("sequence", pa.int64()),
             pa.field("ingest_time", pa.timestamp("us", tz="UTC")),
@@ -69,8 +73,13 @@ def arrow_schema() -> pa.Schema:
     )
 
 
-def frames_to_batch(stream: str, frames: Sequence[LogFrame], schema: pa.Schema) -> pa.RecordBatch:
+def frames_to_batch(
+    stream: str, frames: Sequence[LogFrame], schema: pa.Schema, *, skip: int = 0
+) -> pa.RecordBatch:
     """Decode frames of one stream into one record batch that owns its memory.
+
+    ``skip``: leave out the first records of the first frame (a query that
+    starts at a record address inside it).
 
     Raises:
         SourceError: a frame's payload is not a valid records block, or its
@@ -105,6 +114,11 @@ def frames_to_batch(stream: str, frames: Sequence[LogFrame], schema: pa.Schema) 
             any_keys = True
         key_parts.append(keys)
 
+    if skip and (not frames or skip >= frames[0].record_count):
+        at = frames[0].position if frames else "the start"
+        raise SourceError(
+            f"stream {stream!r}: the batch at position {at} has no record at index {skip}"
+        )
     counts = np.fromiter((f.record_count for f in frames), np.int64, len(frames))
     total = int(counts.sum())
     producers = _int64_column(stream, frames, [f.producer_id for f in frames], "producer id")
@@ -114,6 +128,8 @@ def frames_to_batch(stream: str, frames: Sequence[LogFrame], schema: pa.Schema) 
     # Sequence of record i of a frame = first_sequence + i, for all frames at once.
     frame_starts = np.cumsum(counts) - counts
     sequences = np.repeat(firsts - frame_starts, counts) + np.arange(total, dtype=np.int64)
+    # Index of record i of a frame in that frame: its row minus the frame's first row.
+    indexes = np.arange(total, dtype=np.int64) - np.repeat(frame_starts, counts)
     positions = np.array([f.position for f in frames], dtype=np.int64)
     timestamps = np.array([f.timestamp_us for f in frames], dtype=np.int64)
 
@@ -121,18 +137,22 @@ def frames_to_batch(stream: str, frames: Sequence[LogFrame], schema: pa.Schema) 
     # longer points into the log's memory map once this returns.
     values_column = pa.concat_arrays(value_parts) if value_parts else pa.array([], pa.binary())
     keys_column = pa.concat_arrays(key_parts) if any_keys else pa.nulls(total, pa.binary())
-    return pa.RecordBatch.from_arrays(
+    batch = pa.RecordBatch.from_arrays(
         [
             pa.repeat(pa.scalar(stream, pa.string()), total),
             pa.array(np.repeat(positions, counts), pa.int64()),
+            pa.array(indexes, pa.int64()),
             pa.array(np.repeat(producers, counts), pa.int64()),
             pa.array(sequences, pa.int64()),
-            pa.array(np.repeat(timestamps, counts), pa.int64()).view(schema.field(4).type),
+            pa.array(np.repeat(timestamps, counts), pa.int64()).view(
+                schema.field("ingest_time").type
+            ),
             keys_column,
             values_column,
         ],
         schema=schema,
     )
+    return batch.slice(skip) if skip else batch
 
 
 def _int64_column(stream: str, frames: Sequence[LogFrame], ids: list[int], what: str) -> Any:
@@ -195,7 +215,8 @@ def _read_page(
         ) from error
     if not frames:
         return None, piece.end
-    return frames_to_batch(piece.stream, frames, schema), frames[-1].end_position
+    skip = piece.skip if position == piece.start else 0
+    return frames_to_batch(piece.stream, frames, schema, skip=skip), frames[-1].end_position
 
 
 def check_retained(stream: str, reader: Any, start: int, end: int) -> None:

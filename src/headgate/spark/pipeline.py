@@ -24,6 +24,7 @@ shows every key)::
     gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
     token_env = "HEADGATE_TOKEN"        # a gateway with tokens: admin (releases), read
     tls_ca_file = "ca.pem"              # a TLS gateway, verified with this CA
+    missing_streams = "wait"            # a stream not there yet: wait for it ("fail")
     local_dir = "./spark-scratch"       # spark.local.dir, emptied at start
                                         # (default <checkpoint_dir>/_spark-local)
 
@@ -60,6 +61,8 @@ from typing import Any
 
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.config import ConfigError, parse_size
+from headgate.log.address import AddressError
+from headgate.spark.planning import MISSING_STREAMS, offset_address
 
 Release = Callable[[str, int], None]
 
@@ -68,7 +71,8 @@ FORMATS = ("json", "csv", "raw")
 log = logging.getLogger("headgate.pipeline")
 
 #: Columns every output row starts with (before the parsed fields or the raw key and value).
-META_COLUMNS = ("stream", "position", "producer", "sequence", "ingest_time")
+#: ``position`` and ``index`` are the record's address (``headgate tail --from``).
+META_COLUMNS = ("stream", "position", "index", "producer", "sequence", "ingest_time")
 
 # Parser options a stream may set, per format (Spark's from_json / from_csv
 # options that apply to one record). "mode" and "columnNameOfCorruptRecord"
@@ -141,6 +145,7 @@ _TOP_KEYS = (
     "output_dir",
     "checkpoint_dir",
     "local_dir",
+    "missing_streams",
     "streams",
     *_SECURITY_KEYS,
 )
@@ -190,6 +195,10 @@ class PipelineConfig:
     read_through_gateway: bool = False
     #: The token's source and TLS settings for ``gateway`` (releases and reads).
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    #: A stream that does not exist when its query starts: ``fail`` the query
+    #: (a misspelt name), or ``wait`` for its first producer (the source's
+    #: ``missingStreams`` option).
+    missing_streams: str = "fail"
     #: What error messages call this configuration (its file name).
     origin: str = "pipeline"
 
@@ -233,6 +242,9 @@ def query_definition(config: PipelineConfig, stream: str) -> dict[str, Any]:
     spec = config.stream(stream)
     return {
         "stream": spec.name,
+        # The columns the pipeline adds: a checkpoint from before ``index``
+        # was one of them has no such key, and is refused like any change.
+        "columns": list(META_COLUMNS),
         "format": spec.format,
         "schema": spec.schema,
         "options": [list(pair) for pair in spec.options],
@@ -272,17 +284,29 @@ def check_definitions(config: PipelineConfig, *, write_new: bool = True) -> None
                 stored = {}
             changed = [key for key in wanted if stored.get(key) != wanted[key]]
             if changed:
+                why = f"{', '.join(changed)} changed"
+                if "columns" in changed:  # a checkpoint of an older headgate
+                    why += f"; rows now carry {', '.join(META_COLUMNS)}"
                 raise ConfigError(
                     f"{config.origin}: stream {spec.name!r}: its checkpoint {checkpoint} "
-                    f"was made for another definition ({', '.join(changed)} changed). "
+                    f"was made for another definition ({why}). "
                     f"To start over, delete {checkpoint} and {config.output(spec.name)}, "
                     "or give the stream a new checkpoint and output directory"
                 )
             continue
+        if (checkpoint / "offsets").is_dir() and any((checkpoint / "offsets").iterdir()):
+            # Spark has run this query, under a headgate that recorded no
+            # definitions: its rows had no ``index`` column.
+            raise ConfigError(
+                f"{config.origin}: stream {spec.name!r}: its checkpoint {checkpoint} was made "
+                f"by an older headgate, whose rows lacked columns they now carry "
+                f"({', '.join(META_COLUMNS)}). To start over, delete {checkpoint} and "
+                f"{config.output(spec.name)}, or give the stream a new checkpoint and output "
+                "directory"
+            )
         if not write_new:
             continue
-        # A new checkpoint, or one from before definitions were recorded
-        # (adopted as it is): record what it is for.
+        # A new checkpoint: record what it is for.
         checkpoint.mkdir(parents=True, exist_ok=True)
         partial = record.with_suffix(".tmp")
         partial.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
@@ -454,6 +478,12 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
     if through and gateway is None:
         raise ConfigError(f"{where}: read_through_gateway = true needs a gateway address")
     security = _security_from_dict(raw, gateway is not None, where)
+    missing = raw.get("missing_streams", "fail")
+    if missing not in MISSING_STREAMS:
+        raise ConfigError(
+            f"{where}: missing_streams must be {' or '.join(map(repr, MISSING_STREAMS))}, "
+            f"got {missing!r}"
+        )
     streams_raw = raw.get("streams")
     if not isinstance(streams_raw, dict) or not streams_raw:
         raise ConfigError(f"{where}: needs at least one [streams.NAME] table")
@@ -475,6 +505,7 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
         local_dir=None if local_dir is None else _path(local_dir, f"{where}: local_dir"),
         read_through_gateway=through,
         security=security,
+        missing_streams=missing,
         origin=where,
     )
     # The scratch space is emptied at every start: it must hold nothing else.
@@ -513,6 +544,8 @@ def spark_session(app_name: str = "headgate", *, local_dir: Path | None = None) 
     """
     from pyspark.sql import SparkSession
 
+    # An installed headgate does the first line at every interpreter start
+    # (setup.py's .pth file); a source tree on PYTHONPATH has no .pth.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.master("local[2]")
@@ -740,7 +773,11 @@ def _parse(plan: _Plan, batch: Any) -> tuple[Any, Any | None]:
         *META_COLUMNS, *[struct.getField(n).alias(n) for n in plan.fields]
     )
     bad = with_parsed.where(~ok).select(
-        *META_COLUMNS[:4],
+        "stream",
+        "position",
+        "index",
+        "producer",
+        "sequence",
         F.col("value").alias("raw"),
         F.when(
             corrupt.isNotNull(),
@@ -797,13 +834,9 @@ def committed_positions(checkpoint: Path) -> dict[str, int]:
             except ValueError:
                 continue
             if isinstance(offset, dict):
-                positions.update(
-                    {
-                        str(k): v
-                        for k, v in offset.items()
-                        if isinstance(v, int) and not isinstance(v, bool) and v >= 0
-                    }
-                )
+                for stream, value in offset.items():
+                    with contextlib.suppress(AddressError):
+                        positions[str(stream)] = offset_address(value).position
         return positions
     return {}
 
@@ -983,12 +1016,17 @@ class Pipeline:
             if not end:
                 continue
             offsets = json.loads(end) if isinstance(end, str) else end
-            for stream, position in offsets.items():
-                self._release_once(stream, position)
+            for stream, value in offsets.items():
+                # An address inside a batch: that batch is not read yet.
+                self._release_once(stream, offset_address(value).position)
 
     def _start_query(self, plan: _Plan, available_now: bool) -> Any:
         stream = plan.stream
-        reader = self.spark.readStream.format("headgate").option("streams", stream.name)
+        reader = (
+            self.spark.readStream.format("headgate")
+            .option("streams", stream.name)
+            .option("missingStreams", self.config.missing_streams)
+        )
         if self.config.read_through_gateway:
             from headgate.spark.source import security_options
 

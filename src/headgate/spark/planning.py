@@ -1,7 +1,9 @@
 """Driver side: which streams exist, where they end, and how a range is cut up.
 
 An *offset* is a dict from stream name to log position, in sorted name order
-(Spark compares offsets as JSON strings). Positions are frame boundaries.
+(Spark compares offsets as JSON strings). Positions are frame boundaries; a
+query that starts at a record inside a frame holds that record's address
+text (``"4096:2"``) for its stream until it reads the frame.
 
 Two pieces of policy live here:
 
@@ -26,17 +28,53 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from headgate.log.address import ADDRESS_FORM, AddressError, RecordAddress
 from headgate.spark.decode import SourceError, StreamSlice, check_retained, stream_directory
 
 #: Bytes of frames the driver reads per call when it scans frame headers.
 SCAN_PAGE_BYTES = 4 * 1024 * 1024
 
-Offset = dict[str, int]
+#: A stream's value in an offset: the log position to read from (a frame
+#: boundary), or the text ``"POSITION:INDEX"`` of a record address
+#: (:mod:`headgate.log.address`) when a query starts inside a frame
+#: (``startingOffsets``); Spark keeps that text until the query reads the frame.
+OffsetValue = int | str
+Offset = dict[str, OffsetValue]
+
+#: The values of the source's option ``missingStreams`` (the pipeline file's
+#: ``missing_streams``): refuse a named stream that does not exist when the
+#: query starts, or read it once it appears.
+MISSING_STREAMS = ("fail", "wait")
 
 
-def sorted_offset(positions: Mapping[str, int]) -> Offset:
+def sorted_offset(positions: Mapping[str, OffsetValue]) -> Offset:
     """An offset with its keys in the fixed (sorted) order Spark needs."""
-    return {name: int(positions[name]) for name in sorted(positions)}
+    return {name: offset_value(offset_address(positions[name])) for name in sorted(positions)}
+
+
+def offset_address(value: object) -> RecordAddress:
+    """The record address an offset's value stands for; AddressError if it is none.
+
+    Offsets come back from Spark's checkpoint as JSON: a position is a
+    number, an address inside a frame is its text.
+    """
+    if isinstance(value, bool):
+        raise AddressError(f"{value!r} is not a record address")
+    if isinstance(value, int):
+        return RecordAddress(value)
+    if isinstance(value, str):
+        return RecordAddress.parse(value)
+    raise AddressError(f"{value!r} is not a record address ({ADDRESS_FORM})")
+
+
+def offset_value(address: RecordAddress) -> OffsetValue:
+    """How an offset holds ``address``: a number for the start of a frame, else its text."""
+    return str(address) if address.index else address.position
+
+
+def offset_position(value: OffsetValue) -> int:
+    """The log position an offset's value reads from (its frame's, for an address)."""
+    return offset_address(value).position
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +99,8 @@ class Logs(Protocol):
     gateway (:class:`~headgate.spark.remote.GatewayLogs`)."""
 
     def discover(self) -> list[str]: ...
+    def names(self) -> list[str]: ...
+    def where(self) -> str: ...
     def earliest(self, stream: str) -> int: ...
     def latest(self, stream: str, *, read_up_to: int | None = None) -> int: ...
     def term_length(self, stream: str) -> int: ...
@@ -111,6 +151,28 @@ class StreamLogs:
                     continue
             found.append(entry.name)
         return sorted(found)
+
+    def names(self) -> list[str]:
+        """Every stream log, selected or not, sorted: for messages (none is opened).
+
+        A log is a directory with its metadata file, written last when a
+        stream is created.
+        """
+        from headgate.log.metadata import META_FILE_NAME
+
+        try:
+            entries = list(os.scandir(os.path.join(self.data_dir, "streams")))
+        except OSError:
+            return []
+        return sorted(
+            e.name
+            for e in entries
+            if e.is_dir() and os.path.exists(os.path.join(e.path, META_FILE_NAME))
+        )
+
+    def where(self) -> str:
+        """Where the logs are, for messages."""
+        return f"data directory {self.data_dir}"
 
     def reader(self, stream: str, *, read_up_to: int | None = None) -> Any:
         """The open reader of ``stream``; :class:`SourceError` if its log is gone.

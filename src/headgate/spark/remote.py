@@ -102,6 +102,14 @@ class GatewayLogs:
         self._refresh()
         return sorted(s for s in self._infos if self.selection.matches(s))
 
+    def names(self) -> list[str]:
+        """Every stream the gateway listed last, selected or not, sorted: for messages."""
+        return sorted(self._infos)
+
+    def where(self) -> str:
+        """Where the logs are, for messages."""
+        return f"gateway {self.gateway}"
+
     def earliest(self, stream: str) -> int:
         return self._info(stream).start_position
 
@@ -172,14 +180,19 @@ def read_remote_slice(
         batches = reader.fetch(piece.stream, piece.start, piece.end)
         page: list[Any] = []
         page_start = piece.start
+
+        def decoded() -> pa.RecordBatch:
+            skip = piece.skip if page_start == piece.start else 0
+            return frames_to_batch(piece.stream, page, schema, skip=skip)
+
         try:
             for batch in batches:
                 page.append(batch.to_frame())
                 if batch.end_position - page_start >= page_bytes:
-                    yield from _slices(frames_to_batch(piece.stream, page, schema))
+                    yield from _slices(decoded())
                     page, page_start = [], batch.end_position
             if page:
-                yield from _slices(frames_to_batch(piece.stream, page, schema))
+                yield from _slices(decoded())
         except ReaderError as error:
             raise SourceError(
                 f"stream {piece.stream!r}: fetching positions {piece.start} to {piece.end} "

@@ -28,12 +28,24 @@ Options:
     A comma-separated list of stream names, or a regex a whole name must
     match. Without either, every stream. Streams that appear later are read
     from their start (or from ``startingOffsets`` if it names them).
+``missingStreams``
+    What a query does when a stream that ``streams`` names does not exist
+    when it starts: ``fail`` (default) fails it at once, naming the missing
+    streams and those that exist (a misspelt name would otherwise read
+    nothing, without a word); ``wait`` reads such a stream from its start
+    once a producer creates it (a query started before its producers). Only
+    with ``streams``: a ``streamPattern`` always takes streams as they appear.
 ``startingOffsets``
-    ``earliest`` (default), ``latest``, or JSON ``{"stream": position}``;
-    streams the JSON does not name start at their earliest retained position.
+    ``earliest`` (default), ``latest``, or JSON ``{"stream": position}``,
+    where a position may be a record address ``"POSITION:INDEX"`` (what a
+    row's ``position`` and ``index`` say): the query starts exactly at that
+    record. Streams the JSON does not name start at their earliest retained
+    position. Checked when the query starts (a released position, one past
+    the end or inside a batch, an index past the batch's records: one line).
     Used only when a query starts without a checkpoint.
 ``endingOffsets``
-    Batch reads only: ``latest`` (default) or JSON ``{"stream": position}``.
+    Batch reads only: ``latest`` (default) or JSON ``{"stream": position}``
+    (where a batch starts; the batch at it is not read).
 ``maxRecordsPerTrigger`` / ``maxBytesPerTrigger``
     Admission control: at most this many records / log bytes per
     micro-batch, in whole frames, oldest frames first; a single frame larger
@@ -61,15 +73,17 @@ Any other option is refused with an error that lists these (Kafka's
 ``maxOffsetsPerTrigger`` or ``failOnDataLoss`` would otherwise be ignored
 without a word).
 
-Offsets are JSON objects from stream name to log position, keys sorted.
+Offsets are JSON objects from stream name to log position, keys sorted; a
+query that starts inside a batch holds the address text (``"4096:2"``) for
+that stream until it reads the batch.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyspark.sql.datasource import (
@@ -95,26 +109,35 @@ from pyspark.sql.types import (
 )
 
 from headgate.client.security import ClientSecurity, SecurityError
+from headgate.log.address import AddressError, RecordAddress
 from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import (
+    MISSING_STREAMS,
     Logs,
     Offset,
+    OffsetValue,
     StreamLogs,
     StreamSelection,
     admit,
+    offset_address,
+    offset_position,
+    offset_value,
     plan_slices,
     sorted_offset,
 )
 
 __all__ = ["SCHEMA", "HeadgateDataSource", "HeadgatePartition", "SourceOptions"]
 
-#: One row per record. ``position`` is the log position of the record's frame;
-#: ``sequence`` is the frame's first sequence plus the record's index in it;
+#: One row per record. ``position`` is the log position of the record's frame
+#: and ``index`` the record's index in it: together the record's address
+#: (``POSITION:INDEX``, :mod:`headgate.log.address`), which ``startingOffsets``
+#: takes; ``sequence`` is the frame's first sequence plus ``index``;
 #: ``ingest_time`` is the frame's timestamp (when the gateway appended it).
 SCHEMA = StructType(
     [
         StructField("stream", StringType()),
         StructField("position", LongType()),
+        StructField("index", LongType()),
         StructField("producer", LongType()),
         StructField("sequence", LongType()),
         StructField("ingest_time", TimestampType()),
@@ -141,21 +164,33 @@ def _positive(options: Mapping[str, str], name: str) -> int | None:
     return value
 
 
-def _positions(name: str, text: str, words: Sequence[str]) -> str | Offset:
+def _positions(name: str, text: str, words: Sequence[str], *, addresses: bool) -> str | Offset:
+    """A word of ``words``, or JSON from stream to position (or to record address)."""
     if text.strip().lower() in words:
         return text.strip().lower()
     try:
         parsed = json.loads(text)
-    except json.JSONDecodeError:
+    except ValueError:  # not JSON, or a number of more digits than Python converts
         parsed = None
-    if not isinstance(parsed, dict) or not all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in parsed.values()
-    ):
+    if not isinstance(parsed, dict):
+        example = ' or {"orders": "4096:2"} (a record address)' if addresses else ""
         raise ValueError(
             f"headgate: option {name!r} must be {' or '.join(map(repr, words))} or a JSON "
-            f'object from stream name to position, like {{"orders": 0}}; got {text!r}'
+            f'object from stream name to position, like {{"orders": 0}}{example}; got {text!r}'
         )
-    return sorted_offset(parsed)
+    offset: Offset = {}
+    for stream, value in parsed.items():
+        try:
+            address = offset_address(value)
+        except AddressError as error:
+            raise ValueError(f"headgate: option {name!r}: stream {stream!r}: {error}") from None
+        if address.index and not addresses:
+            raise ValueError(
+                f"headgate: option {name!r}: stream {stream!r}: {value!r} is inside a batch; "
+                "it takes positions (where a batch starts)"
+            )
+        offset[str(stream)] = offset_value(address)
+    return sorted_offset(offset)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,6 +206,8 @@ class SourceOptions:
     max_bytes: int | None = None
     bytes_per_partition: int = DEFAULT_BYTES_PER_PARTITION
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    #: ``fail`` or ``wait``: see ``missingStreams``.
+    missing_streams: str = "fail"
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
@@ -208,6 +245,17 @@ class SourceOptions:
                 raise ValueError(
                     f"headgate: option 'streamPattern' is not a regex: {error}"
                 ) from None
+        missing = options.get("missingstreams", "fail").strip().lower()
+        if missing not in MISSING_STREAMS:
+            raise ValueError(
+                f"headgate: option 'missingStreams' must be fail or wait, "
+                f"got {options['missingstreams']!r}"
+            )
+        if "missingstreams" in options and names is None:
+            raise ValueError(
+                "headgate: option 'missingStreams' applies to the streams that option "
+                "'streams' names (a streamPattern takes streams as they appear)"
+            )
         selection = StreamSelection(
             names=None
             if names is None
@@ -222,14 +270,42 @@ class SourceOptions:
                 "startingOffsets",
                 options.get("startingoffsets", "earliest"),
                 ("earliest", "latest"),
+                addresses=True,
             ),
-            ending=_positions("endingOffsets", options.get("endingoffsets", "latest"), ("latest",)),
+            ending=_positions(
+                "endingOffsets",
+                options.get("endingoffsets", "latest"),
+                ("latest",),
+                addresses=False,
+            ),
             max_records=_positive(options, "maxRecordsPerTrigger"),
             max_bytes=_positive(options, "maxBytesPerTrigger"),
             bytes_per_partition=_positive(options, "bytesPerPartition")
             or DEFAULT_BYTES_PER_PARTITION,
             security=security,
+            missing_streams=missing,
         )
+
+
+#: How many stream names a message lists before it says how many more there are.
+_NAMES_SHOWN = 20
+
+
+def missing_streams_error(missing: Sequence[str], existing: Sequence[str], where: str) -> str:
+    """The one line that refuses named streams that do not exist, and says what does."""
+    quoted = ", ".join(map(repr, missing))
+    subject = f"stream {quoted} does" if len(missing) == 1 else f"streams {quoted} do"
+    if existing:
+        shown = ", ".join(existing[:_NAMES_SHOWN])
+        more = len(existing) - _NAMES_SHOWN
+        has = f"{where} has {shown}{f' and {more} more' if more > 0 else ''}"
+    else:
+        has = f"{where} has no streams yet"
+    return (
+        f"headgate: {subject} not exist ({has}). A producer's first send creates a stream: "
+        "check the name, or start the producers first, or set option missingStreams to "
+        "'wait' (pipeline file: missing_streams = \"wait\") to read it once it appears"
+    )
 
 
 #: Option (lower case, as Spark hands them over) -> its spelling in messages.
@@ -258,6 +334,7 @@ _KNOWN_OPTIONS = {
         "maxRecordsPerTrigger",
         "maxBytesPerTrigger",
         "bytesPerPartition",
+        "missingStreams",
     )
 } | _SECURITY_OPTIONS
 
@@ -372,24 +449,80 @@ class _Planner:
             self.logs = StreamLogs(options.data_dir, options.selection)
         # Where each stream absent from a start offset begins; remembered so
         # that latestOffset and partitions agree for a stream first seen now.
-        self._first: dict[str, int] = {}
+        self._first: dict[str, OffsetValue] = {}
+
+    def refuse_missing_streams(self, known: Iterable[str] = ()) -> None:
+        """Fail if a stream that option ``streams`` names does not exist (``missingStreams``).
+
+        ``known``: streams a checkpoint's offset already holds; one of those
+        that is gone gets its own message (the position the query read it to).
+
+        Raises:
+            SourceError: one line naming the missing streams and those there are.
+        """
+        names = self.options.selection.names
+        if names is None or self.options.missing_streams == "wait":
+            return
+        found = set(self.logs.discover()) | set(known)
+        missing = [name for name in names if name not in found]
+        if missing:
+            raise SourceError(missing_streams_error(missing, self.logs.names(), self.logs.where()))
 
     def starting_offset(self) -> Offset:
         starting = self.options.starting
         streams = self.logs.discover()
         if starting == "latest":
             return sorted_offset({s: self.logs.latest(s) for s in streams})
-        return sorted_offset({s: self.first_position(s) for s in streams})
+        return sorted_offset({s: self.first_value(s) for s in streams})
 
-    def first_position(self, stream: str) -> int:
+    def first_value(self, stream: str) -> OffsetValue:
         """Where a stream that no offset mentions yet starts being read."""
         if stream not in self._first:
             starting = self.options.starting
             if isinstance(starting, dict) and stream in starting:
-                self._first[stream] = starting[stream]
+                self._first[stream] = self._checked_start(stream, offset_address(starting[stream]))
             else:
                 self._first[stream] = self.logs.earliest(stream)
         return self._first[stream]
+
+    def begin_value(self, start: Offset, stream: str) -> OffsetValue:
+        """Where ``stream`` is read from after ``start``."""
+        return start[stream] if stream in start else self.first_value(stream)
+
+    def _checked_start(self, stream: str, address: RecordAddress) -> OffsetValue:
+        """``startingOffsets``' address for ``stream``, once the log shows a record is there.
+
+        Raises:
+            SourceError: the position was released, is past the end or inside
+                a batch, or the batch has no record at the index.
+        """
+        where = f"headgate: option 'startingOffsets': stream {stream!r}"
+        earliest, latest = self.logs.earliest(stream), self.logs.latest(stream)
+        if address.position < earliest:
+            raise SourceError(
+                f"{where}: position {address.position} was already released; the oldest "
+                f"position the log retains is {earliest}"
+            )
+        if address.position > latest or (address.position == latest and address.index):
+            raise SourceError(
+                f"{where}: record address {address} is past the end of the log ({latest})"
+            )
+        if address.position < latest:
+            try:
+                frame = next(iter(self.logs.frames(stream, address.position, latest)), None)
+            except SourceError as error:
+                raise SourceError(
+                    f"{where}: no batch starts at position {address.position} ({error})"
+                ) from None
+            try:
+                address.check_in_frame(
+                    stream,
+                    latest if frame is None else frame.position,
+                    0 if frame is None else frame.record_count,
+                )
+            except AddressError as error:
+                raise SourceError(f"{where}: {error}") from None
+        return offset_value(address)
 
     def ranges(
         self, start: Offset, cap: Offset | None
@@ -401,27 +534,30 @@ class _Planner:
         names.update(self.logs.discover() if cap is None else cap)
         ranges: dict[str, tuple[int, int]] = {}
         for stream in sorted(names):
-            begin = start[stream] if stream in start else self.first_position(stream)
-            latest = self.logs.latest(stream, read_up_to=start.get(stream))
+            begin = offset_position(self.begin_value(start, stream))
+            latest = self.logs.latest(stream, read_up_to=begin if stream in start else None)
             if latest < begin:
                 raise SourceError(
                     f"stream {stream!r}: the log ends at position {latest}, before position "
                     f"{begin} the query has already read; was the log recreated?"
                 )
             if cap is not None:
-                latest = max(begin, min(latest, cap.get(stream, begin)))
+                latest = max(begin, min(latest, offset_position(cap.get(stream, begin))))
             ranges[stream] = (begin, latest)
         return ranges, carried
 
     def partitions(self, start: Offset, end: Offset) -> list[HeadgatePartition]:
-        ranges = {
-            stream: (start[stream] if stream in start else self.first_position(stream), stop)
-            for stream, stop in end.items()
-        }
+        ranges: dict[str, tuple[int, int]] = {}
+        inside: dict[str, RecordAddress] = {}  # streams that start inside a batch
+        for stream, stop in end.items():
+            begin = offset_address(self.begin_value(start, stream))
+            ranges[stream] = (begin.position, offset_position(stop))
+            if begin.index:
+                inside[stream] = begin
         planned = plan_slices(self.logs, ranges, self.options.bytes_per_partition)
         return [
             HeadgatePartition(
-                tuple(p),
+                tuple(_skipping(piece, inside) for piece in p),
                 self.options.data_dir,
                 self.options.gateway,
                 self.options.security if self.options.gateway is not None else None,
@@ -433,6 +569,14 @@ class _Planner:
         self.logs.close()
 
 
+def _skipping(piece: StreamSlice, inside: Mapping[str, RecordAddress]) -> StreamSlice:
+    """``piece``, told to skip the records before the address its stream starts at."""
+    address = inside.get(piece.stream)
+    if address is None or piece.start != address.position:
+        return piece
+    return replace(piece, skip=address.index)
+
+
 class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Micro-batches over the stream logs; see the module docstring for the options."""
 
@@ -441,6 +585,8 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._planner: _Planner | None = None
         #: The AvailableNow target: latest positions when the query started.
         self._target: Offset | None = None
+        #: Whether the streams that option ``streams`` names were found (once a query).
+        self._streams_checked = False
 
     # Spark pickles the reader to run read() in executors; the planner's open
     # logs stay behind (read() opens its own).
@@ -456,7 +602,15 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._planner = _Planner(self._options)
         return self._planner
 
+    def _check_streams(self, known: Iterable[str] = ()) -> None:
+        # At the query's start: initialOffset for a new query, the first
+        # latestOffset for one that resumes a checkpoint.
+        if not self._streams_checked:
+            self.planner.refuse_missing_streams(known)
+            self._streams_checked = True
+
     def initialOffset(self) -> Offset:
+        self._check_streams()
         return self.planner.starting_offset()
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -471,13 +625,21 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadAllAvailable()
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        self._check_streams(start)
         ranges, carried = self.planner.ranges(start, self._target)
         max_records, max_bytes = self._limits(limit)
+        ends: Offset
         if max_records is None and max_bytes is None:
             ends = {stream: latest for stream, (_, latest) in ranges.items()}
         else:
             ends = admit(self.planner.logs, ranges, max_records=max_records, max_bytes=max_bytes)
-        return sorted_offset({**carried, **ends})
+        # A stream that does not move keeps its start: an address inside a
+        # batch must not turn into that batch's first record.
+        kept: Offset = {
+            stream: self.planner.begin_value(start, stream) if end == ranges[stream][0] else end
+            for stream, end in ends.items()
+        }
+        return sorted_offset({**carried, **kept})
 
     def _limits(self, limit: ReadLimit) -> tuple[int | None, int | None]:
         # Spark passes our default limit, or ReadAllAvailable to override it
@@ -523,12 +685,13 @@ class HeadgateBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         planner = _Planner(self._options)
         try:
+            planner.refuse_missing_streams()
             start = planner.starting_offset()
             ending = self._options.ending
-            end = {
+            end: Offset = {
                 stream: max(
-                    begin,
-                    ending[stream]
+                    offset_position(begin),
+                    offset_position(ending[stream])
                     if isinstance(ending, dict) and stream in ending
                     else planner.logs.latest(stream),
                 )
