@@ -19,7 +19,14 @@ from headgate.gateway.budget import (
     address_key,
     token_key,
 )
-from headgate.gateway.turns import TURN_COST, TurnTaker
+from headgate.gateway.turns import (
+    MAX_DEBT_PASSES,
+    TURN_COST,
+    TURN_SECONDS,
+    Passes,
+    TurnShare,
+    TurnTaker,
+)
 
 
 def test_a_budget_pays_a_burst_at_once_then_its_rate_and_says_how_long_a_debt_waits() -> None:
@@ -200,3 +207,87 @@ def test_the_connections_of_a_share_in_debt_wake_in_turn_not_all_at_once() -> No
     assert alone.wait(now=0.0) == pytest.approx(0.1)
     assert many.wait(now=0.0) == pytest.approx(0.1 + 59 * SHORT_SLICE_UNITS / 10_000)
     assert many.wait(now=0.1) == 0.0, "out of debt: no wait at all"
+
+
+class _Backlog:
+    """A connection with ``pending`` bytes to decode, cheap ones, in its own TurnTaker."""
+
+    def __init__(self, passes: Passes | None, share: TurnShare | None, pending: int) -> None:
+        self.pending = pending
+        self.taken = 0
+        self.taker = TurnTaker(
+            self.step, lambda: None, lambda backlogged: None, lambda: False, passes, lambda: share
+        )
+
+    def step(self, limit: int) -> int:
+        took = min(limit, self.pending)
+        self.pending -= took
+        self.taken += took
+        return took
+
+
+async def _run_passes(backlogs: list[_Backlog], passes: int) -> None:
+    for backlog in backlogs:
+        backlog.taker.received()
+    for _ in range(passes):
+        await asyncio.sleep(0)
+
+
+async def test_the_connections_of_one_cause_share_one_turn_a_pass() -> None:
+    """Four connections of one token, all busy, get what one connection of another gets."""
+    passes = Passes()
+    crowd = TurnShare()
+    alone = TurnShare()
+    many = [_Backlog(passes, crowd, 64 << 20) for _ in range(4)]
+    one = _Backlog(passes, alone, 64 << 20)
+    await _run_passes([*many, one], 200)
+    crowd_took = sum(b.taken for b in many)
+    assert one.taken > 0 and crowd_took > 0
+    # Per connection they would take four times as much as the one; per cause, about as much.
+    assert 0.5 < crowd_took / one.taken < 2.0, (crowd_took, one.taken)
+    # Within the cause, every connection has its turns.
+    assert min(b.taken for b in many) > crowd_took / 8
+
+
+async def test_a_cause_alone_takes_every_turn_its_connections_want() -> None:
+    """Nobody else wants a turn: the four connections of one cause are not held back."""
+    passes = Passes()
+    crowd = TurnShare()
+    shared = [_Backlog(passes, crowd, 64 << 20) for _ in range(4)]
+    await _run_passes(shared, 50)
+    unshared = [_Backlog(None, None, 64 << 20) for _ in range(4)]
+    await _run_passes(unshared, 50)
+    assert sum(b.taken for b in shared) >= 0.9 * sum(b.taken for b in unshared)
+
+
+async def test_a_cause_whose_batches_cost_more_to_store_gets_fewer_turns() -> None:
+    """The log writer's appends are taken from the cause's time too (deficit round robin)."""
+    passes = Passes()
+    dear, cheap = TurnShare(), TurnShare()
+    dear_conn = _Backlog(passes, dear, 64 << 20)
+    cheap_conn = _Backlog(passes, cheap, 64 << 20)
+    step = dear_conn.step
+
+    def dear_step(limit: int) -> int:
+        took = step(limit)
+        if took:
+            # Each slice's appends cost two whole turns of time, after the turn.
+            asyncio.get_running_loop().call_soon(passes.spent, dear, 2 * TURN_SECONDS)
+        return took
+
+    dear_conn.taker._step = dear_step
+    await _run_passes([dear_conn, cheap_conn], 300)
+    assert cheap_conn.taken > 0 and dear_conn.taken > 0
+    assert dear_conn.taken < cheap_conn.taken / 2, (dear_conn.taken, cheap_conn.taken)
+
+
+async def test_a_debt_run_up_while_alone_is_forgiven_when_others_come() -> None:
+    """Debts are only between causes: alone, a cause's appends put it in no debt."""
+    passes = Passes()
+    share = TurnShare()
+    passes.visit(share)
+    passes.spent(share, 10.0)
+    assert share.credit >= -MAX_DEBT_PASSES * TURN_SECONDS
+    await asyncio.sleep(0)  # a new pass, still alone
+    passes.visit(share)
+    assert share.credit == TURN_SECONDS

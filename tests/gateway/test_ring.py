@@ -297,3 +297,34 @@ def test_the_queue_signals_only_when_it_goes_from_empty_to_non_empty() -> None:
     assert signals == [1]
     assert [queue.pop() for _ in range(4)] == [*messages, None], "first in, first out"
     assert queue.push(messages[0]) is True and signals == [1, 1] and queue.signals == 2
+
+
+def test_a_read_after_large_frames_may_take_many_of_them() -> None:
+    """A connection gets one read per pass of the event loop: if that read
+    could hold only one large frame, a producer of large batches would get one
+    batch per pass however much it had sent (a gateway busy with other
+    connections then served it a few batches a millisecond)."""
+    ring = ReceiveRing(initial=128 * 1024, limit=4 << 20, min_read=16 * 1024)
+    peer = Peer(ring)
+    large = 33 * 1024
+    # Frames that span reads teach the ring how large this peer's frames are.
+    data = b"".join(frame(n, large) for n in range(6))
+    for start in range(0, len(data), 20 * 1024):
+        chunk = data[start : start + 20 * 1024]
+        room = ring.writable()
+        room[: len(chunk)] = chunk
+        del room
+        view = ring.received(len(chunk))
+        if view is not None:
+            frames, ends, consumed, need = peer.decoder.decode_in_place(view)
+            for f, end in zip(frames, ends, strict=True):
+                assert isinstance(f, SendChannel)
+                peer.messages.append(ring.message(end, len(f.payload)))
+            del view, frames
+            ring.consumed(consumed, need)
+        peer.handle_all()
+    assert ring.expect >= large
+    assert len(peer.payloads) == 6
+    # On a frame boundary, with everything handled, the next read may fill
+    # the ring: several frames' worth, not one.
+    assert len(ring.writable()) >= 3 * large

@@ -28,6 +28,7 @@ import logging
 import random
 import socket
 import ssl
+import struct
 import sys
 import traceback
 from collections.abc import Callable, Coroutine
@@ -65,6 +66,10 @@ SMALL_FRAMES = 16
 FLOOD_RATE = 4500
 #: The loopback address that attacks meant to come from another host connect from.
 ATTACKER_HOST = "127.0.0.3"
+#: The stream the noisy writers write (its capacity is large: nobody releases it).
+NOISY_STREAM = "h-noisy"
+#: A batch's first sequence, as it is written in the batch (messages.encode_batch_header).
+_SEQUENCE = struct.Struct("<Q")
 #: The u64 values every u64 field of the hostile-input cases is tried with.
 U64_EDGES = (0, 1, 1 << 63, U64_MAX)
 
@@ -1047,6 +1052,71 @@ async def _ping_flood(target: Target, run: Run, connections: int) -> Report:
     return report
 
 
+async def _noisy_writer(peer: Peer, stream: str, run: Run, records: int, report: Report) -> None:
+    """Write valid batches of ``records`` 100-byte records to ``stream``, within guarantees."""
+    await peer.send(peer.bind(stream))
+    channel = m.data_channel(0)
+    if not await peer.until(lambda: peer.guarantees(channel) > 0, 3.0):
+        return
+    block = encode_records([b"n" * 100] * records)
+    cost = batch_cost(8 + len(block))
+    # One frame, and where its sequence goes: every frame differs only there,
+    # so a chunk of frames is the template repeated with sequences written in
+    # (the attacker spends little CPU of its own, which on one 2-core machine
+    # would be taken from the good producer, not from the gateway).
+    template = encode_frame(SendChannel(channel=channel, payload=bytes(8) + block))
+    at = len(template) - len(block) - 8
+    per_chunk = max(1, 32768 // len(template))
+    chunk = bytearray(template * per_chunk)
+    sequence = 0
+    spent = 0
+    while run.active() and not peer.closed:
+        room = (peer.guarantees(channel) - spent) // cost
+        if room <= 0:
+            await peer.read(0.05)
+            continue
+        count = min(room, per_chunk)
+        for i in range(count):
+            _SEQUENCE.pack_into(chunk, i * len(template) + at, sequence + i * records)
+        sequence += count * records
+        spent += count * cost
+        if not await peer.send(bytes(chunk[: count * len(template)])):
+            break
+    report.count("records_sent", sequence)
+
+
+async def _noisy_writers(target: Target, run: Run, connections: int, records: int) -> Report:
+    report = Report()
+    address = parse_address(target.address)
+    peers = [await opened(address, target.token, report) for _ in range(connections)]
+    engaged = asyncio.get_running_loop().call_later(0.3, run.engage)
+    try:
+        await asyncio.gather(*(_noisy_writer(p, NOISY_STREAM, run, records, report) for p in peers))
+    finally:
+        engaged.cancel()
+        run.engage()
+    report.facts["acked"] = sum(p.acks.get(0, 0) for p in peers)
+    close_all(peers)
+    return report
+
+
+async def noisy_writers_16(target: Target, run: Run) -> Report:
+    """16 connections of one token write valid one-record batches to a stream of its own.
+
+    Nothing here is refused: the data is within guarantees. What is measured
+    is whether one token's many connections take the gateway from the others.
+    (Sixteen, not more: each connection claims a producer id of its own, and
+    the claims, an fsync each, are charged to the token's work budget; with
+    sixty the budget, not the data, is what holds the writers back.)
+    """
+    return await _noisy_writers(target, run, 16, 1)
+
+
+async def noisy_writers_4(target: Target, run: Run) -> Report:
+    """4 connections of one token write valid 100-record batches to a stream of its own."""
+    return await _noisy_writers(target, run, 4, 100)
+
+
 async def ping_flood_60(target: Target, run: Run) -> Report:
     """Pings just under the per-connection budget (FLOOD_RATE/s each), from 60 connections."""
     return await _ping_flood(target, run, 60)
@@ -1302,6 +1372,8 @@ ATTACKS: dict[str, Attack] = {
     "fetch_tiny_frames": fetch_tiny_frames,
     "reader_slots": reader_slots,
     "ping_flood_60": ping_flood_60,
+    "noisy_writers_16": noisy_writers_16,
+    "noisy_writers_4": noisy_writers_4,
     "ping_flood_4": ping_flood_4,
     "empty_frame_flood": empty_frame_flood,
     "subscribe_flood": subscribe_flood,

@@ -88,6 +88,9 @@ streams_per_token = 16
 # Small, so that the optimist soon sends beyond all it can be guaranteed.
 [streams.h-optimist]
 capacity = "2MiB"
+# Large, so that the noisy writers never wait for a release.
+[streams.h-noisy]
+capacity = "4GiB"
 """
 
 #: Limits of issue 13 that the fixes add, with the values this arena wants;

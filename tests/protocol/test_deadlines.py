@@ -135,3 +135,26 @@ def test_reading_for_counts_from_the_last_resume_and_is_zero_while_paused() -> N
     d.paused(10.0, False)
     d.paused(11.0, False)  # no change: still reading since 10
     assert d.reading_for(12.5) == 2.5
+
+
+def test_time_the_receiver_excuses_is_not_silence_and_the_rest_is() -> None:
+    """A producer whose bytes wait for the gateway's turn or disk is not idle."""
+    d = ReceiveDeadlines(idle_timeout=1.0, frame_timeout=0.0, now=0.0)
+    d.decoded(0.0, frames=1, partial=False)
+    # The receiver did not read it from 0.5 s to 3.5 s, for reasons of its own.
+    d.excuse(0.5, excused=False)
+    for tick in (1.5, 2.5, 3.5):
+        d.excuse(tick, excused=True)
+        assert d.expired(tick) is None
+    # Reading again: 0.5 s of silence before, and now 0.6 s more: 1.1 s.
+    d.excuse(4.1, excused=False)
+    reason = d.expired(4.1)
+    assert reason is not None and "no complete frame" in reason
+
+
+def test_a_pause_the_peer_causes_is_silence() -> None:
+    d = ReceiveDeadlines(idle_timeout=1.0, frame_timeout=0.0, now=0.0)
+    d.decoded(0.0, frames=1, partial=False)
+    d.excuse(0.6, excused=False)
+    d.excuse(1.2, excused=False)
+    assert d.expired(1.2) is not None

@@ -33,7 +33,9 @@ Everything here takes time as an argument, so it is tested without a clock.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from headgate.gateway.turns import TurnShare
 
 __all__ = [
     "Cost",
@@ -179,6 +181,8 @@ class PeerShare:
     subscriptions: int = 0
     #: Units charged since the share was opened (for statistics and tests).
     charged: float = 0.0
+    #: The turn its connections take together in a pass of the loop.
+    turn: TurnShare = field(default_factory=TurnShare)
 
     def charge(self, units: float, now: float) -> float:
         """Pay ``units`` from the budget; the seconds to wait (0: none). See :meth:`wait`."""

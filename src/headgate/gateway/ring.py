@@ -230,23 +230,24 @@ class ReceiveRing:
     def _wanted(self, *, at_least: bool = False) -> tuple[int, int | None]:
         """(contiguous room the next read needs, most it may take).
 
-        Inside a large frame of known length, a read takes exactly the rest of
-        it, so that the next frame starts on a boundary where nothing has to
-        move. On a boundary a read takes as much as the largest frame seen
-        lately, in one contiguous room (``at_least``: only ``min_read``, the
-        fallback when that much cannot be had).
+        Inside a frame of known length, a read needs room for the rest of it;
+        on a boundary, room for the largest frame seen lately, in one
+        contiguous room (``at_least``: only ``min_read``, the fallback when
+        that much cannot be had). Either way it may take all the room there
+        is. A read is the only one a connection gets per pass of the event
+        loop, so a read bounded to one frame (as an earlier version did, to
+        save moving the incomplete frame it may end in) held a producer of
+        large batches to one batch per pass: on a gateway busy with other
+        connections, a few batches a millisecond, whatever its share of the
+        turns. Moving an incomplete frame copies less than one frame, in C.
         """
         r = self.current
         partial = r.tail - r.frame
         if self.need > partial:
-            rest = self.need - partial
-            if self.need >= self.min_read:
-                return rest, rest
-            return max(self.min_read, rest), None
+            return max(self.min_read, self.need - partial), None
         if partial or at_least or self.expect <= self.min_read:
             return self.min_read, None
-        # One large frame's worth: a read ends where such a frame would.
-        return self.expect, self.expect
+        return self.expect, None
 
     def reclaim(self) -> None:
         """Take back the space of every handled message, oldest first."""

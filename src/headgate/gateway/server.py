@@ -89,7 +89,7 @@ from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
-from headgate.gateway.turns import MIN_SLICE, TurnTaker
+from headgate.gateway.turns import MIN_SLICE, Passes, TurnTaker
 from headgate.log import LogError
 from headgate.log.lock import DirectoryLock
 from headgate.protocol import messages as m
@@ -241,6 +241,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
             self._after_turn,
             lambda backlogged: self.reads.set("turn", backlogged),
             lambda: self._closing,
+            gateway.passes,
+            lambda: None if self.share is None else self.share.turn,
         )
         # Fetches and subscriptions, if the peer is a reader (readers.py).
         self.readers = ReaderConnection(
@@ -452,6 +454,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """Close the connection with TIMEOUT if it is idle or a frame is overdue."""
         if self._closing or self._tls_pending or self.session.closed:
             return  # (the handshake timer covers TLS)
+        # Time the gateway did not read the peer for reasons of its own (the
+        # turns of other peers, the disk, a full ring) is not the peer's silence.
+        self.deadlines.excuse(now, self.reads.paused and not self.pauses_own_reads(now))
         reason = self.deadlines.expired(now, idle=self.session.opened)
         if reason is not None:
             self.refuse(ProtocolError(reason, code=ErrorCode.TIMEOUT))
@@ -1063,6 +1068,9 @@ class Gateway:
         #: without a tokens file).
         rate = self.config.work_budget_ms * UNITS_PER_MS
         self.shares = PeerShares(rate, rate)
+        #: The passes of the event loop in which connections take turns,
+        #: one turn per cause (token or address) and pass (``turns``).
+        self.passes = Passes()
         #: TLS handshakes each address may start, and how many are in progress.
         self.handshakes = HandshakeBudgets(self.config.handshake_rate)
         self.tls_pending = 0
@@ -1379,8 +1387,15 @@ class Gateway:
         now = time.monotonic()
         timestamp_us = time.time_ns() // 1000
         origins: dict[int, GatewayConnection] = {}
+        # The appends' time is charged to the cause of each run of batches
+        # from one connection (``turns``: causes share the loop's time).
+        run_origin: GatewayConnection | None = None
+        run_started = now
         while (message := queue.pop()) is not None:
             conn: GatewayConnection = message.origin
+            if conn is not run_origin:
+                run_started = self._charge_appends(run_origin, run_started)
+                run_origin = conn
             try:
                 if not conn._closing:
                     conn.write_batch(message.event, now, timestamp_us, message.arrived)
@@ -1399,8 +1414,16 @@ class Gateway:
                 message.event = None
                 message.loan.repay()
                 origins[conn.conn_id] = conn
+        self._charge_appends(run_origin, run_started)
         for conn in origins.values():
             conn.after_write()
+
+    def _charge_appends(self, conn: GatewayConnection | None, since: float) -> float:
+        """Charge the appends of ``conn``'s batches since ``since`` to its cause; now."""
+        now = time.monotonic()
+        if conn is not None and conn.share is not None:
+            self.passes.spent(conn.share.turn, now - since)
+        return now
 
     def counters(self, name: str) -> StreamCounters:
         """The gateway's own counters for stream ``name``."""

@@ -23,15 +23,26 @@ expensive bytes with a short stretch of cheap ones.
 Turns are weighted by cost, not by bytes or frames: a connection that sends
 expensive frames (listings, binds, Pings) ends its turn after fewer of
 them, even on a machine fast enough that the clock alone would not end it.
+
+Time belongs to a *cause*, not to a connection: the connections of one
+token (of one address before Hello, and always without a tokens file) share
+one turn's time per pass (:class:`TurnShare`, deficit round robin), and the
+log writer's appends of a cause's batches are taken from it too, so sixty
+connections writing tiny batches at full speed get what one gets, data
+within guarantees included. Once a cause has used its time, its
+connections wait for later passes. This holds only while more than one
+cause wants turns (:class:`Passes`): a gateway that serves one cause alone
+gives it every pass, as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Callable
 
-__all__ = ["TurnTaker"]
+__all__ = ["Passes", "TurnShare", "TurnTaker"]
 
 #: Bounds of the bytes handed to the session at once, and its first size.
 MIN_SLICE = 256
@@ -40,11 +51,98 @@ FIRST_SLICE = 16 * 1024
 #: How much a slice grows after a cheap one.
 SLICE_STEP = 4096
 #: Bytes one connection may have processed in one turn.
-TURN_BYTES = 256 * 1024
+TURN_BYTES = 128 * 1024
 #: Time one connection may spend in one turn (checked after each slice).
 TURN_SECONDS = 0.002
 #: Cost units one connection may spend in one turn (about TURN_SECONDS of work).
 TURN_COST = 2000.0
+#: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
+MAX_DEBT_PASSES = 8
+
+
+class TurnShare:
+    """The time that the connections of one cause share, pass by pass.
+
+    Deficit round robin by time: each pass in which the cause wants a turn
+    adds :data:`TURN_SECONDS` to its ``credit`` (which never holds more than
+    that), and everything the cause's bytes cost the event loop is taken
+    from it: its turns' decoding, and the log writer's appends of its
+    batches (told with :meth:`Passes.spent`, after the turn). A cause whose
+    batches cost more to store than to decode (many tiny ones) so runs into
+    debt and waits for passes until it is paid off; time, not turns, is
+    what the causes share.
+    """
+
+    __slots__ = ("bytes", "cost", "credit", "pass_number", "waiting")
+
+    def __init__(self) -> None:
+        #: Seconds of the loop the cause may still use (negative: its debt).
+        self.credit = TURN_SECONDS
+        #: Bytes decoded and cost units spent in this pass.
+        self.bytes = 0
+        self.cost = 0.0
+        #: The pass these figures are of (:attr:`Passes.number`).
+        self.pass_number = -1
+        #: The cause's connections that were put off, in order: the first
+        #: has the cause's next turn, so every connection of it has turns.
+        self.waiting: deque[TurnTaker] = deque()
+
+    def used_up(self) -> bool:
+        """Whether the cause has had its share of this pass."""
+        return self.credit <= 0 or self.bytes >= TURN_BYTES or self.cost >= TURN_COST
+
+
+class Passes:
+    """The passes of the event loop, as the turns see them, and who wanted turns in them.
+
+    A pass ends when the callback it scheduled at its first turn runs (the
+    loop runs callbacks scheduled in one pass in the next one).
+    """
+
+    __slots__ = ("_scheduled", "causes", "causes_before", "number")
+
+    def __init__(self) -> None:
+        self.number = 0
+        #: Causes that wanted a turn in this pass, and in the one before.
+        self.causes = 0
+        self.causes_before = 0
+        self._scheduled = False
+
+    def visit(self, share: TurnShare) -> None:
+        """``share``'s cause wants a turn in this pass: its first visit in a pass pays it."""
+        if share.pass_number != self.number:
+            share.pass_number = self.number
+            share.bytes = 0
+            share.cost = 0.0
+            self.causes += 1
+            if self.contended():
+                share.credit = min(TURN_SECONDS, share.credit + TURN_SECONDS)
+            else:
+                # Alone, a cause owes nobody: debts are only between causes.
+                share.credit = TURN_SECONDS
+        self._end_later()
+
+    def spent(self, share: TurnShare, seconds: float) -> None:
+        """The cause's bytes cost ``seconds`` more (the log writer's appends)."""
+        # Bounded, so that a cause that was alone a moment ago and used the
+        # whole loop does not wait for many passes once others come.
+        share.credit = max(-MAX_DEBT_PASSES * TURN_SECONDS, share.credit - seconds)
+
+    def _end_later(self) -> None:
+        # Scheduled by every pass in which a turn is taken or put off, so a
+        # turn put off always finds a new pass next time.
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self._next)
+
+    def _next(self) -> None:
+        self.number += 1
+        self.causes_before, self.causes = self.causes, 0
+        self._scheduled = False
+
+    def contended(self) -> bool:
+        """Whether other causes want turns too (now, or in the pass before)."""
+        return max(self.causes, self.causes_before) > 1
 
 
 class TurnTaker:
@@ -61,6 +159,9 @@ class TurnTaker:
         set_backlogged: told True when bytes wait for a later turn (pause
             reading the socket) and False when they are all processed.
         closing: whether the connection is closing (stop decoding).
+        passes: the gateway's passes (one for all its connections); None:
+            this connection's turns are its own.
+        share: the turn of the connection's cause now (it changes at Hello).
     """
 
     __slots__ = (
@@ -68,7 +169,10 @@ class TurnTaker:
         "_done",
         "_handle",
         "_held_until",
+        "_passes",
+        "_queued_in",
         "_set_backlogged",
+        "_share",
         "_slice",
         "_step",
         "_turn_cost",
@@ -81,8 +185,14 @@ class TurnTaker:
         done: Callable[[], None],
         set_backlogged: Callable[[bool], None],
         closing: Callable[[], bool],
+        passes: Passes | None = None,
+        share: Callable[[], TurnShare | None] = lambda: None,
     ) -> None:
         self._step = step
+        self._passes = passes
+        self._share = share
+        #: The share in whose queue this connection waits for its cause's turn.
+        self._queued_in: TurnShare | None = None
         self._done = done
         self._set_backlogged = set_backlogged
         self._closing = closing
@@ -128,6 +238,13 @@ class TurnTaker:
 
     def _turn(self) -> None:
         self._handle = None
+        passes = self._passes
+        share = self._share() if passes is not None else None
+        if share is not None:
+            assert passes is not None
+            if not self._may_turn(passes, share):
+                self._schedule()
+                return
         started = now = time.monotonic()
         fed = 0
         self._turn_cost = 0.0
@@ -153,17 +270,63 @@ class TurnTaker:
                 or now - started >= TURN_SECONDS
                 or self._turn_cost >= TURN_COST
                 or self._held_until > now
+                or (
+                    share is not None
+                    and (
+                        share.bytes + fed >= TURN_BYTES
+                        or share.credit <= now - started
+                        or share.cost + self._turn_cost >= TURN_COST
+                    )
+                    and passes is not None
+                    and passes.contended()
+                )
             ):
                 more = True
                 break
+        if share is not None:
+            share.bytes += fed
+            share.credit -= now - started
+            share.cost += self._turn_cost
         self._done()
         if more and not self._closing():
             self._schedule()
         else:
             self._set_backlogged(False)
 
+    def _may_turn(self, passes: Passes, share: TurnShare) -> bool:
+        """Whether this connection may take its cause's turn now; if not, it queues for it.
+
+        While other causes want turns, a cause has its share of the loop's
+        time (:class:`TurnShare`), and its connections that were put off
+        have it first, in the order they were put off.
+        """
+        passes.visit(share)
+        if passes.contended():
+            waiting = share.waiting
+            while waiting and waiting[0] is not self and waiting[0]._handle is None:
+                # Gone, or it had its bytes decoded meanwhile: not waiting.
+                waiting.popleft()._queued_in = None
+            if share.used_up() or (waiting and waiting[0] is not self):
+                if self._queued_in is not share:
+                    self._dequeue()
+                    self._queued_in = share
+                    waiting.append(self)
+                return False
+        self._dequeue()
+        return True
+
+    def _dequeue(self) -> None:
+        queue = self._queued_in
+        if queue is not None:
+            self._queued_in = None
+            if queue.waiting and queue.waiting[0] is self:
+                queue.waiting.popleft()
+            else:
+                queue.waiting.remove(self)
+
     def cancel(self) -> None:
         """The connection is gone: no more turns."""
+        self._dequeue()
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None

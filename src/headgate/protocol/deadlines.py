@@ -19,8 +19,12 @@ not what keeps a connection alive; frames are:
 
 The frame clock runs only while the receiver reads: while it has paused
 reading the connection (its own backpressure), the frame cannot progress,
-and the clock starts again when reading resumes. The idle clock runs always,
-as it always did (a pause longer than the idle timeout ends the connection).
+and the clock starts again when reading resumes. The idle clock stops too
+while the receiver does not read the connection for reasons of its own (the
+receiver says so with :meth:`ReceiveDeadlines.excuse`): a producer whose
+bytes wait for the gateway's turn or disk is not idle. A pause the peer
+causes (it does not read what it is sent, or it spent its work budget) is
+not excused: the idle clock runs on.
 
 Like the rest of :mod:`headgate.protocol` this never reads a clock: every
 method takes ``now`` (seconds, any monotonic origin), and the adapter asks
@@ -52,6 +56,7 @@ class ReceiveDeadlines:
     """
 
     __slots__ = (
+        "_checked_at",
         "_frame_need",
         "_frame_since",
         "_frames",
@@ -76,6 +81,8 @@ class ReceiveDeadlines:
         # When the clock of the incomplete frame started, or None.
         self._frame_since: float | None = None
         self._frame_need = 0
+        # When the receiver last said whether it excused the time before.
+        self._checked_at = now
 
     @property
     def last_frame_at(self) -> float:
@@ -125,6 +132,18 @@ class ReceiveDeadlines:
         self._reading_since = now
         if self._partial:
             self._frame_since = now
+
+    def excuse(self, now: float, excused: bool) -> None:
+        """Whether the time since the last call was the receiver's own pause.
+
+        The receiver calls this now and then (the gateway on each pass of its
+        housekeeping loop), with ``excused`` true when it has not been
+        reading the connection for reasons of its own: that time is then not
+        silence (the idle clock moves forward by it, never past ``now``).
+        """
+        if excused and now > self._checked_at:
+            self._last_frame_at = min(now, self._last_frame_at + (now - self._checked_at))
+        self._checked_at = max(self._checked_at, now)
 
     def reading_for(self, now: float) -> float:
         """How long the receiver has been reading without a pause (0 while paused).
