@@ -11,6 +11,7 @@ with PRODUCER_FENCED, scoped to the stream, and the victim loses nothing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import socket
 from collections.abc import AsyncIterator
@@ -444,3 +445,45 @@ async def test_a_full_table_refuses_new_ids_scoped(tmp_path: Path) -> None:
         await second.close()
     finally:
         await gw.stop()
+
+
+async def test_a_newer_connection_of_a_producer_fences_the_older_one(
+    open_gateway: Gateway, tmp_path: Path
+) -> None:
+    """A reconnecting producer's old connection is closed before its resume Ack is sent.
+
+    Otherwise bytes the old connection sent, still undecoded, could be stored
+    after the new connection's resume Ack, which would then be stale.
+    """
+    old = RawPeer(producer_id=VICTIM_ID)
+    await old.connect(open_gateway.address)
+    old_handle = await old.bind("s")
+    await old.send(raw_batch(old_handle, 0, victim_values(0, 5)))
+    await old.until(lambda: old.acked(old_handle) == 5)
+
+    new = RawPeer(producer_id=VICTIM_ID, secret=old.secret)
+    await new.connect(open_gateway.address)
+    new_handle = await new.bind("s")
+    assert new.acked(new_handle) == 5, "the resume Ack counts what the old one stored"
+    # The old connection is told, and closed.
+    await old.until(lambda: any(e.code == ErrorCode.PRODUCER_FENCED for e in old.errors()))
+    (fence,) = [e for e in old.errors() if e.code == ErrorCode.PRODUCER_FENCED]
+    assert fence.scope is None and "fenced" in fence.text
+    # What the old one sends now is not stored; the new one goes on from 5.
+    with contextlib.suppress(ConnectionError):
+        await old.send(raw_batch(old_handle, 5, [b"stale"]))
+    await new.send(raw_batch(new_handle, 5, victim_values(5, 5)))
+    await new.until(lambda: new.acked(new_handle) == 10)
+    values = [v for _, _, vs in stored(tmp_path / "data", "s") for v in vs]
+    assert values == victim_values(0, 10)
+    await new.close()
+
+
+async def test_readers_and_a_first_connection_fence_nobody(open_gateway: Gateway) -> None:
+    """Only a second writing connection under the same id fences: a lone producer goes on."""
+    producer = Producer(open_gateway.address, producer_id=VICTIM_ID, linger_ms=1)
+    async with producer:
+        for value in victim_values(0, 20):
+            await producer.send("s", value)
+        await producer.flush()
+        assert producer.statistics().reconnects == 0

@@ -415,6 +415,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self._turns.cancel()
         self.readers.close()
         self.gateway.drop_writers(self)
+        if self.gateway.producer_connections.get(self.producer_id) is self:
+            del self.gateway.producer_connections[self.producer_id]
 
     @property
     def buffered_bytes(self) -> int:
@@ -928,12 +930,39 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """
         if self.producer_claimed:
             return None
-        owners = self.gateway.owners
+        gw = self.gateway
+        owners = gw.owners
         if owners.owner(self.producer_id) is None:
             self.charge(Cost.CLAIM)  # its fsync, whether it is taken or refused
         refusal = owners.claim(self.producer_id, self.producer_owner)
         self.producer_claimed = refusal is None
+        if refusal is None:
+            self._fence_older_connection()
         return refusal
+
+    def _fence_older_connection(self) -> None:
+        """The producer id's owner writes over this connection now: close any older one.
+
+        A producer that reconnects (after a timeout, a crash, or from its
+        spool) leaves its old connection behind, whose bytes the gateway may
+        not have decoded yet. Were they stored after this connection's
+        resume Ack, that Ack would be stale: the producer would number its
+        resends over records stored meanwhile. So the older connection is
+        closed at once with PRODUCER_FENCED, and what it sent that was not
+        stored yet is let go (it was never acknowledged, and its producer
+        resends it here), as Kafka fences an older producer epoch.
+        """
+        gw = self.gateway
+        older = gw.producer_connections.get(self.producer_id)
+        if older is not None and older is not self:
+            older.refuse(
+                ProtocolError(
+                    f"producer id {self.producer_id:#x} writes over a newer connection now "
+                    f"(from {self.peer}); this one is fenced",
+                    code=ErrorCode.PRODUCER_FENCED,
+                )
+            )
+        gw.producer_connections[self.producer_id] = self
 
     @property
     def share_party(self) -> str | None:
@@ -1068,6 +1097,9 @@ class Gateway:
         #: without a tokens file).
         rate = self.config.work_budget_ms * UNITS_PER_MS
         self.shares = PeerShares(rate, rate)
+        #: The connection over which each producer id's owner writes now
+        #: (GatewayConnection._fence_older_connection).
+        self.producer_connections: dict[int, GatewayConnection] = {}
         #: The passes of the event loop in which connections take turns,
         #: one turn per cause (token or address) and pass (``turns``).
         self.passes = Passes()
