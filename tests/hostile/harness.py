@@ -116,6 +116,17 @@ def config_extra() -> str:
 
 #: Attacks against the TLS listener of a second gateway.
 TLS_ATTACKS = {"tls_handshake_flood"}
+#: Attacks that bench/hostile.py measures but the test suite does not, and why.
+#: Each is an open problem, not a passing case: the suite's floor (half the
+#: throughput alone) does not hold for it in every run yet.
+BENCH_ONLY = {
+    # Sixteen connections of one token writing one-record batches within
+    # their guarantees: the good producer kept 0.21-0.53 of its rate in the
+    # runs of 2026-11-25 (the gateway shares its time per token, but each
+    # tiny batch also costs work that is charged to nobody: reads, group
+    # commits, acks). Memory stays bounded (tests/gateway/test_unreleased_memory.py).
+    "noisy_writers_16": "valid one-record batches from 16 connections: 0.21-0.53 of the rate",
+}
 #: Attacks that read the stream of tiny frames (written once per gateway).
 TINY_ATTACKS = {"fetch_tiny_frames", "u64_fields", "free_gateway_handle"}
 
