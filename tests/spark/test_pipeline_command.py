@@ -367,7 +367,7 @@ def test_names_that_need_quoting_parse_and_bad_values_are_told_apart(spark: Any)
     now = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
     values = [b'{"a b": 1, "s": {"x y": "q"}}', b'{"a b": "one"}', b'{"c": 3}', b"[1,"]
     batch = spark.createDataFrame(
-        [("odd-name", 0, 1, i, now, None, v) for i, v in enumerate(values)], SCHEMA
+        [("odd-name", 0, i, 1, i, now, None, v) for i, v in enumerate(values)], SCHEMA
     )
     good, bad = _parse(plan, batch)
     assert [(r["a b"], r["s"]["x y"]) for r in good.collect()] == [(1, "q")]
