@@ -304,7 +304,9 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
         click.echo(f"headgate serve: {exc}", err=True)
         sys.exit(2)
     try:
-        await gateway.start()
+        # Listening first: the streams on disk are recovered after this, in
+        # the background (a bind of one still recovering is told to retry).
+        await gateway.listen()
     except DirectoryInUse as exc:
         click.echo(f"headgate serve: {_in_use(exc)}", err=True)
         sys.exit(1)
@@ -331,8 +333,20 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     if cfg.unix_socket is not None:
         click.echo(f"listening on unix:{cfg.unix_socket}")
     sys.stdout.flush()
-    await stop.wait()
+    recovered = asyncio.ensure_future(gateway.recovered())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({recovered, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    failure = recovered.exception() if recovered.done() else None
+    if failure is None:
+        await stopped
+    stopped.cancel()
+    recovered.cancel()
     await gateway.stop()
+    if failure is not None:
+        # As when the gateway recovered its streams before listening: a log
+        # it cannot recover ends the start (the text names the file).
+        click.echo(f"headgate serve: cannot start: {failure}", err=True)
+        sys.exit(1)
     serve_log.info("gateway stopped cleanly")
 
 

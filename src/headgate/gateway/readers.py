@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from headgate.gateway.accounts import Account
 from headgate.gateway.budget import Cost, PeerShare
+from headgate.gateway.recovery import StreamRecovery
 from headgate.gateway.streams import Stream
 from headgate.log import LogError, LogFrame
 from headgate.protocol import messages as m
@@ -172,6 +173,8 @@ class ReaderConnection:
         later: runs a callable on the event loop after a delay in seconds (0: soon).
         fail: closes the connection with an Error (for failures outside
             event handling, where raising would reach nobody).
+        recovery: the streams the gateway is still recovering after its
+            start: requests that need one of them wait (see :meth:`recovered`).
         charge: pays units of work from the connection's budget; returns
             the seconds to wait before more is done for it (0: none).
         share: the budget share the connection pays from (for the
@@ -190,6 +193,7 @@ class ReaderConnection:
         backlog: Callable[[], int],
         later: Callable[[float, Callable[[], None]], object],
         fail: Callable[[ProtocolError], None],
+        recovery: StreamRecovery | None = None,
         charge: Callable[[float], float] = lambda units: 0.0,
         share: Callable[[], PeerShare | None] = lambda: None,
         max_subscriptions: int = 64,
@@ -202,6 +206,12 @@ class ReaderConnection:
         self._backlog = backlog
         self._later = later
         self._fail = fail
+        self._recovery = recovery or StreamRecovery()
+        # Requests waiting for streams being recovered, in arrival order
+        # (with the ListStreams visibility of each).
+        self._held: deque[tuple[m.Fetch | m.Subscribe | m.ListStreams, Callable[[str], bool]]] = (
+            deque()
+        )
         self._charge = charge
         self._share = share
         self._max_subscriptions = max_subscriptions
@@ -237,7 +247,45 @@ class ReaderConnection:
         """A reader's request arrived; raises ProtocolError for one that cannot be served.
 
         ``visible`` says which streams ListStreams shows (those the peer may read).
+
+        A request that needs a stream the gateway is still recovering waits,
+        and so does every request after it (the requests of a connection are
+        answered in order, and the k-th bind answers the k-th request that
+        needs one): a Fetch or Subscribe of that stream, a ListStreams while
+        any stream the peer may see is recovering.
         """
+        if self._held or self._must_wait(message, visible):
+            self._check_count(len(self._held), "requests waiting for recovering streams")
+            self._held.append((message, visible))
+            return
+        self._accept(message, visible)
+
+    def _must_wait(
+        self, message: m.Fetch | m.Subscribe | m.ListStreams, visible: Callable[[str], bool]
+    ) -> bool:
+        recovery = self._recovery
+        if isinstance(message, m.ListStreams):
+            return any(visible(name) for name in recovery.names())
+        if recovery.recovering(message.stream):
+            recovery.want(message.stream)
+            return True
+        return False
+
+    def recovered(self) -> None:
+        """The gateway recovered a stream (or gave up on one): serve what waited for it.
+
+        Raises:
+            ProtocolError: a request that waited cannot be served after all.
+        """
+        while self._held and not self._must_wait(*self._held[0]):
+            message, visible = self._held.popleft()
+            self._accept(message, visible)
+
+    def _accept(
+        self,
+        message: m.Fetch | m.Subscribe | m.ListStreams,
+        visible: Callable[[str], bool],
+    ) -> None:
         match message:
             case m.ListStreams(request_id=request_id):
                 # Answered in a serving turn, within the budget: a listing
@@ -300,6 +348,12 @@ class ReaderConnection:
 
     def _stream(self, name: str) -> Stream:
         stream = self._streams.get(name)
+        failure = self._recovery.failure(name)
+        if stream is None and failure is not None:
+            raise ProtocolError(
+                f"stream {name!r} could not be recovered: {failure}",
+                code=ErrorCode.STORAGE_UNAVAILABLE,
+            )
         if stream is None:
             raise ProtocolError(
                 f"the gateway holds no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME

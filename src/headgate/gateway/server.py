@@ -79,6 +79,7 @@ from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import ReaderConnection, TailHub
+from headgate.gateway.recovery import StreamRecovery
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
@@ -245,6 +246,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             backlog=self._write_backlog,
             later=_later,
             fail=lambda error: self.refuse(error),
+            recovery=gateway.recovery,
             charge=self.charge,
             share=lambda: self.share,
             max_subscriptions=gateway.config.max_subscriptions,
@@ -718,6 +720,19 @@ class GatewayConnection(asyncio.BufferedProtocol):
         gw = self.gateway
         if name in gw.streams:
             return None
+        if gw.recovery.recovering(name):
+            gw.recovery.want(name)
+            return ProtocolError(
+                f"stream {name!r} is still being recovered after the gateway's restart; "
+                "try again soon",
+                code=ErrorCode.RECOVERING,
+            )
+        failure = gw.recovery.failure(name)
+        if failure is not None:
+            return ProtocolError(
+                f"stream {name!r} could not be recovered: {failure}",
+                code=ErrorCode.STORAGE_UNAVAILABLE,
+            )
         quota = rights.max_streams
         if quota is None:
             quota = gw.config.streams_per_token
@@ -726,7 +741,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 f"token {rights.name!r} created its maximum of {quota} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
             )
-        if len(gw.streams) >= gw.config.max_streams:
+        if len(gw.streams) + gw.recovery.count >= gw.config.max_streams:
             return ProtocolError(
                 f"the gateway holds its maximum of {gw.config.max_streams} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
@@ -739,9 +754,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
         No guarantees are ever issued on its channel, so whatever the peer
         sends there optimistically is dropped, never stored.
         """
-        self.gateway.refusals.warning(
-            time.monotonic(), "refused stream %r to %s: %s", name, self.peer, error
-        )
+        if error.code is not ErrorCode.RECOVERING:  # expected while starting: no warning
+            self.gateway.refusals.warning(
+                time.monotonic(), "refused stream %r to %s: %s", name, self.peer, error
+            )
         self.refused[handle] = name
         text = str(error.args[0]) if error.args else ""
         self.session.send_global(
@@ -984,6 +1000,18 @@ class Gateway:
         self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
+        #: The streams found on disk at start that are not recovered yet.
+        self.recovery = StreamRecovery()
+        # Recovery runs in a thread of its own: a group commit of the streams
+        # already serving never waits behind a stream being recovered.
+        self._recovery_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="headgate-recovery"
+        )
+        self._recovery_task: asyncio.Task[None] | None = None
+        #: Seconds from listening to every stream recovered (None until then).
+        self.recovery_seconds: float | None = None
+        # Releases of streams still recovering: applied once they are.
+        self._held_releases: dict[str, int] = {}
         self._stopping = False
         #: The lock on the data directory, from start() to stop().
         self._data_lock: DirectoryLock | None = None
@@ -1025,12 +1053,34 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the data directory and start listening."""
+        """Open the data directory, start listening, and recover every stream.
+
+        Returns once every stream on disk is recovered (connections are
+        accepted meanwhile, see :meth:`listen`). A stream that cannot be
+        recovered stops the gateway again and its error is raised, so a
+        broken log is reported at start, not at the first producer.
+        """
+        await self.listen()
+        try:
+            await self.recovered()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def listen(self) -> None:
+        """Lock the data directory, listen, and recover the streams in the background.
+
+        Returns as soon as connections are accepted. The streams found on
+        disk are recovered one at a time, off the event loop
+        (:mod:`headgate.gateway.recovery` says what peers see meanwhile);
+        :meth:`recovered` waits for them.
+        """
         # Not at the first batch, on the event loop, while producers wait.
         load_accelerator()
         data = Path(self.config.data_dir)
         # One gateway per data directory: a second one would open the same
-        # logs. Held until stop(), or until this process dies.
+        # logs. Taken before listening; held until stop(), or until this
+        # process dies.
         self._data_lock = DirectoryLock.acquire(data, DATA_LOCK_FILE_NAME)
         try:
             await self._open_and_listen(data)
@@ -1038,19 +1088,37 @@ class Gateway:
             if self._metrics is not None:  # started before the listener failed
                 self._metrics.close()
                 self._metrics = None
+            for server in self._servers:
+                server.close()
             self._data_lock.release()
             raise
+        self._recovery_task = asyncio.create_task(self._recover_streams())
+
+    async def recovered(self) -> None:
+        """Wait until every stream found at start is recovered (or the gateway stops).
+
+        Raises:
+            Exception: the error of the first stream that could not be
+                recovered (a :class:`~headgate.log.LogError` naming the file).
+        """
+        if self._recovery_task is not None:
+            await asyncio.shield(self._recovery_task)
+        for error in self.recovery.failures.values():
+            raise error
 
     async def _open_and_listen(self, data: Path) -> None:
         (data / "streams").mkdir(parents=True, exist_ok=True)
         self.owners = ProducerOwners.open(
             data / "state" / "producers.log", limit=self.config.max_producer_ids
         )
-        # Streams on disk are opened now, so their dedup state is ready and a
-        # broken log is reported at start, not at the first producer.
-        for entry in sorted((data / "streams").iterdir()):
-            if entry.is_dir() and m.is_valid_name(entry.name):
-                self.stream(entry.name)
+        # Streams on disk are recovered after the listener is up (they are
+        # refused, or their requests wait, until then): what is stored does
+        # not delay the first connection.
+        self.recovery = StreamRecovery(
+            entry.name
+            for entry in sorted((data / "streams").iterdir())
+            if entry.is_dir() and m.is_valid_name(entry.name)
+        )
         loop = asyncio.get_running_loop()
         if self.config.metrics is not None:
             self._metrics = MetricsServer(self, loop)
@@ -1138,6 +1206,12 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.recovery.abandon()
+        if self._recovery_task is not None:
+            # Ends after the stream it is opening (which is then closed below).
+            with contextlib.suppress(Exception):
+                await self._recovery_task
+        self._recovery_executor.shutdown(wait=True)
         self.write_messages()
         await self._commit(list(self.streams.values()))
         for conn in list(self.connections.values()):
@@ -1162,26 +1236,97 @@ class Gateway:
     # -- streams -------------------------------------------------------------------
 
     def stream(self, name: str) -> Stream:
-        """The stream called ``name``, opened (or created) on first use."""
+        """The stream called ``name``, opened (or created) on first use.
+
+        Raises:
+            LogError: the stream is on disk and not recovered yet, or could
+                not be recovered.
+        """
         stream = self.streams.get(name)
         if stream is None:
-            capacity = self.config.stream_capacity_for(name)
-            stream = Stream.open(
-                name,
-                Path(self.config.data_dir),
-                capacity=capacity,
-                term_length=self.config.term_length,
-                max_message_size=self.config.max_message_size,
-            )
-            if stream.log.capacity != capacity:
-                # An existing log keeps the capacity it was created with; the
-                # configuration is what the operator wants now.
-                stream.set_capacity(capacity)
-            stream.flow = self._make_flow(stream)
-            stream.on_append = self._offer_to_tails
-            stream.on_acks_written = self._acks_written
-            self.streams[name] = stream
+            if self.recovery.recovering(name) or self.recovery.failure(name) is not None:
+                raise LogError(f"stream {name} is not recovered (yet)")
+            stream = self._open_stream(name)
+            self._install(stream)
         return stream
+
+    def _open_stream(self, name: str) -> Stream:
+        """Open (or create) a stream's log and rebuild its dedup state.
+
+        Touches nothing of the gateway's: it runs in the recovery thread
+        for the streams found at start.
+        """
+        return Stream.open(
+            name,
+            Path(self.config.data_dir),
+            capacity=self.config.stream_capacity_for(name),
+            term_length=self.config.term_length,
+            max_message_size=self.config.max_message_size,
+        )
+
+    def _install(self, stream: Stream) -> None:
+        """Make an opened stream serve (on the event loop)."""
+        capacity = self.config.stream_capacity_for(stream.name)
+        if stream.log.capacity != capacity:
+            # An existing log keeps the capacity it was created with; the
+            # configuration is what the operator wants now.
+            stream.set_capacity(capacity)
+        stream.flow = self._make_flow(stream)
+        stream.on_append = self._offer_to_tails
+        stream.on_acks_written = self._acks_written
+        self.streams[stream.name] = stream
+
+    async def _recover_streams(self) -> None:
+        """Recover the streams found at start, one at a time, off the event loop.
+
+        Only one thread opens them, and a stream serves only once it is
+        installed here on the loop: nothing appends to a log while it is
+        being recovered.
+        """
+        loop = asyncio.get_running_loop()
+        recovery = self.recovery
+        began = time.monotonic()
+        while not self._stopping and (name := recovery.next_name()) is not None:
+            try:
+                stream = await loop.run_in_executor(
+                    self._recovery_executor, self._open_stream, name
+                )
+            except Exception as exc:  # reported by recovered() and by every bind of it
+                recovery.failed(name, exc)
+                log.error("stream %s cannot be recovered: %s", name, exc)
+            else:
+                self._install(stream)
+                recovery.recovered(name)
+            # Requests first: a Fetch that waited was checked against the log
+            # before any Release that came while it waited.
+            self._serve_held_requests()
+            if name in self.streams:
+                self._apply_held_release(self.streams[name])
+        if recovery.finished and not self._stopping:
+            self.recovery_seconds = time.monotonic() - began
+            log.info(
+                "recovered %d streams in %.3f s%s",
+                recovery.done,
+                self.recovery_seconds,
+                f" ({len(recovery.failures)} failed)" if recovery.failures else "",
+            )
+
+    def _serve_held_requests(self) -> None:
+        """A stream was recovered (or failed): serve reader requests that waited for it."""
+        for conn in list(self.connections.values()):
+            try:
+                conn.readers.recovered()
+            except ProtocolError as error:
+                conn.refuse(error)
+
+    def _apply_held_release(self, stream: Stream) -> None:
+        position = self._held_releases.pop(stream.name, None)
+        if position is None:
+            return
+        try:
+            self.release(stream.name, position)
+        except ProtocolError as error:
+            log.warning("a Release received while recovering was refused: %s", error)
 
     def _acks_written(self, stream: Stream, arrivals: list[float]) -> None:
         """Acks for batches that arrived at ``arrivals`` were just written out."""
@@ -1349,6 +1494,12 @@ class Gateway:
     def release(self, name: str, position: int) -> None:
         """Spark is done with ``name`` before ``position``: reclaim and re-share."""
         stream = self.streams.get(name)
+        if stream is None and self.recovery.recovering(name):
+            # Applied as soon as the stream is recovered (releases are
+            # cumulative: only the highest position matters).
+            self.recovery.want(name)
+            self._held_releases[name] = max(position, self._held_releases.get(name, 0))
+            return
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
         stream.release(position)

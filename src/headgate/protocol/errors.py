@@ -74,6 +74,10 @@ class ErrorCode(IntEnum):
     #: A batch's first sequence skips ahead of the producer's next sequence on
     #: the stream (sequences are contiguous); the batch is not stored.
     OUT_OF_SEQUENCE = 21
+    #: Scoped to a stream: the gateway is still recovering the stream's log
+    #: after a restart. Not a refusal for good: nothing was stored or lost,
+    #: and the same bind succeeds once recovery is done; try again soon.
+    RECOVERING = 22
 
 
 class ProtocolError(Exception):
