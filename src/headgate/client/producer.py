@@ -197,6 +197,15 @@ class Delivery:
         if self._first is None:
             self._first = first_sequence
 
+    def _unnumbered(self, first_sequence: int) -> None:
+        """A batch numbered ``first_sequence`` lost its number (a gap renumbers it).
+
+        If it was our first batch, the number it gets next is our first: the
+        batches of one delivery are queued, and so renumbered, in order.
+        """
+        if self._first == first_sequence:
+            self._first = None
+
     def _acked(self, durable_position: int) -> None:
         self._pending -= 1
         if self._pending == 0 and not self.done():
@@ -1856,6 +1865,8 @@ class Producer:
             if batch.first_sequence < 0:
                 break
             if renumbered or batch.first_sequence != expected:
+                if batch.delivery is not None:
+                    batch.delivery._unnumbered(batch.first_sequence)
                 batch.first_sequence = -1
                 renumbered += 1
             else:
