@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from headgate import __version__
 from headgate.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -116,9 +115,25 @@ def _size(value: str | None, what: str) -> int | None:
     return None if value is None else parse_size(value, what=what)
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``: the version is looked up only here (see ``headgate.__version__``)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from headgate import __version__
+
+    click.echo(f"headgate {__version__}")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(
-    __version__, "-V", "--version", prog_name="headgate", message="%(prog)s %(version)s"
+@click.option(
+    "-V",
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_version,
+    help="Show the version and exit.",
 )
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def main(verbose: int) -> None:

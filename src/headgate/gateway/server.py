@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headgate.config import ConfigError, GatewayConfig, StreamSettings, format_address
 from headgate.costs import batch_cost
@@ -76,7 +77,6 @@ from headgate.gateway.budget import (
     token_key,
 )
 from headgate.gateway.identity import ProducerOwners, hello_owner
-from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import ReaderConnection, TailHub
 from headgate.gateway.recovery import StreamRecovery
@@ -104,6 +104,9 @@ from headgate.protocol.session import (
     Session,
     StreamBound,
 )
+
+if TYPE_CHECKING:
+    from headgate.gateway.metrics import MetricsServer
 
 log = logging.getLogger("headgate.gateway")
 
@@ -1121,6 +1124,10 @@ class Gateway:
         )
         loop = asyncio.get_running_loop()
         if self.config.metrics is not None:
+            # Imported only here: prometheus-client is not on the start-up
+            # path of a gateway without --metrics.
+            from headgate.gateway.metrics import MetricsServer
+
             self._metrics = MetricsServer(self, loop)
             with _binding(*self.config.metrics):
                 self.metrics_address = self._metrics.start(*self.config.metrics)
