@@ -32,6 +32,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import decode_records
 from tests.client.test_producer import read_log, run, values_in_order
 from tests.gateway.test_gateway import RawPeer
+from tests.gateway.test_metrics import scrape
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,13 +41,14 @@ ROOT = Path(__file__).resolve().parents[2]
 HELD_S = 0.4
 
 
-def settings(data_dir: Path) -> GatewayConfig:
+def settings(data_dir: Path, **more: object) -> GatewayConfig:
     return GatewayConfig(
         listen=("127.0.0.1", 0),
         data_dir=data_dir,
         term_length=2 * 1024 * 1024,
         stream_capacity=16 * 1024 * 1024,
         group_commit_interval_ms=1.0,
+        **more,  # type: ignore[arg-type]
     )
 
 
@@ -91,8 +93,8 @@ class Gates:
 
 
 @contextlib.asynccontextmanager
-async def listening(data_dir: Path, gates: Gates) -> AsyncIterator[Gateway]:
-    gw = Gateway(settings(data_dir))
+async def listening(data_dir: Path, gates: Gates, **more: object) -> AsyncIterator[Gateway]:
+    gw = Gateway(settings(data_dir, **more))
     await gw.listen()
     try:
         yield gw
@@ -110,15 +112,17 @@ def test_a_gateway_with_many_streams_accepts_a_connection_before_it_recovers_the
         await fill(tmp_path, names, 1, producer_id=1)
         gates = Gates(names)
         gates.install(monkeypatch)
-        async with listening(tmp_path, gates) as gw:
+        async with listening(tmp_path, gates, metrics=("127.0.0.1", 0)) as gw:
             peer = RawPeer(producer_id=2)
             await peer.connect(gw.address)  # Hello answered with Welcome
             assert gw.recovery.count == 40 and not gw.streams
+            assert (await scrape(gw)).gateway["streams_recovering"] == 40
             await peer.close()
             gates.open()
             await asyncio.wait_for(gw.recovered(), 20)
             assert sorted(gw.streams) == names and gw.recovery.count == 0
             assert gw.recovery_seconds is not None
+            assert (await scrape(gw)).gateway["streams_recovering"] == 0
 
     run(scenario(), timeout=40)
 
