@@ -349,6 +349,16 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
         click.echo(f"listening on unix:{cfg.unix_socket}")
     sys.stdout.flush()
     recovered = asyncio.ensure_future(gateway.recovered())
+
+    def say_recovered(done: asyncio.Future[None]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        if gateway.recovery_seconds is not None:
+            serve_log.info(
+                "recovered %d streams in %.3f s", gateway.recovery.done, gateway.recovery_seconds
+            )
+
+    recovered.add_done_callback(say_recovered)
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({recovered, stopped}, return_when=asyncio.FIRST_COMPLETED)
     failure = recovered.exception() if recovered.done() else None

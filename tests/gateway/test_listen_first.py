@@ -33,6 +33,7 @@ from headgate.protocol.records import decode_records
 from tests.client.test_producer import read_log, run, values_in_order
 from tests.gateway.test_gateway import RawPeer
 from tests.gateway.test_metrics import scrape
+from tests.serving import serve, stop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -332,3 +333,14 @@ def test_serve_listens_then_reports_a_stream_it_cannot_recover_as_before(tmp_pat
     assert done.stdout.startswith("listening on 127.0.0.1:")
     assert "headgate serve: cannot start: " in done.stderr
     assert META_FILE_NAME in done.stderr and "Traceback" not in done.stderr
+
+
+def test_serve_says_when_every_stream_is_recovered(tmp_path: Path) -> None:
+    run(fill(tmp_path, ["a", "b", "c"], 1, producer_id=7), timeout=20)
+    proc, _ = serve(tmp_path, "--term-length", "2MiB")
+    assert proc.stderr is not None
+    try:
+        line = proc.stderr.readline()  # bounded: serve logs it within seconds, or stop() ends it
+        assert "INFO headgate.serve: recovered 3 streams in " in line, line
+    finally:
+        stop(proc)

@@ -1311,7 +1311,7 @@ class Gateway:
                 self._apply_held_release(self.streams[name])
         if recovery.finished and not self._stopping:
             self.recovery_seconds = time.monotonic() - began
-            log.info(
+            log.debug(  # headgate serve says it at its default verbosity
                 "recovered %d streams in %.3f s%s",
                 recovery.done,
                 self.recovery_seconds,
