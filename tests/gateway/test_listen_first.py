@@ -43,14 +43,15 @@ HELD_S = 0.4
 
 
 def settings(data_dir: Path, **more: object) -> GatewayConfig:
-    return GatewayConfig(
+    base: dict[str, object] = dict(
         listen=("127.0.0.1", 0),
         data_dir=data_dir,
         term_length=2 * 1024 * 1024,
         stream_capacity=16 * 1024 * 1024,
         group_commit_interval_ms=1.0,
-        **more,  # type: ignore[arg-type]
     )
+    base.update(more)
+    return GatewayConfig(**base)  # type: ignore[arg-type]
 
 
 async def fill(data_dir: Path, streams: Iterable[str], records: int, producer_id: int) -> None:
@@ -151,6 +152,39 @@ def test_a_producer_bound_to_a_recovering_stream_waits_then_stores_exactly_once(
         frames = read_log(tmp_path, "a")
         assert values_in_order(frames, 7) == [f"a-{i}".encode() for i in range(5)]
         assert values_in_order(frames, 9) == [f"new-{i}".encode() for i in range(100)]
+
+    run(scenario(), timeout=40)
+
+
+def test_a_producer_that_outlives_its_gateway_waits_for_the_restart_to_recover_its_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def scenario() -> None:
+        first = Gateway(settings(tmp_path))
+        await first.start()
+        address = first.address
+        producer = Producer(address, producer_id=5, linger_ms=0, reconnect_timeout=30)
+        await producer.connect()
+        try:
+            for i in range(50):
+                await producer.send("a", f"r{i}".encode())
+            await producer.flush("a")
+            await first.stop()
+            for i in range(50, 100):  # buffered while no gateway is there
+                await producer.send("a", f"r{i}".encode())
+            gates = Gates(["a"])
+            gates.install(monkeypatch)
+            async with listening(tmp_path, gates, listen=address) as gw:
+                flushed = asyncio.ensure_future(producer.flush("a"))
+                await asyncio.sleep(HELD_S)
+                assert not flushed.done() and gw.recovery.recovering("a")
+                gates.open()
+                await asyncio.wait_for(flushed, 20)
+                await producer.close()
+        finally:
+            await producer.abort()
+        expected = [f"r{i}".encode() for i in range(100)]
+        assert values_in_order(read_log(tmp_path, "a"), 5) == expected
 
     run(scenario(), timeout=40)
 
