@@ -3,8 +3,8 @@
 A gateway listens before it recovers its streams (issue 15: restart time
 must not grow with what is stored). The streams found on disk at start are
 *recovering* until their log is reopened and their dedup state rebuilt,
-which :class:`~headgate.gateway.server.Gateway` does one stream at a time in
-a worker thread. Meanwhile:
+which :class:`~headgate.gateway.server.Gateway` does off the event loop, a
+few streams at a time, each in one worker thread. Meanwhile:
 
 * a writer's bind of a recovering stream is refused with ``RECOVERING``,
   scoped to the stream (try again soon); the producer binds again after a
@@ -40,8 +40,8 @@ class StreamRecovery:
         # Insertion order is recovery order; a wanted stream moves to the front.
         self._pending: dict[str, None] = dict.fromkeys(names)
         self._wanted: dict[str, None] = {}
-        #: The stream being opened now, or None.
-        self.in_progress: str | None = None
+        #: The streams being opened now.
+        self.in_progress: set[str] = set()
         #: Streams whose recovery failed, with the error.
         self.failures: dict[str, Exception] = {}
         #: Streams recovered so far.
@@ -55,7 +55,7 @@ class StreamRecovery:
     @property
     def count(self) -> int:
         """Streams not recovered yet (pending or in progress)."""
-        return len(self._pending) + (self.in_progress is not None)
+        return len(self._pending) + len(self.in_progress)
 
     @property
     def finished(self) -> bool:
@@ -64,12 +64,11 @@ class StreamRecovery:
 
     def recovering(self, name: str) -> bool:
         """Whether ``name`` is a stream on disk that is not recovered yet."""
-        return name == self.in_progress or name in self._pending
+        return name in self.in_progress or name in self._pending
 
     def names(self) -> list[str]:
         """The streams not recovered yet."""
-        pending = list(self._pending)
-        return pending if self.in_progress is None else [self.in_progress, *pending]
+        return [*sorted(self.in_progress), *self._pending]
 
     def failure(self, name: str) -> Exception | None:
         """Why ``name`` could not be recovered, or None."""
@@ -82,7 +81,6 @@ class StreamRecovery:
 
     def next_name(self) -> str | None:
         """Take the next stream to recover (the first wanted one, else the first on disk)."""
-        assert self.in_progress is None, "one stream at a time"
         if self._wanted:
             name = next(iter(self._wanted))
             del self._wanted[name]
@@ -91,19 +89,17 @@ class StreamRecovery:
         else:
             return None
         del self._pending[name]
-        self.in_progress = name
+        self.in_progress.add(name)
         return name
 
     def recovered(self, name: str) -> None:
         """``name`` is open and serving."""
-        assert name == self.in_progress
-        self.in_progress = None
+        self.in_progress.remove(name)
         self.done += 1
 
     def failed(self, name: str, error: Exception) -> None:
         """``name`` could not be recovered."""
-        assert name == self.in_progress
-        self.in_progress = None
+        self.in_progress.remove(name)
         self.failures[name] = error
 
     def abandon(self) -> None:
