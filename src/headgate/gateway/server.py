@@ -127,9 +127,13 @@ EVENT_COSTS: dict[type, float] = {
     HelloReceived: Cost.HELLO,
     Absolved: Cost.ABSOLVE,
 }
-#: Streams recovered at once after a start, each in its own thread: a cold
-#: start waits mostly on reads and fsyncs, which overlap across streams.
-RECOVERY_THREADS = 4
+#: Streams recovered at once after a start, each in its own thread: a
+#: stream's recovery waits mostly on fsyncs, an unlink and the reservation of
+#: its next term, which overlap across streams. Not more: while recovery
+#: reads frame headers (Python), each thread takes the interpreter lock from
+#: the event loop (with 4, a loop round trip took up to 100 ms; with 1 or 2,
+#: about 30 ms).
+RECOVERY_THREADS = 2
 #: Bytes of a connection's first receive ring.
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
