@@ -1012,7 +1012,7 @@ class Gateway:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
         #: The streams found on disk at start that are not recovered yet.
         self.recovery = StreamRecovery()
-        # Recovery runs in a thread of its own: a group commit of the streams
+        # Recovery runs in threads of its own: a group commit of the streams
         # already serving never waits behind a stream being recovered.
         self._recovery_executor = ThreadPoolExecutor(
             max_workers=RECOVERY_THREADS, thread_name_prefix="headgate-recovery"
