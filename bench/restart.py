@@ -18,18 +18,24 @@ For each case (number of streams x frame size) the benchmark:
    under the data directory evicted with
    ``posix_fadvise(POSIX_FADV_DONTNEED)`` first), starts ``headgate serve``
    again and times it from the moment before ``Popen`` to the first accepted
-   connection, then SIGKILLs it.
+   connection, and to every stream recovered, then SIGKILLs it.
 
 "First accepted connection" means a TCP ``connect()`` that succeeds *and* a
-Hello that gets its Welcome: the gateway listens only once it can serve, so
-a connect alone would already tell, but the Welcome proves the event loop is
-running and answering. Both times are reported (``connect``, ``welcome``).
+Hello that gets its Welcome: the Welcome proves the event loop is running
+and answering. The gateway listens before it recovers its streams, so this
+is not yet when every stream serves: that is the third figure,
+``recovered``, when a ListStreams sent right after the Welcome is answered
+(the gateway answers a listing only once no stream is recovering, and the
+benchmark checks that it lists every stream). All three are reported
+(``connect``, ``welcome``, ``recovered``).
 
 In the same run, and under the same conditions, it times ``python -c pass``
 (the interpreter alone) and ``python -c "import headgate.gateway"`` (the
-gateway's imports), the floor under any restart. Each figure is the median of
-the rounds, with the maximum beside it. The machine may be shared; compare
-figures only within one run.
+gateway's imports), the floor under any restart: before and after all the
+cases, and before each case (``import`` on its line), with the load average
+of the machine at that moment. Each figure is the median of the rounds, with
+the maximum beside it. The machine may be shared; compare figures only
+within one run.
 
 The data directory is made under ``--dir`` (default: the system's temporary
 folder) and deleted at the end unless ``--keep``. Check free space first
@@ -140,11 +146,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def handshake(port: int, deadline: float) -> tuple[float, float]:
-    """Connect (retrying while refused), say Hello, wait for Welcome; return both times."""
+def handshake(port: int, deadline: float, streams: int) -> tuple[float, float, float]:
+    """Connect (retrying while refused), say Hello, wait for Welcome, then list the streams.
+
+    Returns when it connected, when Welcome came, and when the listing came
+    (which the gateway answers once every stream is recovered).
+    """
     hello = encode_frame(
         SendGlobal(payload=m.encode_message(m.Hello(producer_id=1, client_name="bench")))
     )
+    listing = encode_frame(SendGlobal(payload=m.encode_message(m.ListStreams(request_id=1))))
     while True:
         try:
             sock = socket.create_connection(("127.0.0.1", port), timeout=START_TIMEOUT_S)
@@ -154,24 +165,34 @@ def handshake(port: int, deadline: float) -> tuple[float, float]:
                 raise TimeoutError("the gateway never accepted a connection") from None
             time.sleep(0.002)
     connected = time.perf_counter()
+    welcomed = None
     with sock:
         sock.sendall(hello)
-        decoder = FrameDecoder(max_payload=1 << 20)
+        decoder = FrameDecoder(max_payload=1 << 24)
         while True:
             chunk = sock.recv(65536)
             if not chunk:
-                raise ConnectionError("the gateway closed the connection before Welcome")
+                raise ConnectionError("the gateway closed the connection before listing")
             for frame in decoder.feed(chunk):
-                if isinstance(frame, SendGlobal) and isinstance(
-                    m.decode_global(frame.payload), m.Welcome
-                ):
-                    return connected, time.perf_counter()
+                if not isinstance(frame, SendGlobal):
+                    continue
+                message = m.decode_global(frame.payload)
+                if isinstance(message, m.Welcome):
+                    welcomed = time.perf_counter()
+                    sock.sendall(listing)
+                elif isinstance(message, m.StreamList):
+                    if len(message.streams) != streams:
+                        raise AssertionError(
+                            f"listed {len(message.streams)} streams, expected {streams}"
+                        )
+                    assert welcomed is not None
+                    return connected, welcomed, time.perf_counter()
 
 
 def start_gateway(
-    data_dir: Path, port: int, capacity: int, term_length: int
-) -> tuple[float, float]:
-    """Start `headgate serve`, time it to connect and to Welcome, SIGKILL it."""
+    data_dir: Path, port: int, capacity: int, term_length: int, streams: int
+) -> tuple[float, float, float]:
+    """Start `headgate serve`, time it to connect, to Welcome and to recovered; SIGKILL it."""
     command = [
         sys.executable,
         "-m",
@@ -191,7 +212,7 @@ def start_gateway(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
     )
     try:
-        connected, welcomed = handshake(port, started + START_TIMEOUT_S)
+        connected, welcomed, recovered = handshake(port, started + START_TIMEOUT_S, streams)
     except BaseException:
         process.kill()
         _, err = process.communicate(timeout=30)
@@ -199,7 +220,7 @@ def start_gateway(
         raise
     process.send_signal(signal.SIGKILL)
     process.communicate(timeout=30)
-    return connected - started, welcomed - started
+    return connected - started, welcomed - started, recovered - started
 
 
 def time_python(args: list[str]) -> float:
@@ -218,28 +239,39 @@ def run_case(args: argparse.Namespace, case: Case, base: Path) -> None:
         began = time.perf_counter()
         frames = fill(data_dir, case, args.term_length)
         filled = time.perf_counter() - began
+        imports = [time_python(["-c", "import headgate.gateway"]) for _ in range(3)]
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         print(
             f"\n{case.streams} stream(s), {human(case.frame)} frames, {human(case.total)}: "
-            f"{frames} frames written in {filled:.1f} s",
+            f"{frames} frames written in {filled:.1f} s; load average {load}; "
+            f"import headgate.gateway {summary(imports)}",
             flush=True,
         )
         port = free_port()
         capacity = case.total // case.streams // 8 * 8 + 4 * args.term_length
-        first = start_gateway(data_dir, port, capacity, args.term_length)
-        print(f"  first start (then SIGKILL)    welcome {first[1] * 1000:7.0f} ms", flush=True)
+        first = start_gateway(data_dir, port, capacity, args.term_length, case.streams)
+        print(
+            f"  first start (then SIGKILL)    welcome {first[1] * 1000:7.0f} ms  "
+            f"recovered {first[2] * 1000:7.0f} ms",
+            flush=True,
+        )
         modes = ["warm"] if args.no_cold else ["warm", "cold"]
         for mode in modes:
             connects: list[float] = []
             welcomes: list[float] = []
+            recovers: list[float] = []
             for _ in range(args.rounds):
                 if mode == "cold":
                     evict(data_dir)
-                connect, welcome = start_gateway(data_dir, port, capacity, args.term_length)
+                connect, welcome, recovered = start_gateway(
+                    data_dir, port, capacity, args.term_length, case.streams
+                )
                 connects.append(connect)
                 welcomes.append(welcome)
+                recovers.append(recovered)
             print(
                 f"  restart after SIGKILL, {mode}:  connect {summary(connects)}  "
-                f"welcome {summary(welcomes)}",
+                f"welcome {summary(welcomes)}  recovered {summary(recovers)}",
                 flush=True,
             )
     finally:
@@ -315,7 +347,7 @@ def main() -> int:
         time_all()
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; medians of {args.rounds} "
-        f"round(s), from Popen to connect() and to Welcome"
+        f"round(s), from Popen to connect(), to Welcome and to every stream recovered"
     )
     for name, values in python.items():
         print(f"  python -c {name!r:28} {summary(values)}")

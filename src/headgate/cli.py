@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
-from headgate import __version__
 from headgate.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -116,9 +115,25 @@ def _size(value: str | None, what: str) -> int | None:
     return None if value is None else parse_size(value, what=what)
 
 
+def _show_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``--version``: the version is looked up only here (see ``headgate.__version__``)."""
+    if not value or ctx.resilient_parsing:
+        return
+    from headgate import __version__
+
+    click.echo(f"headgate {__version__}")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(
-    __version__, "-V", "--version", prog_name="headgate", message="%(prog)s %(version)s"
+@click.option(
+    "-V",
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_show_version,
+    help="Show the version and exit.",
 )
 @click.option("-v", "--verbose", count=True, help="More log output (-vv for debug).")
 def main(verbose: int) -> None:
@@ -304,7 +319,9 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
         click.echo(f"headgate serve: {exc}", err=True)
         sys.exit(2)
     try:
-        await gateway.start()
+        # Listening first: the streams on disk are recovered after this, in
+        # the background (a bind of one still recovering is told to retry).
+        await gateway.listen()
     except DirectoryInUse as exc:
         click.echo(f"headgate serve: {_in_use(exc)}", err=True)
         sys.exit(1)
@@ -331,8 +348,30 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     if cfg.unix_socket is not None:
         click.echo(f"listening on unix:{cfg.unix_socket}")
     sys.stdout.flush()
-    await stop.wait()
+    recovered = asyncio.ensure_future(gateway.recovered())
+
+    def say_recovered(done: asyncio.Future[None]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return
+        if gateway.recovery_seconds is not None:
+            serve_log.info(
+                "recovered %d streams in %.3f s", gateway.recovery.done, gateway.recovery_seconds
+            )
+
+    recovered.add_done_callback(say_recovered)
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({recovered, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    failure = recovered.exception() if recovered.done() else None
+    if failure is None:
+        await stopped
+    stopped.cancel()
+    recovered.cancel()
     await gateway.stop()
+    if failure is not None:
+        # As when the gateway recovered its streams before listening: a log
+        # it cannot recover ends the start (the text names the file).
+        click.echo(f"headgate serve: cannot start: {failure}", err=True)
+        sys.exit(1)
     serve_log.info("gateway stopped cleanly")
 
 

@@ -157,3 +157,25 @@ def test_batches_after_a_gap_in_what_is_resent_are_numbered_afresh(tmp_path: Pat
         assert values_in_order(read_log(tmp_path, "s"), 99) == [*first, *later, b"new"]
 
     run(scenario())
+
+
+def test_a_delivery_renumbered_after_a_gap_reports_its_new_first_sequence(
+    tmp_path: Path,
+) -> None:
+    # The gateway holds nothing of producer 98: its resent batch at 3 follows
+    # a gap, so it is stored at 0, and its BatchResult must say 0, not 3.
+    async def scenario() -> None:
+        async with gateway(tmp_path) as gw, Producer(gw.address, producer_id=98) as p:
+            deliveries = p.resend(
+                [
+                    PendingBatch("s", 3, 2, encode_records([b"a", b"b"])),
+                    PendingBatch("s", 5, 1, encode_records([b"c"])),
+                ]
+            )
+            result = await deliveries["s"]
+            assert (result.first_sequence, result.record_count) == (0, 3)
+        frames = read_log(tmp_path, "s")
+        assert [f.first_sequence for f in frames] == [0, 2]
+        assert values_in_order(frames, 98) == [b"a", b"b", b"c"]
+
+    run(scenario())

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from headgate.gateway.streams import AppendOutcome
-from headgate.log import LogReader, frame_cost
+from headgate.gateway.streams import AppendOutcome, Stream
+from headgate.log import LogReader, StreamLog, frame_cost
 from tests.gateway._restart_child import (
     PRODUCER,
     SYNC_EVERY,
@@ -180,3 +180,38 @@ def test_without_a_snapshot_every_frame_is_read_once_and_then_saved(tmp_path: Pa
         assert stream.dedup[PRODUCER] == 300
     finally:
         stream.close()
+
+
+def test_few_big_frames_read_at_open_are_saved_too(tmp_path: Path) -> None:
+    # 80 frames of 256 KiB: far below the 1024 headers that alone would call
+    # for a snapshot at open, but cold each header is a disk read, and the
+    # next start after a crash must not read them all again.
+    directory = tmp_path / "streams" / "s"
+    log = StreamLog.open(directory, term_length=4 * 1024 * 1024, capacity=64 * 1024 * 1024)
+    try:
+        payload = bytes(256 * 1024)
+        for sequence in range(80):
+            log.append(
+                payload, producer_id=7, first_sequence=sequence, record_count=1, timestamp_us=0
+            )
+        log.sync()
+    finally:
+        log.close()
+
+    def reopen() -> Stream:
+        return Stream.open(
+            "s",
+            tmp_path,
+            capacity=64 * 1024 * 1024,
+            term_length=4 * 1024 * 1024,
+            max_message_size=512 * 1024,
+        )
+
+    first = reopen()
+    assert first.recovered_frames == 80 and first.dedup == {7: 80}
+    first.log.close()  # a crash: no clean close, no snapshot from it
+    again = reopen()
+    try:
+        assert again.recovered_frames == 0 and again.dedup == {7: 80}
+    finally:
+        again.close()

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 import os
 import secrets
@@ -196,6 +197,15 @@ class Delivery:
         if self._first is None:
             self._first = first_sequence
 
+    def _unnumbered(self, first_sequence: int) -> None:
+        """A batch numbered ``first_sequence`` lost its number (a gap renumbers it).
+
+        If it was our first batch, the number it gets next is our first: the
+        batches of one delivery are queued, and so renumbered, in order.
+        """
+        if self._first == first_sequence:
+            self._first = None
+
     def _acked(self, durable_position: int) -> None:
         self._pending -= 1
         if self._pending == 0 and not self.done():
@@ -334,9 +344,11 @@ class _Stream:
         "opened_at",
         "queue",
         "ready",
+        "rebind",
         "records_acked",
         "records_sent",
         "records_spooled",
+        "recovery_backoff",
         "refusal_reported",
         "room",
         "scheduled",
@@ -378,6 +390,10 @@ class _Stream:
         # Per connection: our handle, and whether its initial Ack arrived.
         self.handle: int | None = None
         self.ready = False
+        # While the gateway is still recovering the stream after a restart
+        # (RECOVERING): the pauses between binds, and the next bind's timer.
+        self.recovery_backoff: Backoff | None = None
+        self.rebind: asyncio.TimerHandle | None = None
         self.scheduled = False
         self.failure: ProducerError | None = None
         self.refusal_reported = False
@@ -1374,6 +1390,8 @@ class Producer:
                 continue
             handle = s.handle
             if handle is None:
+                if s.rebind is not None:
+                    continue  # the gateway is recovering it: bound when the pause ends
                 if s.queue or s.values:
                     handle = session.bind_stream(s.name)
                     if handle is None:
@@ -1654,6 +1672,8 @@ class Producer:
                         # A notice, not a refusal: the gateway keeps what it
                         # has and sends guarantees again once it can store.
                         s.storage_full = message.text or "the gateway's storage is full"
+                    elif s is not None and message.code is ErrorCode.RECOVERING:
+                        self._bind_again_later(conn, s, scope.handle, message.text)
                     elif s is not None:
                         self._refuse(s, StreamRefused(s.name, message.code, message.text))
                 return
@@ -1668,6 +1688,49 @@ class Producer:
             if message.text:
                 text += f": {message.text}"
             conn.close(text)
+
+    def _bind_again_later(self, conn: _Connection, s: _Stream, handle: int, text: str) -> None:
+        """The gateway is still recovering stream ``s`` after its restart: bind it again soon.
+
+        Nothing was sent on the refused handle (batches wait for the bind's
+        Ack), so it is freed and a new bind follows a pause from the same
+        schedule as reconnecting (:class:`Backoff`: growing pauses, and the
+        stream is given up with ``RECOVERING`` after ``reconnect_timeout``).
+        The stream's records stay queued meanwhile, unnumbered, so what is
+        sent once the gateway takes the bind is stored exactly once.
+        """
+        loop = self._loop
+        assert loop is not None
+        now = loop.time()
+        if s.recovery_backoff is None:
+            s.recovery_backoff = Backoff(
+                now,
+                give_up_after=self._reconnect_timeout,
+                first=_BACKOFF_START,
+                longest=_BACKOFF_MAX,
+            )
+        conn.handles.pop(handle, None)
+        s.handle = None
+        s.ready = False
+        with contextlib.suppress(ValueError):
+            conn.session.free_stream(handle)
+        pause = s.recovery_backoff.failed(now)
+        if pause is None:
+            self._refuse(
+                s,
+                StreamRefused(
+                    s.name,
+                    ErrorCode.RECOVERING,
+                    f"{text} (still recovering after {self._reconnect_timeout:g} s)",
+                ),
+            )
+            return
+        s.rebind = loop.call_later(pause, self._bind_again, s)
+
+    def _bind_again(self, s: _Stream) -> None:
+        s.rebind = None
+        self._mark(s)
+        self._pump()
 
     def _attach(self, conn: _Connection, welcome: m.Welcome) -> None:
         loop = self._loop
@@ -1745,6 +1808,10 @@ class Producer:
                 s.unacked.clear()
             s.handle = None
             s.ready = False
+            if s.rebind is not None:
+                # A new connection binds at once; the give-up deadline runs on.
+                s.rebind.cancel()
+                s.rebind = None
         conn.handles.clear()
         conn.bind_blocked.clear()
 
@@ -1764,6 +1831,7 @@ class Producer:
             # sequence ends. Batches below it were stored before (a lost
             # ack, or an earlier run with this producer id).
             s.ready = True
+            s.recovery_backoff = None
             queue = s.queue
             while queue and 0 <= queue[0].first_sequence < next_sequence:
                 self._acked(s, queue.popleft(), ack.durable_position, now)
@@ -1797,6 +1865,8 @@ class Producer:
             if batch.first_sequence < 0:
                 break
             if renumbered or batch.first_sequence != expected:
+                if batch.delivery is not None:
+                    batch.delivery._unnumbered(batch.first_sequence)
                 batch.first_sequence = -1
                 renumbered += 1
             else:
@@ -1852,6 +1922,9 @@ class Producer:
         if s.linger is not None:
             s.linger.cancel()
             s.linger = None
+        if s.rebind is not None:
+            s.rebind.cancel()
+            s.rebind = None
         s.values = []
         s.keys = None
         s.open_bytes = _BLOCK_BASE

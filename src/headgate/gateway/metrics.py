@@ -78,6 +78,8 @@ class GatewaySnapshot:
     connections: list[ConnectionStatistics]
     queued_messages: int
     durability_loans: int
+    #: Streams found on disk at start and not recovered yet.
+    streams_recovering: int = 0
 
 
 def snapshot(gateway: Gateway) -> GatewaySnapshot:
@@ -103,6 +105,7 @@ def snapshot(gateway: Gateway) -> GatewaySnapshot:
         connections=gateway.connection_statistics(),
         queued_messages=len(gateway.queue),
         durability_loans=gateway.durability.outstanding(),
+        streams_recovering=gateway.recovery.count,
     )
 
 
@@ -249,6 +252,11 @@ class GatewayCollector(Collector):
             "headgate_durability_loans",
             "Batches appended and waiting for the disk.",
             value=snap.durability_loans,
+        )
+        yield GaugeMetricFamily(
+            "headgate_streams_recovering",
+            "Streams found on disk at start and not recovered yet (their binds get RECOVERING).",
+            value=snap.streams_recovering,
         )
         yield build_info()
 

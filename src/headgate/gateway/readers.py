@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from headgate.gateway.accounts import Account
 from headgate.gateway.budget import Cost, PeerShare
+from headgate.gateway.recovery import StreamRecovery
 from headgate.gateway.streams import Stream
 from headgate.log import LogError, LogFrame
 from headgate.protocol import messages as m
@@ -44,7 +45,10 @@ from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
 
-__all__ = ["MAX_BACKLOG", "ReaderConnection", "Subscription", "TailHub"]
+__all__ = ["MAX_BACKLOG", "ReaderConnection", "ReaderRequest", "Subscription", "TailHub"]
+
+#: What a reader asks of the gateway that this module serves.
+ReaderRequest = m.Fetch | m.Subscribe | m.ListStreams | m.DescribeStreams
 
 log = logging.getLogger("headgate.gateway")
 
@@ -181,6 +185,8 @@ class ReaderConnection:
         later: runs a callable on the event loop after a delay in seconds (0: soon).
         fail: closes the connection with an Error (for failures outside
             event handling, where raising would reach nobody).
+        recovery: the streams the gateway is still recovering after its
+            start: requests that need one of them wait (see :meth:`recovered`).
         charge: pays units of work from the connection's budget; returns
             the seconds to wait before more is done for it (0: none).
         share: the budget share the connection pays from (for the
@@ -199,6 +205,7 @@ class ReaderConnection:
         backlog: Callable[[], int],
         later: Callable[[float, Callable[[], None]], object],
         fail: Callable[[ProtocolError], None],
+        recovery: StreamRecovery | None = None,
         charge: Callable[[float], float] = lambda units: 0.0,
         share: Callable[[], PeerShare | None] = lambda: None,
         max_subscriptions: int = 64,
@@ -211,6 +218,10 @@ class ReaderConnection:
         self._backlog = backlog
         self._later = later
         self._fail = fail
+        self._recovery = recovery or StreamRecovery()
+        # Requests waiting for streams being recovered, in arrival order
+        # (with the ListStreams visibility of each).
+        self._held: deque[tuple[ReaderRequest, Callable[[str], bool]]] = deque()
         self._charge = charge
         self._share = share
         self._max_subscriptions = max_subscriptions
@@ -241,14 +252,50 @@ class ReaderConnection:
 
     def on_request(
         self,
-        message: m.Fetch | m.Subscribe | m.ListStreams | m.DescribeStreams,
+        message: ReaderRequest,
         visible: Callable[[str], bool] = lambda name: True,
     ) -> None:
         """A reader's request arrived; raises ProtocolError for one that cannot be served.
 
         ``visible`` says which streams ListStreams and DescribeStreams show (those
         the peer may read).
+
+        A request that needs a stream the gateway is still recovering waits,
+        and so does every request after it (the requests of a connection are
+        answered in order, and the k-th bind answers the k-th request that
+        needs one): a Fetch or Subscribe of that stream, a ListStreams while
+        any stream the peer may see is recovering.
         """
+        if self._held or self._must_wait(message, visible):
+            self._check_count(len(self._held), "requests waiting for recovering streams")
+            self._held.append((message, visible))
+            return
+        self._accept(message, visible)
+
+    def _must_wait(self, message: ReaderRequest, visible: Callable[[str], bool]) -> bool:
+        recovery = self._recovery
+        if isinstance(message, m.ListStreams | m.DescribeStreams):
+            return any(visible(name) for name in recovery.names())
+        if recovery.recovering(message.stream):
+            recovery.want(message.stream)
+            return True
+        return False
+
+    def recovered(self) -> None:
+        """The gateway recovered a stream (or gave up on one): serve what waited for it.
+
+        Raises:
+            ProtocolError: a request that waited cannot be served after all.
+        """
+        while self._held and not self._must_wait(*self._held[0]):
+            message, visible = self._held.popleft()
+            self._accept(message, visible)
+
+    def _accept(
+        self,
+        message: ReaderRequest,
+        visible: Callable[[str], bool],
+    ) -> None:
         match message:
             case m.ListStreams() | m.DescribeStreams():
                 # Answered in a serving turn, within the budget: a listing
@@ -320,6 +367,12 @@ class ReaderConnection:
 
     def _stream(self, name: str) -> Stream:
         stream = self._streams.get(name)
+        failure = self._recovery.failure(name)
+        if stream is None and failure is not None:
+            raise ProtocolError(
+                f"stream {name!r} could not be recovered: {failure}",
+                code=ErrorCode.STORAGE_UNAVAILABLE,
+            )
         if stream is None:
             raise ProtocolError(
                 f"the gateway holds no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME

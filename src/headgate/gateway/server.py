@@ -60,6 +60,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from headgate.config import (
     ConfigError,
@@ -82,9 +83,9 @@ from headgate.gateway.budget import (
     token_key,
 )
 from headgate.gateway.identity import ProducerOwners, hello_owner
-from headgate.gateway.metrics import MetricsServer
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import ReaderConnection, TailHub
+from headgate.gateway.recovery import StreamRecovery
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
 from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
@@ -110,6 +111,9 @@ from headgate.protocol.session import (
     StreamBound,
 )
 
+if TYPE_CHECKING:
+    from headgate.gateway.metrics import MetricsServer
+
 log = logging.getLogger("headgate.gateway")
 
 #: How long a closing connection may take to deliver its last bytes before
@@ -129,6 +133,13 @@ EVENT_COSTS: dict[type, float] = {
     HelloReceived: Cost.HELLO,
     Absolved: Cost.ABSOLVE,
 }
+#: Streams recovered at once after a start, each in its own thread: a
+#: stream's recovery waits mostly on fsyncs, an unlink and the reservation of
+#: its next term, which overlap across streams. Not more: while recovery
+#: reads frame headers (Python), each thread takes the interpreter lock from
+#: the event loop (with 4, a loop round trip took up to 100 ms; with 1 or 2,
+#: about 30 ms).
+RECOVERY_THREADS = 2
 #: Bytes of a connection's first receive ring.
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
@@ -253,6 +264,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             backlog=self._write_backlog,
             later=_later,
             fail=lambda error: self.refuse(error),
+            recovery=gateway.recovery,
             charge=self.charge,
             share=lambda: self.share,
             max_subscriptions=gateway.config.max_subscriptions,
@@ -731,6 +743,19 @@ class GatewayConnection(asyncio.BufferedProtocol):
         gw = self.gateway
         if name in gw.streams:
             return None
+        if gw.recovery.recovering(name):
+            gw.recovery.want(name)
+            return ProtocolError(
+                f"stream {name!r} is still being recovered after the gateway's restart; "
+                "try again soon",
+                code=ErrorCode.RECOVERING,
+            )
+        failure = gw.recovery.failure(name)
+        if failure is not None:
+            return ProtocolError(
+                f"stream {name!r} could not be recovered: {failure}",
+                code=ErrorCode.STORAGE_UNAVAILABLE,
+            )
         quota = rights.max_streams
         if quota is None:
             quota = gw.config.streams_per_token
@@ -739,7 +764,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 f"token {rights.name!r} created its maximum of {quota} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
             )
-        if len(gw.streams) >= gw.config.max_streams:
+        if len(gw.streams) + gw.recovery.count >= gw.config.max_streams:
             return ProtocolError(
                 f"the gateway holds its maximum of {gw.config.max_streams} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
@@ -752,9 +777,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
         No guarantees are ever issued on its channel, so whatever the peer
         sends there optimistically is dropped, never stored.
         """
-        self.gateway.refusals.warning(
-            time.monotonic(), "refused stream %r to %s: %s", name, self.peer, error
-        )
+        if error.code is not ErrorCode.RECOVERING:  # expected while starting: no warning
+            self.gateway.refusals.warning(
+                time.monotonic(), "refused stream %r to %s: %s", name, self.peer, error
+            )
         self.refused[handle] = name
         text = str(error.args[0]) if error.args else ""
         self.session.send_global(
@@ -1071,6 +1097,18 @@ class Gateway:
         self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
+        #: The streams found on disk at start that are not recovered yet.
+        self.recovery = StreamRecovery()
+        # Recovery runs in threads of its own: a group commit of the streams
+        # already serving never waits behind a stream being recovered.
+        self._recovery_executor = ThreadPoolExecutor(
+            max_workers=RECOVERY_THREADS, thread_name_prefix="headgate-recovery"
+        )
+        self._recovery_task: asyncio.Task[None] | None = None
+        #: Seconds from listening to every stream recovered (None until then).
+        self.recovery_seconds: float | None = None
+        # Releases of streams still recovering: applied once they are.
+        self._held_releases: dict[str, dict[str, int]] = {}
         self._stopping = False
         #: The lock on the data directory, from start() to stop().
         self._data_lock: DirectoryLock | None = None
@@ -1118,12 +1156,34 @@ class Gateway:
     # -- lifecycle ---------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the data directory and start listening."""
+        """Open the data directory, start listening, and recover every stream.
+
+        Returns once every stream on disk is recovered (connections are
+        accepted meanwhile, see :meth:`listen`). A stream that cannot be
+        recovered stops the gateway again and its error is raised, so a
+        broken log is reported at start, not at the first producer.
+        """
+        await self.listen()
+        try:
+            await self.recovered()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def listen(self) -> None:
+        """Lock the data directory, listen, and recover the streams in the background.
+
+        Returns as soon as connections are accepted. The streams found on
+        disk are recovered a few at a time, off the event loop
+        (:mod:`headgate.gateway.recovery` says what peers see meanwhile);
+        :meth:`recovered` waits for them.
+        """
         # Not at the first batch, on the event loop, while producers wait.
         load_accelerator()
         data = Path(self.config.data_dir)
         # One gateway per data directory: a second one would open the same
-        # logs. Held until stop(), or until this process dies.
+        # logs. Taken before listening; held until stop(), or until this
+        # process dies.
         self._data_lock = DirectoryLock.acquire(data, DATA_LOCK_FILE_NAME)
         try:
             await self._open_and_listen(data)
@@ -1131,21 +1191,43 @@ class Gateway:
             if self._metrics is not None:  # started before the listener failed
                 self._metrics.close()
                 self._metrics = None
+            for server in self._servers:
+                server.close()
             self._data_lock.release()
             raise
+        self._recovery_task = asyncio.create_task(self._recover_streams())
+
+    async def recovered(self) -> None:
+        """Wait until every stream found at start is recovered (or the gateway stops).
+
+        Raises:
+            Exception: the error of the first stream that could not be
+                recovered (a :class:`~headgate.log.LogError` naming the file).
+        """
+        if self._recovery_task is not None:
+            await asyncio.shield(self._recovery_task)
+        for error in self.recovery.failures.values():
+            raise error
 
     async def _open_and_listen(self, data: Path) -> None:
         (data / "streams").mkdir(parents=True, exist_ok=True)
         self.owners = ProducerOwners.open(
             data / "state" / "producers.log", limit=self.config.max_producer_ids
         )
-        # Streams on disk are opened now, so their dedup state is ready and a
-        # broken log is reported at start, not at the first producer.
-        for entry in sorted((data / "streams").iterdir()):
-            if entry.is_dir() and m.is_valid_name(entry.name):
-                self.stream(entry.name)
+        # Streams on disk are recovered after the listener is up (they are
+        # refused, or their requests wait, until then): what is stored does
+        # not delay the first connection.
+        self.recovery = StreamRecovery(
+            entry.name
+            for entry in sorted((data / "streams").iterdir())
+            if entry.is_dir() and m.is_valid_name(entry.name)
+        )
         loop = asyncio.get_running_loop()
         if self.config.metrics is not None:
+            # Imported only here: prometheus-client is not on the start-up
+            # path of a gateway without --metrics.
+            from headgate.gateway.metrics import MetricsServer
+
             self._metrics = MetricsServer(self, loop)
             with _binding(*self.config.metrics):
                 self.metrics_address = self._metrics.start(*self.config.metrics)
@@ -1231,6 +1313,12 @@ class Gateway:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        self.recovery.abandon()
+        if self._recovery_task is not None:
+            # Ends after the stream it is opening (which is then closed below).
+            with contextlib.suppress(Exception):
+                await self._recovery_task
+        self._recovery_executor.shutdown(wait=True)
         self.write_messages()
         await self._commit(list(self.streams.values()))
         for conn in list(self.connections.values()):
@@ -1255,27 +1343,101 @@ class Gateway:
     # -- streams -------------------------------------------------------------------
 
     def stream(self, name: str) -> Stream:
-        """The stream called ``name``, opened (or created) on first use."""
+        """The stream called ``name``, opened (or created) on first use.
+
+        Raises:
+            LogError: the stream is on disk and not recovered yet, or could
+                not be recovered.
+        """
         stream = self.streams.get(name)
         if stream is None:
-            capacity = self.config.stream_capacity_for(name)
-            stream = Stream.open(
-                name,
-                Path(self.config.data_dir),
-                capacity=capacity,
-                term_length=self.config.term_length,
-                max_message_size=self.config.max_message_size,
-                consumers=self.config.consumers_for(name),
-            )
-            if stream.log.capacity != capacity:
-                # An existing log keeps the capacity it was created with; the
-                # configuration is what the operator wants now.
-                stream.set_capacity(capacity)
-            stream.flow = self._make_flow(stream)
-            stream.on_append = self._offer_to_tails
-            stream.on_acks_written = self._acks_written
-            self.streams[name] = stream
+            if self.recovery.recovering(name) or self.recovery.failure(name) is not None:
+                raise LogError(f"stream {name} is not recovered (yet)")
+            stream = self._open_stream(name)
+            self._install(stream)
         return stream
+
+    def _open_stream(self, name: str) -> Stream:
+        """Open (or create) a stream's log and rebuild its dedup state.
+
+        Touches nothing of the gateway's: it runs in the recovery thread
+        for the streams found at start.
+        """
+        return Stream.open(
+            name,
+            Path(self.config.data_dir),
+            capacity=self.config.stream_capacity_for(name),
+            term_length=self.config.term_length,
+            max_message_size=self.config.max_message_size,
+            consumers=self.config.consumers_for(name),
+        )
+
+    def _install(self, stream: Stream) -> None:
+        """Make an opened stream serve (on the event loop)."""
+        capacity = self.config.stream_capacity_for(stream.name)
+        if stream.log.capacity != capacity:
+            # An existing log keeps the capacity it was created with; the
+            # configuration is what the operator wants now.
+            stream.set_capacity(capacity)
+        stream.flow = self._make_flow(stream)
+        stream.on_append = self._offer_to_tails
+        stream.on_acks_written = self._acks_written
+        self.streams[stream.name] = stream
+
+    async def _recover_streams(self) -> None:
+        """Recover the streams found at start, off the event loop.
+
+        :data:`RECOVERY_THREADS` streams at a time, each opened by one
+        thread; a stream serves only once it is installed here on the
+        loop: nothing appends to a log while it is being recovered.
+        """
+        began = time.monotonic()
+        recovery = self.recovery
+        await asyncio.gather(*(self._recovery_worker() for _ in range(RECOVERY_THREADS)))
+        if recovery.finished and not self._stopping:
+            self.recovery_seconds = time.monotonic() - began
+            log.debug(  # headgate serve says it at its default verbosity
+                "recovered %d streams in %.3f s%s",
+                recovery.done,
+                self.recovery_seconds,
+                f" ({len(recovery.failures)} failed)" if recovery.failures else "",
+            )
+
+    async def _recovery_worker(self) -> None:
+        """Recover the next stream in the queue until none is left (or the gateway stops)."""
+        loop = asyncio.get_running_loop()
+        recovery = self.recovery
+        while not self._stopping and (name := recovery.next_name()) is not None:
+            try:
+                stream = await loop.run_in_executor(
+                    self._recovery_executor, self._open_stream, name
+                )
+            except Exception as exc:  # reported by recovered() and by every bind of it
+                recovery.failed(name, exc)
+                log.error("stream %s cannot be recovered: %s", name, exc)
+            else:
+                self._install(stream)
+                recovery.recovered(name)
+            # Requests first: a Fetch that waited was checked against the log
+            # before any Release that came while it waited.
+            self._serve_held_requests()
+            if name in self.streams:
+                self._apply_held_release(self.streams[name])
+
+    def _serve_held_requests(self) -> None:
+        """A stream was recovered (or failed): serve reader requests that waited for it."""
+        for conn in list(self.connections.values()):
+            try:
+                conn.readers.recovered()
+            except ProtocolError as error:
+                conn.refuse(error)
+
+    def _apply_held_release(self, stream: Stream) -> None:
+        for consumer, position in self._held_releases.pop(stream.name, {}).items():
+            try:
+                self.release(stream.name, position, consumer)
+            except ProtocolError as error:
+                log.warning("a Release received while recovering was refused: %s", error)
 
     def _acks_written(self, stream: Stream, arrivals: list[float]) -> None:
         """Acks for batches that arrived at ``arrivals`` were just written out."""
@@ -1470,6 +1632,13 @@ class Gateway:
         Returns whether the consumer moved.
         """
         stream = self.streams.get(name)
+        if stream is None and self.recovery.recovering(name):
+            # Applied as soon as the stream is recovered (releases are
+            # cumulative: only the highest position matters).
+            self.recovery.want(name)
+            held = self._held_releases.setdefault(name, {})
+            held[consumer] = max(position, held.get(consumer, 0))
+            return False
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
         moved = stream.release(position, consumer, now=time.monotonic())
@@ -1482,13 +1651,22 @@ class Gateway:
         stream.flush_writers()
         return moved
 
+    def _consumers_stream(self, name: str) -> Stream:
+        """The stream a consumer request names; refused if there is none, or not yet."""
+        stream = self.streams.get(name)
+        if stream is not None:
+            return stream
+        if self.recovery.recovering(name):
+            self.recovery.want(name)
+            raise ProtocolError(
+                f"stream {name!r} is still being recovered after a restart: try again soon",
+                code=ErrorCode.RECOVERING,
+            )
+        raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
+
     def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:
         """Create (or find) a named consumer of an existing stream; its position, and if new."""
-        stream = self.streams.get(declare.stream)
-        if stream is None:
-            raise ProtocolError(
-                f"no stream called {declare.stream!r}", code=ErrorCode.UNEXPECTED_FRAME
-            )
+        stream = self._consumers_stream(declare.stream)
         settings = ConsumerSettings(
             blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
         )
@@ -1496,11 +1674,7 @@ class Gateway:
 
     def change_consumer(self, change: m.ResetConsumer | m.DeleteConsumer) -> int:
         """Reset or delete a consumer (an admin's request); its position now (or last)."""
-        stream = self.streams.get(change.stream)
-        if stream is None:
-            raise ProtocolError(
-                f"no stream called {change.stream!r}", code=ErrorCode.UNEXPECTED_FRAME
-            )
+        stream = self._consumers_stream(change.stream)
         now = time.monotonic()
         if isinstance(change, m.ResetConsumer):
             position = stream.reset_consumer(change.consumer, change.to, now)
@@ -1513,9 +1687,7 @@ class Gateway:
 
     def consumer_infos(self, name: str) -> tuple[m.ConsumerInfo, ...]:
         """The consumers of stream ``name`` as ListConsumers answers them, by name."""
-        stream = self.streams.get(name)
-        if stream is None:
-            raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
+        stream = self._consumers_stream(name)
         settings = stream.consumers.consumers
         return tuple(
             m.ConsumerInfo(

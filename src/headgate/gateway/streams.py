@@ -86,11 +86,11 @@ from headgate.gateway.consumers import (
     consumers_file,
 )
 from headgate.gateway.dedup import (
-    SNAPSHOT_AT_OPEN_FRAMES,
     DedupSnapshot,
     SnapshotUnreadable,
     load_snapshot,
     snapshot_due,
+    snapshot_due_at_open,
     write_snapshot,
 )
 from headgate.log import (
@@ -698,7 +698,7 @@ class Stream:
         if snapshot is not None and snapshot.position is not None and start == snapshot.position:
             self._snapshot_position = start
         self._frames_since_snapshot = scanned
-        if scanned >= SNAPSHOT_AT_OPEN_FRAMES:
+        if snapshot_due_at_open(scanned, tail - start):
             # So that the next start does not read these headers again.
             self._try_snapshot()
 

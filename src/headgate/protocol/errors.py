@@ -80,6 +80,10 @@ class ErrorCode(IntEnum):
     DATA_LOST = 22
     #: A Release or Fetch names a consumer the stream does not have.
     UNKNOWN_CONSUMER = 23
+    #: Scoped to a stream: the gateway is still recovering the stream's log
+    #: after a restart. Not a refusal for good: nothing was stored or lost,
+    #: and the same bind succeeds once recovery is done; try again soon.
+    RECOVERING = 24
 
 
 class ProtocolError(Exception):
