@@ -51,7 +51,7 @@ FIRST_SLICE = 16 * 1024
 #: How much a slice grows after a cheap one.
 SLICE_STEP = 4096
 #: Bytes one connection may have processed in one turn.
-TURN_BYTES = 128 * 1024
+TURN_BYTES = 256 * 1024
 #: Time one connection may spend in one turn (checked after each slice).
 TURN_SECONDS = 0.002
 #: Cost units one connection may spend in one turn (about TURN_SECONDS of work).
