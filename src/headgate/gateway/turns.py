@@ -26,7 +26,8 @@ them, even on a machine fast enough that the clock alone would not end it.
 
 Time belongs to a *cause*, not to a connection: the connections of one
 token (of one address before Hello, and always without a tokens file) share
-one turn's time per pass (:class:`TurnShare`, deficit round robin), and the
+a quantum of the loop's time per pass (:class:`TurnShare`, deficit round
+robin, :data:`QUANTUM_SECONDS`), and the
 log writer's appends of a cause's batches are taken from it too, so sixty
 connections writing tiny batches at full speed get what one gets, data
 within guarantees included. Once a cause has used its time, its
@@ -56,15 +57,20 @@ TURN_BYTES = 256 * 1024
 TURN_SECONDS = 0.002
 #: Cost units one connection may spend in one turn (about TURN_SECONDS of work).
 TURN_COST = 2000.0
+#: The time a cause earns per pass while others want turns (see
+#: :class:`TurnShare`): short, so that a pass stays short and a cause that
+#: uses less than this per pass (a producer of large batches, whose bytes per
+#: pass are bounded by one read) comes round again soon.
+QUANTUM_SECONDS = 0.0005
 #: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
-MAX_DEBT_PASSES = 8
+MAX_DEBT_PASSES = 32
 
 
 class TurnShare:
     """The time that the connections of one cause share, pass by pass.
 
     Deficit round robin by time: each pass in which the cause wants a turn
-    adds :data:`TURN_SECONDS` to its ``credit`` (which never holds more than
+    adds :data:`QUANTUM_SECONDS` to its ``credit`` (which never holds more than
     that), and everything the cause's bytes cost the event loop is taken
     from it: its turns' decoding, and the log writer's appends of its
     batches (told with :meth:`Passes.spent`, after the turn). A cause whose
@@ -77,7 +83,7 @@ class TurnShare:
 
     def __init__(self) -> None:
         #: Seconds of the loop the cause may still use (negative: its debt).
-        self.credit = TURN_SECONDS
+        self.credit = QUANTUM_SECONDS
         #: Bytes decoded and cost units spent in this pass.
         self.bytes = 0
         self.cost = 0.0
@@ -116,17 +122,17 @@ class Passes:
             share.cost = 0.0
             self.causes += 1
             if self.contended():
-                share.credit = min(TURN_SECONDS, share.credit + TURN_SECONDS)
+                share.credit = min(QUANTUM_SECONDS, share.credit + QUANTUM_SECONDS)
             else:
                 # Alone, a cause owes nobody: debts are only between causes.
-                share.credit = TURN_SECONDS
+                share.credit = QUANTUM_SECONDS
         self._end_later()
 
     def spent(self, share: TurnShare, seconds: float) -> None:
         """The cause's bytes cost ``seconds`` more (the log writer's appends)."""
         # Bounded, so that a cause that was alone a moment ago and used the
         # whole loop does not wait for many passes once others come.
-        share.credit = max(-MAX_DEBT_PASSES * TURN_SECONDS, share.credit - seconds)
+        share.credit = max(-MAX_DEBT_PASSES * QUANTUM_SECONDS, share.credit - seconds)
 
     def _end_later(self) -> None:
         # Scheduled by every pass in which a turn is taken or put off, so a
