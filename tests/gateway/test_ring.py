@@ -328,3 +328,14 @@ def test_a_read_after_large_frames_may_take_many_of_them() -> None:
     # On a frame boundary, with everything handled, the next read may fill
     # the ring: several frames' worth, not one.
     assert len(ring.writable()) >= 3 * large
+
+
+def test_a_discarded_ring_lets_its_memory_go() -> None:
+    """At the end of a connection its ring shrinks to the least read, whatever it grew to."""
+    ring = ReceiveRing(initial=128 * 1024, limit=4 << 20, min_read=16 * 1024)
+    peer = Peer(ring)
+    peer.receive(frame(1, 300 * 1024))  # grows the ring past its first size
+    assert ring.current.size > 128 * 1024
+    peer.handle_all()
+    ring.discard()
+    assert ring.current.size == 16 * 1024 and not ring.retired

@@ -225,6 +225,12 @@ class ReceiveRing:
         self._reads = 0
         self._quiet_reads = 0
 
+    def discard(self) -> None:
+        """The connection is over: free the rings' memory (nothing is read or decoded after)."""
+        self.retired = []
+        self.current = Ring(self.min_read)
+        self.need = 0
+
     # -- reading -------------------------------------------------------------------
 
     def _wanted(self, *, at_least: bool = False) -> tuple[int, int | None]:

@@ -410,6 +410,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.gateway.write_messages()
         self._leave()
         self.gateway.detach(self)
+        # Let go of the buffers now: the connection object may live on as
+        # garbage in a reference cycle until the collector's next full pass,
+        # and with it its receive ring and the transport's TLS buffers
+        # (hundreds of KiB a connection: a flood of short connections piled
+        # them up).
+        self.ring.discard()
+        self.transport = None
 
     def _leave(self) -> None:
         """Give back the connection's credit and subscriptions; once.
