@@ -70,8 +70,8 @@ async def test_producers_sharing_a_stream_absolve_before_the_plead_deadline(
             await releaser.run_until(both)
             await both
             releaser.close()
-            assert first.statistics().reconnects == 0
-            assert second.statistics().reconnects == 0
+            assert first.statistics().reconnects == 0, first.statistics().last_error
+            assert second.statistics().reconnects == 0, second.statistics().last_error
             assert first.statistics().failure is None and second.statistics().failure is None
     finally:
         await gw.stop()
