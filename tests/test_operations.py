@@ -44,14 +44,16 @@ def _stderr_until(proc: subprocess.Popen[str], text: str, seen: list[str]) -> No
     assert proc.stderr is not None
     deadline = time.monotonic() + 20.0
     while time.monotonic() < deadline:
+        # Raw reads: a buffered readline() can take two log lines from the
+        # pipe and return one, and select() then waits for the other in vain.
         ready, _, _ = select.select([proc.stderr], [], [], deadline - time.monotonic())
         if not ready:
             break
-        line = proc.stderr.readline()
-        if not line:
+        chunk = os.read(proc.stderr.fileno(), 65536).decode()
+        if not chunk:
             break
-        seen.append(line)
-        if text in line:
+        seen.extend(chunk.splitlines(keepends=True))
+        if text in chunk:
             return
     raise AssertionError(f"no {text!r} on stderr: {seen}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import pytest
@@ -39,6 +40,10 @@ async def test_producers_sharing_a_stream_absolve_before_the_plead_deadline(
         plead(writer, target, now)
 
     monkeypatch.setattr(Stream, "plead", staticmethod(counted))
+    # The gateway and both producers share this process: a full collection of
+    # a heap that earlier tests grew, mid-test, would stall them all past the
+    # 250 ms deadline (seen in a full suite run, never in this file alone).
+    gc.collect()
     gw = Gateway(
         GatewayConfig(
             listen=("127.0.0.1", 0),
