@@ -108,8 +108,12 @@ def fill(data_dir: Path, case: Case, term_length: int) -> int:
     written = 0
     for index in range(case.streams):
         directory = data_dir / "streams" / f"s{index:04d}"
+        # A frame never straddles two terms: each term's end is padding, up to a
+        # frame, so size the log by whole terms, plus room to spare.
+        frames_per_term = max(1, term_length // frame_cost(case.frame))
+        terms = -(-count // frames_per_term)
         log = StreamLog.open(
-            directory, term_length=term_length, capacity=per_stream + 4 * term_length
+            directory, term_length=term_length, capacity=(terms + 4) * term_length
         )
         try:
             sequence = 0
