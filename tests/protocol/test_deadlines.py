@@ -6,7 +6,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from headgate.protocol.deadlines import FRAME_ALLOWANCE_RATE, WHOLE_FRAME_GRACE, ReceiveDeadlines
+from headgate.protocol.deadlines import (
+    FRAME_ALLOWANCE_RATE,
+    KEEPALIVE_FLOOR,
+    WHOLE_FRAME_GRACE,
+    ReceiveDeadlines,
+    keepalive_interval,
+)
 
 
 def deadlines(idle: float = 2.0, frame: float = 5.0) -> ReceiveDeadlines:
@@ -158,3 +164,20 @@ def test_a_pause_the_peer_causes_is_silence() -> None:
     d.excuse(0.6, excused=False)
     d.excuse(1.2, excused=False)
     assert d.expired(1.2) is not None
+
+
+@pytest.mark.parametrize(
+    ("idle_timeout_ms", "interval"),
+    [
+        (0, None),
+        (-1, None),
+        (30_000, 10.0),
+        (3_000, 1.0),
+        (90, KEEPALIVE_FLOOR),
+        (1, KEEPALIVE_FLOOR),
+    ],
+)
+def test_clients_ping_at_a_third_of_the_idle_timeout_but_not_too_often(
+    idle_timeout_ms: int, interval: float | None
+) -> None:
+    assert keepalive_interval(idle_timeout_ms) == interval

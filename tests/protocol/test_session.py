@@ -282,6 +282,58 @@ def test_fail_tells_the_peer_the_code_and_closes() -> None:
     assert "nope" in error.text
 
 
+@pytest.mark.parametrize(
+    "ending",
+    [
+        m.Goodbye(code=ErrorCode.NONE),
+        m.Goodbye(code=ErrorCode.SHUTTING_DOWN, text="gateway stopping"),
+        m.Error(code=ErrorCode.TIMEOUT, text="idle"),
+    ],
+)
+def test_a_goodbye_or_an_unscoped_error_after_open_ends_the_session(
+    ending: m.Goodbye | m.Error,
+) -> None:
+    pair = Pair()
+    pair.open()
+    pair.gateway.send_global(ending)
+    pair.gateway.send_global(m.Ping(nonce=9))  # after the end: not for us, not answered
+    assert not pair.producer.closed
+    assert pair.flush_down() == [MessageReceived(message=ending)]
+    assert pair.producer.closed
+    assert pair.producer.data_to_send() == b""  # no Pong
+    with pytest.raises(RuntimeError, match="closed"):
+        pair.producer.send_global(m.Ping(nonce=1))
+
+
+def test_a_goodbye_ends_the_gateway_session_too_and_frames_after_it_are_moot() -> None:
+    pair = Pair()
+    pair.open()
+    pair.producer.send_global(m.Goodbye(code=ErrorCode.NONE))
+    pair.producer.send_global(m.Ping(nonce=3))
+    data = pair.producer.data_to_send()
+    events, consumed, need = pair.gateway.receive_in_place(memoryview(data))
+    assert events == [MessageReceived(message=m.Goodbye(code=ErrorCode.NONE))]
+    assert (consumed, need) == (len(data), 0)
+    assert pair.gateway.closed
+    assert pair.gateway.data_to_send() == b""
+
+
+def test_a_scoped_error_leaves_the_session_open() -> None:
+    pair = Pair()
+    pair.open()
+    scoped = m.Error(
+        code=ErrorCode.FORBIDDEN,
+        scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=0),
+        text="may not write",
+    )
+    pair.gateway.send_global(scoped)
+    assert pair.flush_down() == [MessageReceived(message=scoped)]
+    assert not pair.producer.closed
+    pair.producer.send_global(m.Ping(nonce=2))
+    assert pair.flush_up() == []  # answered, not surfaced
+    assert pair.flush_down() == [MessageReceived(message=m.Pong(nonce=2))]
+
+
 # --- hostile peers: raw frames against a gateway session ---------------------
 
 

@@ -48,6 +48,7 @@ from headgate.client.backoff import Backoff
 from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
 from headgate.config import ConsumerSettings
 from headgate.protocol import messages as m
+from headgate.protocol.deadlines import keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
 
@@ -326,9 +327,8 @@ class ReleaseClient:
                 for event in self._receive(session, sock, data):
                     if isinstance(event, WelcomeReceived):
                         sock.setblocking(False)
-                        # A third of the gateway's idle timeout, as PROTOCOL.md advises.
-                        idle = event.welcome.idle_timeout_ms / 3000.0
-                        return sock, session, max(0.05, idle) if idle > 0 else 0.0
+                        interval = keepalive_interval(event.welcome.idle_timeout_ms)
+                        return sock, session, 0.0 if interval is None else interval
         except BaseException:
             sock.close()
             raise

@@ -63,6 +63,7 @@ from headgate.client.spool import Spool
 from headgate.costs import batch_cost
 from headgate.latency import LatencyWindow
 from headgate.protocol import messages as m
+from headgate.protocol.deadlines import keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.records import encode_arrow, encode_records
 from headgate.protocol.session import (
@@ -1746,8 +1747,8 @@ class Producer:
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
-        if welcome.idle_timeout_ms > 0:
-            interval = max(0.05, welcome.idle_timeout_ms / 3000.0)
+        interval = keepalive_interval(welcome.idle_timeout_ms)
+        if interval is not None:
             conn.keepalive = loop.call_later(interval, self._keepalive, conn, interval)
         for s in self._streams.values():
             if s.failure is None and (s.queue or s.values):

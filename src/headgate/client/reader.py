@@ -38,6 +38,7 @@ from headgate.costs import batch_cost
 from headgate.log import LogFrame
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
+from headgate.protocol.deadlines import keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import (
     MessageReceived,
@@ -319,10 +320,9 @@ class Reader:
             self._last_write = time.monotonic()
 
     def _start_keepalive(self, welcome: m.Welcome) -> None:
-        if welcome.idle_timeout_ms <= 0:
+        interval = keepalive_interval(welcome.idle_timeout_ms)
+        if interval is None:
             return
-        # A third of the gateway's idle timeout, as PROTOCOL.md advises.
-        interval = max(0.05, welcome.idle_timeout_ms / 3000.0)
         loop = asyncio.get_running_loop()
         self._keepalive = loop.call_later(interval, self._ping, interval)
 

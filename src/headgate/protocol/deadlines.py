@@ -34,7 +34,13 @@ each pass of its 0.1 s housekeeping loop).
 
 from __future__ import annotations
 
-__all__ = ["FRAME_ALLOWANCE_RATE", "WHOLE_FRAME_GRACE", "ReceiveDeadlines"]
+__all__ = [
+    "FRAME_ALLOWANCE_RATE",
+    "KEEPALIVE_FLOOR",
+    "WHOLE_FRAME_GRACE",
+    "ReceiveDeadlines",
+    "keepalive_interval",
+]
 
 #: Bytes per second that a frame's length buys it beyond ``frame_timeout``;
 #: a frame that arrives at least this fast counts as activity.
@@ -42,6 +48,25 @@ FRAME_ALLOWANCE_RATE = 64 * 1024
 #: Seconds a frame may take from its first byte to its last and still count
 #: as activity, whatever its size (a frame split across packets).
 WHOLE_FRAME_GRACE = 0.5
+
+
+#: The shortest pause between a client's keepalive Pings, in seconds, however
+#: short the gateway's idle timeout (a Ping per loop pass would be a flood).
+KEEPALIVE_FLOOR = 0.05
+
+
+def keepalive_interval(idle_timeout_ms: int) -> float | None:
+    """Seconds between a client's Pings for the idle timeout a Welcome announced.
+
+    A third of the timeout (PROTOCOL.md advises it), so that two Pings can be
+    late or lost before the gateway's idle clock runs out; never less than
+    :data:`KEEPALIVE_FLOOR`. ``None`` when the gateway has no idle timeout
+    (0): no Pings are needed. The one rule every client (producer, reader,
+    release client) keeps alive by.
+    """
+    if idle_timeout_ms <= 0:
+        return None
+    return max(KEEPALIVE_FLOOR, idle_timeout_ms / 3000.0)
 
 
 class ReceiveDeadlines:

@@ -357,7 +357,8 @@ class Session:
 
     @property
     def closed(self) -> bool:
-        """Whether :meth:`fail` or a Goodbye ended the session."""
+        """Whether the session ended: :meth:`fail` was called, or the peer's
+        Goodbye or unscoped Error arrived (before or after the session opened)."""
         return self._closed
 
     def _emit(self, frame: Frame) -> None:
@@ -426,6 +427,8 @@ class Session:
         frames, ends, consumed, need = self._decoder.decode_in_place(view)
         try:
             for frame, end in zip(frames, ends, strict=True):
+                if self._closed:
+                    break  # the peer's Goodbye or Error came first; the rest is moot
                 self._frame_end = end
                 self._dispatch(frame, events)
         finally:
@@ -675,6 +678,11 @@ class Session:
                     f"{type(message).__name__} after the session opened",
                     code=ErrorCode.BAD_HELLO,
                 )
+            case m.Goodbye() | m.Error(scope=None):
+                # The peer ends the session and sends nothing after it: what
+                # follows in the same read is not for us, and we answer nothing.
+                self._closed = True
+                events.append(MessageReceived(message=message))
             case m.FreeHandle():
                 self._on_free_handle(message, events)
             case m.Ping(nonce=nonce):
