@@ -8,7 +8,8 @@ stream and sequence number). :class:`ReleaseClient` is the pipeline's side:
 it tells a gateway how far Spark has committed each stream. Every client
 takes the gateway's address as ``host:port`` or ``unix:PATH``
 (:class:`GatewayAddress`) and its token and TLS settings as one
-:class:`ClientSecurity`.
+:class:`ClientSecurity`. :class:`Reader` (and :class:`SyncReader`) fetches
+stored records and tails a stream live, from a :class:`StartAt` or a position.
 """
 
 from headgate.client.address import GatewayAddress
@@ -29,9 +30,19 @@ from headgate.client.producer import (
     ProducerStatistics,
     StreamStatistics,
 )
+from headgate.client.reader import (
+    Missed,
+    Reader,
+    ReaderError,
+    ReaderRefused,
+    Subscription,
+    SyncReader,
+    TailBatch,
+)
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.client.spool import SpoolError
 from headgate.client.sync import SyncProducer
+from headgate.protocol.messages import StartAt
 
 __all__ = [
     "BatchResult",
@@ -39,18 +50,26 @@ __all__ = [
     "ClientSecurity",
     "Delivery",
     "GatewayAddress",
+    "Missed",
     "PendingBatch",
     "Policy",
     "Producer",
     "ProducerError",
     "ProducerGaveUp",
     "ProducerStatistics",
+    "Reader",
+    "ReaderError",
+    "ReaderRefused",
     "ReleaseClient",
     "ReleaseStatistics",
     "SecurityError",
     "SessionRefused",
     "SpoolError",
+    "StartAt",
     "StreamRefused",
     "StreamStatistics",
+    "Subscription",
     "SyncProducer",
+    "SyncReader",
+    "TailBatch",
 ]
