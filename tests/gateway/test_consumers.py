@@ -35,7 +35,7 @@ from headgate.config import (
 )
 from headgate.gateway import Gateway
 from headgate.gateway.consumers import ConsumerBook, consumers_file
-from headgate.gateway.metrics import GatewayCollector, snapshot
+from headgate.gateway.metrics import GatewayCollector
 from headgate.log import LogReader
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -246,7 +246,7 @@ def metrics_text(gw: Gateway) -> str:
     from prometheus_client.registry import CollectorRegistry
 
     registry = CollectorRegistry()
-    registry.register(GatewayCollector(lambda: snapshot(gw)))
+    registry.register(GatewayCollector(gw.snapshot))
     return generate_latest(registry).decode()
 
 

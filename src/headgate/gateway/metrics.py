@@ -34,8 +34,7 @@ import concurrent.futures
 import platform
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import start_http_server
 from prometheus_client.core import (
@@ -46,67 +45,12 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from headgate import __version__
-from headgate.gateway.statistics import ConnectionStatistics
-from headgate.gateway.streams import StreamStatistics
+from headgate.gateway.statistics import GatewaySnapshot
 
-if TYPE_CHECKING:
-    from headgate.gateway.server import Gateway
-
-__all__ = ["GatewayCollector", "GatewaySnapshot", "MetricsServer", "snapshot"]
+__all__ = ["GatewayCollector", "MetricsServer"]
 
 #: How long a scrape waits for the event loop to take the snapshot.
 SNAPSHOT_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class StreamSnapshot:
-    stats: StreamStatistics
-    dropped_batches: int
-    #: ``(le, cumulative count)`` pairs ending with ``+Inf``.
-    fsync_buckets: list[tuple[str, int]]
-    fsync_sum: float
-    #: The same for the ack latency histogram.
-    ack_buckets: list[tuple[str, int]]
-    ack_sum: float
-
-
-@dataclass(frozen=True, slots=True)
-class GatewaySnapshot:
-    """Everything a scrape exposes, taken at one instant on the event loop."""
-
-    streams: list[StreamSnapshot]
-    connections: list[ConnectionStatistics]
-    queued_messages: int
-    durability_loans: int
-    #: Streams found on disk at start and not recovered yet.
-    streams_recovering: int = 0
-
-
-def snapshot(gateway: Gateway) -> GatewaySnapshot:
-    """Take the gateway's statistics now (call on its event loop)."""
-    streams = []
-    for stats in gateway.statistics():
-        counters = gateway.counters(stats.name)
-        fsync = counters.fsync
-        ack = counters.ack_latency
-        assert fsync is not None and ack is not None
-        streams.append(
-            StreamSnapshot(
-                stats=stats,
-                dropped_batches=counters.dropped_batches,
-                fsync_buckets=fsync.cumulative(),
-                fsync_sum=fsync.total,
-                ack_buckets=ack.cumulative(),
-                ack_sum=ack.total,
-            )
-        )
-    return GatewaySnapshot(
-        streams=streams,
-        connections=gateway.connection_statistics(),
-        queued_messages=len(gateway.queue),
-        durability_loans=gateway.durability.outstanding(),
-        streams_recovering=gateway.recovery.count,
-    )
 
 
 def build_info() -> GaugeMetricFamily:
@@ -265,12 +209,15 @@ class MetricsServer:
     """Serves a gateway's metrics over HTTP (``/metrics``) until :meth:`close`.
 
     Args:
-        gateway: the gateway whose statistics are exposed.
+        take: takes the gateway's statistics (``Gateway.snapshot``); called
+            on ``loop`` only.
         loop: the gateway's event loop, where snapshots are taken.
     """
 
-    def __init__(self, gateway: Gateway, loop: asyncio.AbstractEventLoop) -> None:
-        self._gateway = gateway
+    def __init__(
+        self, take: Callable[[], GatewaySnapshot], loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self._snapshot = take
         self._loop = loop
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(GatewayCollector(self._take))
@@ -286,12 +233,12 @@ class MetricsServer:
         except RuntimeError:
             running = None
         if running is self._loop:
-            return snapshot(self._gateway)
+            return self._snapshot()
         done: concurrent.futures.Future[GatewaySnapshot] = concurrent.futures.Future()
 
         def take() -> None:
             try:
-                done.set_result(snapshot(self._gateway))
+                done.set_result(self._snapshot())
             except BaseException as exc:
                 done.set_exception(exc)
 

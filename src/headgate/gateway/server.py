@@ -87,7 +87,12 @@ from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import ReaderConnection, TailHub
 from headgate.gateway.recovery import StreamRecovery
 from headgate.gateway.ring import HANDLED, MessageQueue, ReceiveRing
-from headgate.gateway.statistics import ConnectionStatistics, StreamCounters
+from headgate.gateway.statistics import (
+    ConnectionStatistics,
+    GatewaySnapshot,
+    StreamCounters,
+    StreamSnapshot,
+)
 from headgate.gateway.streams import Stream, StreamStatistics, Writer
 from headgate.gateway.tls import server_context
 from headgate.gateway.turns import MIN_SLICE, Passes, TurnTaker
@@ -1235,7 +1240,7 @@ class Gateway:
             # path of a gateway without --metrics.
             from headgate.gateway.metrics import MetricsServer
 
-            self._metrics = MetricsServer(self, loop)
+            self._metrics = MetricsServer(self.snapshot, loop)
             with _binding(*self.config.metrics):
                 self.metrics_address = self._metrics.start(*self.config.metrics)
             log.info("metrics on http://%s:%d/metrics", *self.metrics_address)
@@ -1776,6 +1781,32 @@ class Gateway:
     def statistics(self) -> list[StreamStatistics]:
         now_us = time.time_ns() // 1000  # consumers' lag in seconds is wall-clock age
         return [s.statistics(now_us) for s in self.streams.values()]
+
+    def snapshot(self) -> GatewaySnapshot:
+        """Everything a metrics scrape exposes, now (call on the event loop)."""
+        streams = []
+        for stats in self.statistics():
+            counters = self.counters(stats.name)
+            fsync = counters.fsync
+            ack = counters.ack_latency
+            assert fsync is not None and ack is not None
+            streams.append(
+                StreamSnapshot(
+                    stats=stats,
+                    dropped_batches=counters.dropped_batches,
+                    fsync_buckets=fsync.cumulative(),
+                    fsync_sum=fsync.total,
+                    ack_buckets=ack.cumulative(),
+                    ack_sum=ack.total,
+                )
+            )
+        return GatewaySnapshot(
+            streams=streams,
+            connections=self.connection_statistics(),
+            queued_messages=len(self.queue),
+            durability_loans=self.durability.outstanding(),
+            streams_recovering=self.recovery.count,
+        )
 
     def connection_statistics(self) -> list[ConnectionStatistics]:
         """Each connection's account, pauses and receive ring."""

@@ -12,13 +12,16 @@ from dataclasses import dataclass
 
 from headgate.gateway.accounts import AccountStatistics
 from headgate.gateway.ring import RingStatistics
+from headgate.gateway.streams import StreamStatistics
 
 __all__ = [
     "ACK_LATENCY_BUCKETS",
     "FSYNC_BUCKETS",
     "ConnectionStatistics",
+    "GatewaySnapshot",
     "LatencyHistogram",
     "StreamCounters",
+    "StreamSnapshot",
 ]
 
 #: Upper bounds, in seconds, of the fsync latency histogram's buckets.
@@ -137,3 +140,33 @@ class ConnectionStatistics:
     pauses: int
     #: Its receive ring.
     ring: RingStatistics
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSnapshot:
+    """One stream's statistics and histograms, as a scrape exposes them."""
+
+    stats: StreamStatistics
+    dropped_batches: int
+    #: ``(le, cumulative count)`` pairs ending with ``+Inf``.
+    fsync_buckets: list[tuple[str, int]]
+    fsync_sum: float
+    #: The same for the ack latency histogram.
+    ack_buckets: list[tuple[str, int]]
+    ack_sum: float
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySnapshot:
+    """Everything a scrape exposes, taken at one instant on the event loop.
+
+    The gateway takes it (``Gateway.snapshot``); the metrics module only
+    reads it, so that neither imports the other.
+    """
+
+    streams: list[StreamSnapshot]
+    connections: list[ConnectionStatistics]
+    queued_messages: int
+    durability_loans: int
+    #: Streams found on disk at start and not recovered yet.
+    streams_recovering: int = 0
