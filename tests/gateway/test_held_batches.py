@@ -95,12 +95,11 @@ class Rig:
             max_message_size=MAX_MESSAGE,
             mark_dirty=lambda: None,
         )
-        self.stream.flow = self.flow
         self.sequence = 0
         self.now = 0.0
         #: Guarantees the gateway issued since :meth:`count_guarantees` was reset.
         self.issued = 0
-        self.stream.rebalance(self.now)
+        self.flow.rebalance(self.now)
         self.deliver_down()
 
     def _throttle(self, reason: str, pause: bool) -> None:
@@ -142,7 +141,7 @@ class Rig:
             self.stream.on_durable()
         if self.stream.storage_error is not None:
             self.stream.retry_storage()
-        self.stream.rebalance(self.now)
+        self.flow.rebalance(self.now)
 
     def held_bytes(self) -> int:
         return self.flow.statistics().held_bytes

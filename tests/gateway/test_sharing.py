@@ -118,16 +118,16 @@ async def test_an_absolve_flood_over_600_handles_rebalances_once_per_pass(
         await flood.send()
         await flood.until(lambda: flood.acked(599) >= 0)
         await flood.until(lambda: guarantees(flood, 599) > 0)
-        stream = gw.streams["absolved"]
+        flow = gw.flow(gw.streams["absolved"])
         rebalances = 0
-        rebalance = stream.rebalance
+        rebalance = flow.rebalance
 
         def counted(now: float) -> None:
             nonlocal rebalances
             rebalances += 1
             rebalance(now)
 
-        stream.rebalance = counted  # type: ignore[method-assign]
+        flow.rebalance = counted  # type: ignore[method-assign]
         absolves = b"".join(
             encode_frame(Absolve(channel=m.data_channel(h), amount=0))
             for _ in range(10)

@@ -67,8 +67,7 @@ class Rig:
             max_message_size=MAX_MESSAGE,
             mark_dirty=lambda: None,
         )
-        self.stream.flow = self.flow
-        self.stream.rebalance(0.0)
+        self.flow.rebalance(0.0)
         self.producer.receive_data(self.gateway.data_to_send())
         self.sequence = 0
         #: Where each batch sent ends in the log, in order.
@@ -136,7 +135,7 @@ def test_a_release_frees_whole_runs_and_a_partial_run_at_the_next_release(
     assert len(rig.writer.unreleased) == 0
 
     # The producer's books agree with the gateway's, to the byte.
-    rig.stream.rebalance(0.0)
+    rig.flow.rebalance(0.0)
     rig.producer.receive_data(rig.gateway.data_to_send())
     assert rig.producer.outbound(m.data_channel(rig.handle)).guarantees == (
         channel.client_guarantees

@@ -1099,6 +1099,9 @@ class Gateway:
         self.config = config.validate()
         self.name = name
         self.streams: dict[str, Stream] = {}
+        #: Each open stream's flow-control policy, by stream name (the gateway
+        #: owns them; a Stream does not know its policy).
+        self.flows: dict[str, Flow] = {}
         self.tails = TailHub()
         self.connections: dict[int, GatewayConnection] = {}
         self._ids = itertools.count(1)
@@ -1391,7 +1394,7 @@ class Gateway:
             # An existing log keeps the capacity it was created with; the
             # configuration is what the operator wants now.
             stream.set_capacity(capacity)
-        stream.flow = self._make_flow(stream)
+        self.flows[stream.name] = self._make_flow(stream)
         stream.on_append = self._offer_to_tails
         stream.on_acks_written = self._acks_written
         self.streams[stream.name] = stream
@@ -1483,10 +1486,13 @@ class Gateway:
         )
 
     def flow(self, stream: Stream) -> Flow:
-        """The flow-control policy of an open stream."""
-        flow = stream.flow
-        assert flow is not None, "streams are opened through Gateway.stream"
-        return flow
+        """The flow-control policy of an open stream (opened through :meth:`stream`)."""
+        return self.flows[stream.name]
+
+    def rebalance(self, stream: Stream, now: float) -> None:
+        """Let the stream's policy move credit now (grant what is free, plead the excess)."""
+        stream.rebalanced_at = now
+        self.flows[stream.name].rebalance(now)
 
     def flow_statistics(self, name: str) -> FlowStatistics:
         return self.flow(self.streams[name]).statistics()
@@ -1510,7 +1516,7 @@ class Gateway:
             )
         stream = self.stream(name)
         stream.set_capacity(capacity)
-        stream.rebalance(time.monotonic())
+        self.rebalance(stream, time.monotonic())
         stream.flush_writers()
 
     def reconfigure(self, config: GatewayConfig) -> None:
@@ -1659,7 +1665,7 @@ class Gateway:
         # The next group commit stores the release and deletes the terms it
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)
-        stream.rebalance(time.monotonic())
+        self.rebalance(stream, time.monotonic())
         stream.flush_writers()
         return moved
 
@@ -1693,7 +1699,7 @@ class Gateway:
         else:
             position = stream.delete_consumer(change.consumer)
         self.mark_dirty(stream)
-        stream.rebalance(now)
+        self.rebalance(stream, now)
         stream.flush_writers()
         return position
 
@@ -1721,7 +1727,7 @@ class Gateway:
             idle_after, policy = self.config.idle_rule_for(stream.name)
             if any(a.policy == "detach" for a in stream.check_idle(now, idle_after, policy)):
                 self.mark_dirty(stream)
-                stream.rebalance(now)
+                self.rebalance(stream, now)
                 stream.flush_writers()
 
     def detach(self, conn: GatewayConnection) -> None:
@@ -1746,7 +1752,7 @@ class Gateway:
         conn.writers.clear()
         now = time.monotonic()
         for stream in streams.values():
-            stream.rebalance(now)
+            self.rebalance(stream, now)
             stream.flush_writers()
 
     def rebalance_soon(self, stream: Stream) -> None:
@@ -1775,7 +1781,7 @@ class Gateway:
             return  # (the streams may be closed already; nobody needs credit now)
         now = time.monotonic()
         for stream in streams:
-            stream.rebalance(now)
+            self.rebalance(stream, now)
             stream.flush_writers()
 
     def statistics(self) -> list[StreamStatistics]:
@@ -1860,12 +1866,11 @@ class Gateway:
             # (binds, frees, Absolves, releases and use rebalance it, and
             # the housekeeping loop every REBALANCE_INTERVAL_S).
             if (
-                stream.flow is None
-                or stream.flow.durability_moves_credit
+                self.flow(stream).durability_moves_credit
                 or stream in failed
                 or now - stream.rebalanced_at >= REBALANCE_INTERVAL_S
             ):
-                stream.rebalance(now)
+                self.rebalance(stream, now)
             stream.flush_writers()
 
     async def _group_commit(self) -> None:
@@ -1899,7 +1904,7 @@ class Gateway:
                 if stream.storage_error is not None and stream.retry_storage():
                     self.mark_dirty(stream)
                 if stream.writers:
-                    stream.rebalance(now)
+                    self.rebalance(stream, now)
                     stream.flush_writers()
             try:
                 self.check_deadlines(now)

@@ -75,7 +75,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from headgate.config import ConsumerSettings
 from headgate.gateway.accounts import Account
@@ -105,9 +105,6 @@ from headgate.protocol import messages as m
 from headgate.protocol.channel import ServerChannel
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
-
-if TYPE_CHECKING:
-    from headgate.gateway.policies import Flow
 
 log = logging.getLogger("headgate.gateway")
 
@@ -536,9 +533,7 @@ class Stream:
         self._floor = max_frame
         self._max_frame = max_frame
         self._start = self._first_grant(stream_log.capacity)
-        #: The stream's flow-control policy; None is plain credit.
-        self.flow: Flow | None = None
-        #: When :meth:`rebalance` last ran (caller's clock).
+        #: When the gateway last rebalanced this stream's credit (``Gateway.rebalance``; its clock).
         self.rebalanced_at = float("-inf")
         # When a writer's use last asked for a rebalance (wants_credit).
         self._asked_at = float("-inf")
@@ -1281,18 +1276,10 @@ class Stream:
         return True
 
     def set_capacity(self, capacity: int) -> None:
-        """Resize the log; the next :meth:`rebalance` grants or pleads to match."""
+        """Resize the log; the next rebalance (``Gateway.rebalance``) grants or pleads to match."""
         self.log.set_capacity(capacity)
         self.reserve = (capacity // self.log.term_length + 2) * self._max_frame
         self._start = self._first_grant(capacity)
-
-    def rebalance(self, now: float) -> None:
-        """Let the stream's policy move credit (plain credit when it has none)."""
-        self.rebalanced_at = now
-        if self.flow is not None:
-            self.flow.rebalance(now)
-        else:
-            self.rebalance_credit(now)
 
     def rebalance_credit(self, now: float) -> None:
         """Grant free space to writers below their share; plead those above it."""
