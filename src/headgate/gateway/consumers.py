@@ -313,6 +313,11 @@ class ConsumerBook:
     ) -> Consumer:
         """Create consumer ``name`` at ``start``, or return the one there is.
 
+        The first blocking consumer declared at run time (``origin``
+        ``runtime``) on a stream whose consumer is still the implicit
+        :data:`~headgate.protocol.messages.DEFAULT_CONSUMER` (one nobody
+        declared) replaces it, at its position.
+
         Raises:
             ProtocolError: it exists with other settings; RESOURCE_EXHAUSTED
                 beyond :data:`MAX_CONSUMERS_PER_STREAM`.
@@ -328,6 +333,39 @@ class ConsumerBook:
                     code=ErrorCode.UNEXPECTED_FRAME,
                 )
             return existing
+        implicit = self.consumers.get(m.DEFAULT_CONSUMER)
+        if (
+            settings.blocking
+            and origin == "runtime"
+            and implicit is not None
+            and implicit.origin == "default"
+            and implicit.blocking
+        ):
+            # The implicit consumer only stands in for a consumer nobody named
+            # (it holds a new stream's log until one is declared): the first
+            # blocking consumer declared at run time takes its place and its
+            # position. Otherwise a pipeline that names its consumer would
+            # leave ``default`` holding the producers forever.
+            del self.consumers[m.DEFAULT_CONSUMER]
+            consumer = Consumer(
+                name,
+                implicit.position,
+                implicit.saved,
+                True,
+                settings.on_data_loss,
+                origin=origin,
+            )
+            self.consumers[name] = consumer
+            self.unsaved = True
+            log.warning(
+                "stream %s: consumer %s takes over the implicit consumer %s at %d (a Release "
+                "naming no consumer is refused from now on)",
+                self.stream,
+                name,
+                m.DEFAULT_CONSUMER,
+                implicit.position,
+            )
+            return consumer
         if len(self.consumers) >= MAX_CONSUMERS_PER_STREAM:
             raise ProtocolError(
                 f"stream {self.stream}: already has {len(self.consumers)} consumers, "
