@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headgate.config import DATA_LOSS_OUTCOMES, ConsumerSettings
+from headgate.config import DATA_LOSS_OUTCOMES, ConsumerSettings, Retention
 from headgate.gateway.dedup import write_json_durably
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -46,6 +46,7 @@ __all__ = [
     "ConsumerStatistics",
     "IdleAction",
     "consumers_file",
+    "free_position",
 ]
 
 log = logging.getLogger("headgate.gateway")
@@ -57,6 +58,36 @@ MAX_CONSUMERS_PER_STREAM = 256
 #: Most frame headers read, per free of the log, to count the records a
 #: non-blocking consumer loses (a few µs each, on the event loop).
 MAX_COUNTED_FRAMES = 16384
+
+
+def free_position(
+    consumed: int,
+    retention: Retention,
+    frames: Iterable[tuple[int, int, int]],
+    now_us: int,
+) -> int:
+    """How far the log may free, behind the *consumed* position, under ``retention``.
+
+    Two positions, one rule (the one place they are split): the *consumed*
+    position is what every blocking consumer has committed (the floor); the
+    producers' credit follows it, and only it. The *freed* position is what
+    the log has actually deleted or may reuse; it trails the consumed one by
+    what retention keeps readable after release: at most ``retention.bytes``
+    bytes, and none older than ``retention.seconds``. So the log holds at
+    most ``capacity`` (unconsumed, the producers' budget) plus
+    ``retention.bytes`` (retained): the two budgets add up.
+
+    ``frames``: ``(position, end_position, timestamp_us)`` of the frames from
+    the present freed position up to ``consumed``, in log order; read only
+    until the first frame that is kept (all after it are kept too).
+    """
+    if retention.bytes <= 0:
+        return consumed
+    cutoff = None if retention.seconds is None else now_us - round(retention.seconds * 1e6)
+    for start, _end, timestamp_us in frames:
+        if consumed - start <= retention.bytes and (cutoff is None or timestamp_us >= cutoff):
+            return start  # this frame, and every one after it, is kept
+    return consumed
 
 
 def consumers_file(data_dir: Path, stream: str) -> Path:
