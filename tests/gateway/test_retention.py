@@ -10,6 +10,7 @@ keeps what was retained.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -195,3 +196,22 @@ def test_retain_seconds_needs_a_byte_budget() -> None:
     with pytest.raises(ConfigError, match=r"streams.s.retain_seconds needs retain_bytes"):
         config.validate()
     assert GatewayConfig().retention_for("s") == Retention()
+
+
+def test_a_reload_that_drops_the_retention_frees_the_retained_data(tmp_path: Path) -> None:
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SETTINGS, streams={"s": retained()}) as gw:
+            await produce(gw.address, records("r", 500))
+            archive = Consumer(gw, tmp_path, "s", "archive")
+            archive.poll()
+            archive.close()
+            stream = gw.streams["s"]
+            assert stream.log.capacity == CAPACITY + RETAIN
+            assert stream.log.release_position == 0 < stream.consumed_position
+            plain = dataclasses.replace(retained(), retain_bytes=None)
+            gw.reconfigure(dataclasses.replace(gw.config, streams={"s": plain}))
+            assert stream.retention == Retention()
+            assert stream.log.release_position == stream.consumed_position
+            assert stream.log.capacity == stream.capacity == CAPACITY
+
+    run(scenario(), timeout=30)
