@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -11,7 +12,11 @@ from click.testing import CliRunner
 import headgate.spark.command
 from headgate.cli import main
 from headgate.config import ConfigError
-from headgate.spark.pipeline import PipelineConfig, load_pipeline_config
+from headgate.spark.pipeline import (
+    PipelineConfig,
+    load_pipeline_config,
+    pipeline_config_from_dict,
+)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "pipeline.toml"
 
@@ -65,6 +70,12 @@ def no_spark(monkeypatch: pytest.MonkeyPatch) -> None:
         ("[streams.a\n", ["not valid TOML"]),
         ("missing_streams = 'later'\n" + GOOD_STREAM, ["missing_streams must be 'fail' or 'wait'"]),
         ("missing_streams = true\n" + GOOD_STREAM, ["missing_streams must be 'fail' or 'wait'"]),
+        ("[streams.a]\nconsumer = 'a b'\n", ["streams.a.consumer: 'a b' is not a consumer"]),
+        ("[streams.a]\nblocking = 'no'\n", ["streams.a.blocking must be true or false"]),
+        (
+            "[streams.a]\nfail_on_data_loss = 1\n",
+            ["streams.a.fail_on_data_loss must be true or false"],
+        ),
     ],
 )
 def test_a_bad_file_is_refused_with_its_name_and_key(
@@ -125,6 +136,81 @@ def test_options_become_text_and_outputs_can_move(tmp_path: Path) -> None:
     assert config.output("a") == Path("out/a") and config.checkpoint("a") == Path("cp/a")
     with pytest.raises(ConfigError, match="is a directory"):
         load_pipeline_config(tmp_path)
+
+
+def test_each_stream_releases_as_a_consumer_named_after_the_file_unless_it_names_one(
+    tmp_path: Path,
+) -> None:
+    archive, live = tmp_path / "archive.toml", tmp_path / "live.toml"
+    body = "[streams.a]\n[streams.b]\nconsumer = 'backfill'\nblocking = false\n"
+    archive.write_text(body + "fail_on_data_loss = false\n")
+    live.write_text(body)
+    config = load_pipeline_config(archive)
+    assert config.stream("a").consumer == "archive"  # two files never share one by accident
+    assert load_pipeline_config(live).stream("a").consumer == "live"
+    b = config.stream("b")
+    assert (b.consumer, b.blocking, b.fail_on_data_loss) == ("backfill", False, False)
+    assert (config.stream("a").blocking, config.stream("a").fail_on_data_loss) == (True, True)
+    # A file whose name is no consumer name must say which consumer to use.
+    odd = tmp_path / "my pipeline.toml"
+    odd.write_text("[streams.a]\n")
+    with pytest.raises(ConfigError, match=r"streams.a: the pipeline file's name is not a consumer"):
+        load_pipeline_config(odd)
+    odd.write_text("[streams.a]\nconsumer = 'mine'\n")
+    assert load_pipeline_config(odd).stream("a").consumer == "mine"
+    # Built from a dict (headgate run's own pipeline): the stream's implicit consumer.
+    assert pipeline_config_from_dict({"streams": {"a": {}}}).stream("a").consumer == "default"
+
+
+def test_a_token_that_may_not_declare_the_consumer_is_an_error_before_spark_starts(
+    tmp_path: Path,
+) -> None:
+    from headgate.client import Producer
+    from headgate.config import GatewayConfig
+    from headgate.demo import BackgroundLoop
+    from headgate.gateway import Gateway
+    from tests.gateway._tokens import Token, write_tokens
+
+    tokens = write_tokens(
+        tmp_path / "tokens.toml",
+        Token("ingest", "w" * 32, write=("*",)),
+        Token("archiver", "c" * 32, read=("*",), consume=("s/archive",)),
+    )
+    data = tmp_path / "data"
+    loop = BackgroundLoop("test-gateway")
+    gateway = Gateway(GatewayConfig(listen=("127.0.0.1", 0), data_dir=data, auth_file=tokens))
+    loop.run(gateway.start(), 30)
+    try:
+        host, port = gateway.address
+        address = f"{host}:{port}"
+
+        async def produce() -> None:
+            async with Producer(address, token=b"w" * 32) as producer:
+                await producer.send("s", b"one")
+                await producer.flush()
+
+        loop.run(produce(), 30)
+        (tmp_path / "token").write_text("c" * 32)
+        path = tmp_path / "live.toml"  # its consumer would be "live": not the token's
+        path.write_text(
+            f"data_dir = '{data}'\ngateway = '{address}'\ntoken_file = '{tmp_path / 'token'}'\n"
+            "[streams.s]\n"
+        )
+        result = CliRunner().invoke(main, ["pipeline", str(path), "--available-now"])
+        assert result.exit_code == 2, result.output
+        refusal = f"{path}: streams.s: the gateway at {address} refused to declare consumer 'live'"
+        assert refusal in result.output, result.output
+        assert "a consume pattern matching s/live" in result.output
+        assert "Traceback" not in result.output
+        consumers = loop.run(_consumers(gateway), 10)
+        assert consumers == {"default"}, "nothing was declared"
+    finally:
+        loop.run(gateway.stop(), 30)
+        loop.stop()
+
+
+async def _consumers(gateway: Any) -> set[str]:
+    return set(gateway.streams["s"].consumers.consumers)
 
 
 def test_spark_errors_are_cut_to_the_line_that_says_what_went_wrong() -> None:

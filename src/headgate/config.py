@@ -53,6 +53,12 @@ Example ``headgate.toml``::
     # to (hold: producers wait, one WARNING) or detached (becomes non-blocking).
     idle_release_seconds = 300
     idle_policy = "hold"     # hold (default) or detach
+    # Retention after release (see README, "Retention"): released data stays
+    # readable (a new consumer at `earliest`, a reset, a replay) up to
+    # retain_bytes, and no longer than retain_seconds if set. The log's disk
+    # budget is capacity + retain_bytes; producers' credit stays `capacity`.
+    retain_bytes = "16MiB"   # default 0: the log frees what is released
+    retain_seconds = 3600    # needs retain_bytes; default: no age limit
 
     [streams.ticks.consumers.archive]
     blocking = true          # its pace throttles the producers (default)
@@ -207,6 +213,25 @@ class StreamSettings:
     idle_release_seconds: float | None = None
     #: ``hold`` or ``detach``: what an idle blocking consumer's stream does.
     idle_policy: str | None = None
+    #: Released bytes kept readable (on top of ``capacity``); None: 0.
+    retain_bytes: int | None = None
+    #: Released data older than this is freed even inside ``retain_bytes``.
+    retain_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """How much released data a stream keeps readable (its second disk budget).
+
+    The log holds ``capacity + bytes``: ``capacity`` of unreleased data,
+    which producers' credit follows, and up to ``bytes`` of released data
+    (younger than ``seconds``, if set) for new consumers and replays.
+    """
+
+    #: Released bytes kept, at most; 0: none (the log frees what is released).
+    bytes: int = 0
+    #: Released data older than this is freed anyway; None: no age limit.
+    seconds: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -352,6 +377,11 @@ class GatewayConfig:
             return override.capacity
         return self.stream_capacity
 
+    def retention_for(self, name: str) -> Retention:
+        """The retention of stream ``name`` (none unless its table sets ``retain_bytes``)."""
+        over = self.streams.get(name, StreamSettings())
+        return Retention(bytes=over.retain_bytes or 0, seconds=over.retain_seconds)
+
     def consumers_for(self, name: str) -> dict[str, ConsumerSettings]:
         """The consumers the configuration declares for stream ``name``."""
         return dict(self.streams.get(name, StreamSettings()).consumers)
@@ -392,6 +422,11 @@ class GatewayConfig:
                 )
             if over.window is not None and over.window < 1:
                 raise ConfigError(f"streams.{name}.window must be at least 1, got {over.window}")
+            if over.retain_seconds is not None and not over.retain_bytes:
+                raise ConfigError(
+                    f"streams.{name}.retain_seconds needs retain_bytes: the retained data's "
+                    "disk budget (retain_seconds only frees it sooner)"
+                )
             if over.capacity is not None and over.capacity < 2 * self.term_length:
                 raise _two_terms(f"streams.{name}.capacity", over.capacity, self.term_length)
             flow = self.flow_for(name)
@@ -502,6 +537,8 @@ _REPLACED_KEYS = {
     "shared by the token's connections; see README, Limits)",
 }
 _STREAM_KEYS = {
+    "retain_bytes",
+    "retain_seconds",
     "capacity",
     "policy",
     "window",
@@ -613,6 +650,15 @@ def _stream_from_table(table: dict[str, Any], where: str) -> StreamSettings:
         raise ConfigError(
             f"{where}.idle_release_seconds: expected a number of seconds above 0, got {idle!r}"
         )
+    retain_seconds = table.get("retain_seconds")
+    if retain_seconds is not None and (
+        isinstance(retain_seconds, bool)
+        or not isinstance(retain_seconds, int | float)
+        or retain_seconds <= 0
+    ):
+        raise ConfigError(
+            f"{where}.retain_seconds: expected a number of seconds above 0, got {retain_seconds!r}"
+        )
     idle_policy = table.get("idle_policy")
     if idle_policy is not None and idle_policy not in IDLE_POLICIES:
         raise ConfigError(
@@ -634,6 +680,8 @@ def _stream_from_table(table: dict[str, Any], where: str) -> StreamSettings:
         consumers=consumers,
         idle_release_seconds=None if idle is None else float(idle),
         idle_policy=idle_policy,
+        retain_bytes=size("retain_bytes"),
+        retain_seconds=None if retain_seconds is None else float(retain_seconds),
     )
 
 

@@ -691,8 +691,10 @@ def test_a_stream_has_at_most_max_consumers(tmp_path: Path) -> None:
     book = ConsumerBook.load(
         "s", tmp_path / "s.consumers.json", release_position=0, tail_position=0, declared={}
     )
-    for i in range(MAX_CONSUMERS_PER_STREAM - 1):  # "default" is the first
+    # The first blocking one takes the implicit "default"'s place.
+    for i in range(MAX_CONSUMERS_PER_STREAM):
         book.declare(f"c{i}", BLOCKING, 0)
+    assert len(book.consumers) == MAX_CONSUMERS_PER_STREAM
     with pytest.raises(ProtocolError) as refused:
         book.declare("one-more", BLOCKING, 0)
     assert refused.value.code == ErrorCode.RESOURCE_EXHAUSTED
@@ -919,7 +921,10 @@ def test_a_release_client_can_declare_its_consumer_before_releasing(tmp_path: Pa
                     return client.flush(10) and client.statistics().refusals == 0
 
             assert await asyncio.to_thread(release)
-            assert positions(gw, "s") == {"default": 0, "archive": end}
+            # The first blocking consumer declared at run time takes over the
+            # implicit one (nobody declared it): it alone holds the log now.
+            assert positions(gw, "s") == {"archive": end}
+            assert gw.streams["s"].log.release_position == end
             assert stored(tmp_path, "s")["archive"]["origin"] == "runtime"
 
             # Without declare, an unknown consumer is refused (and logged).

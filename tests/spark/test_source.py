@@ -192,7 +192,7 @@ def test_options_are_checked_when_the_source_is_created(data_dir: Path) -> None:
     # Kafka's options, or a misspelt one, are refused rather than ignored,
     # and the message lists what the source does take.
     refused(options(data_dir, maxOffsetsPerTrigger="10"), "unknown option 'maxOffsetsPerTrigger'")
-    refused(options(data_dir, failOnDataLoss="false"), "takes .*startingOffsets")
+    refused(options(data_dir, groupIdPrefix="x"), "takes .*startingOffsets")
     refused(
         options(data_dir, includeHeaders="true", stream="a"),
         "unknown options 'includeHeaders', 'stream'",
@@ -375,6 +375,89 @@ def test_a_released_position_is_named_in_the_error(data_dir: Path) -> None:
             list(read_slice(str(data_dir), StreamSlice("a", 0, a.end), arrow_schema()))
     finally:
         reader.stop()
+
+
+# --- without Spark: consumers, startingTimestamp, failOnDataLoss ----------------------
+
+
+def test_consumer_starting_timestamp_and_fail_on_data_loss_options_are_checked(
+    data_dir: Path,
+) -> None:
+    parsed = SourceOptions.parse(
+        options(data_dir, consumer="archive", failOnDataLoss="FALSE", startingTimestamp="1500")
+    )
+    assert (parsed.consumer, parsed.fail_on_data_loss) == ("archive", False)
+    assert parsed.starting_timestamp_us == 1_500_000
+    iso = SourceOptions.parse(options(data_dir, startingTimestamp="2023-11-14T22:13:20Z"))
+    assert iso.starting_timestamp_us == 1_700_000_000_000_000
+    assert SourceOptions.parse(options(data_dir)).fail_on_data_loss is True
+    for bad, match in [
+        ({"consumer": "no way"}, "option 'consumer' must be a consumer name"),
+        ({"failOnDataLoss": "maybe"}, "'failOnDataLoss' must be true or false"),
+        ({"startingTimestamp": "yesterday"}, "'startingTimestamp' must be milliseconds"),
+        ({"startingTimestamp": "2023-11-14T22:13:20"}, "with its zone"),
+        ({"startingTimestamp": "1", "startingOffsets": "latest"}, "not both"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            SourceOptions.parse(options(data_dir, **bad))
+
+
+def test_starting_timestamp_starts_each_stream_at_its_first_frame_at_or_after_it(
+    data_dir: Path,
+) -> None:
+    a = make_stream(data_dir, "a")
+    a.append([3] * 10)  # frames stamped BASE_TIME_US + 0, 1000, ..., 9000 µs
+    b = make_stream(data_dir, "b")
+    b.append([2] * 3)  # all before the time: starts at its end
+    millis = (BASE_TIME_US + 4500) // 1000 + 1  # 5000 µs after BASE_TIME_US, rounded up
+    assert millis * 1000 == BASE_TIME_US + 5000
+    reader = HeadgateStreamReader(
+        SourceOptions.parse(options(data_dir, startingTimestamp=str(millis)))
+    )
+    try:
+        assert reader.initialOffset() == {"a": a.frames[5][0], "b": b.end}
+    finally:
+        reader.stop()
+
+
+def test_fail_on_data_loss_false_skips_what_the_log_freed_and_reports_it(data_dir: Path) -> None:
+    a = make_stream(data_dir, "a")
+    a.append([10] * 60)
+    a.append([1], release=2 * TERM)
+    strict = HeadgateStreamReader(SourceOptions.parse(options(data_dir, consumer="live")))
+    try:
+        with pytest.raises(
+            SourceError,
+            match=r"stream 'a': position 0 was already released; the oldest position the log "
+            rf"retains is {2 * TERM}: {2 * TERM} bytes were freed before this query "
+            r"\(consumer 'live'\) read them. Set option failOnDataLoss to false",
+        ):
+            strict.latestOffset({"a": 0}, strict.getDefaultReadLimit())
+    finally:
+        strict.stop()
+    lenient = HeadgateStreamReader(
+        SourceOptions.parse(options(data_dir, consumer="live", failOnDataLoss="false"))
+    )
+    try:
+        end = lenient.latestOffset({"a": 0}, lenient.getDefaultReadLimit())
+        assert end == {"a": a.end}
+        parts = lenient.partitions({"a": 0}, end)
+        assert isinstance(parts[0], HeadgatePartition)
+        first = parts[0].slices[0]
+        assert (first.stream, first.start) == ("a", 2 * TERM)
+        report = lenient.reportLatestOffset()
+        assert report["a"] == a.end
+        assert report["_consumer"] == {
+            "name": "live",
+            "lag_bytes": {"a": 0},
+            "skipped_bytes": {"a": 2 * TERM},  # counted once, though planned twice
+        }
+        planned_end = a.end
+        a.append([5])
+        report = lenient.reportLatestOffset()
+        assert report["_consumer"]["lag_bytes"] == {"a": a.end - planned_end}
+    finally:
+        lenient.stop()
 
 
 # --- without Spark: record addresses -------------------------------------------------

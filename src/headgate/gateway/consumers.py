@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headgate.config import DATA_LOSS_OUTCOMES, ConsumerSettings
+from headgate.config import DATA_LOSS_OUTCOMES, ConsumerSettings, Retention
 from headgate.gateway.dedup import write_json_durably
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -46,6 +46,7 @@ __all__ = [
     "ConsumerStatistics",
     "IdleAction",
     "consumers_file",
+    "free_position",
 ]
 
 log = logging.getLogger("headgate.gateway")
@@ -57,6 +58,36 @@ MAX_CONSUMERS_PER_STREAM = 256
 #: Most frame headers read, per free of the log, to count the records a
 #: non-blocking consumer loses (a few µs each, on the event loop).
 MAX_COUNTED_FRAMES = 16384
+
+
+def free_position(
+    consumed: int,
+    retention: Retention,
+    frames: Iterable[tuple[int, int, int]],
+    now_us: int,
+) -> int:
+    """How far the log may free, behind the *consumed* position, under ``retention``.
+
+    Two positions, one rule (the one place they are split): the *consumed*
+    position is what every blocking consumer has committed (the floor); the
+    producers' credit follows it, and only it. The *freed* position is what
+    the log has actually deleted or may reuse; it trails the consumed one by
+    what retention keeps readable after release: at most ``retention.bytes``
+    bytes, and none older than ``retention.seconds``. So the log holds at
+    most ``capacity`` (unconsumed, the producers' budget) plus
+    ``retention.bytes`` (retained): the two budgets add up.
+
+    ``frames``: ``(position, end_position, timestamp_us)`` of the frames from
+    the present freed position up to ``consumed``, in log order; read only
+    until the first frame that is kept (all after it are kept too).
+    """
+    if retention.bytes <= 0:
+        return consumed
+    cutoff = None if retention.seconds is None else now_us - round(retention.seconds * 1e6)
+    for start, _end, timestamp_us in frames:
+        if consumed - start <= retention.bytes and (cutoff is None or timestamp_us >= cutoff):
+            return start  # this frame, and every one after it, is kept
+    return consumed
 
 
 def consumers_file(data_dir: Path, stream: str) -> Path:
@@ -313,6 +344,11 @@ class ConsumerBook:
     ) -> Consumer:
         """Create consumer ``name`` at ``start``, or return the one there is.
 
+        The first blocking consumer declared at run time (``origin``
+        ``runtime``) on a stream whose consumer is still the implicit
+        :data:`~headgate.protocol.messages.DEFAULT_CONSUMER` (one nobody
+        declared) replaces it, at its position.
+
         Raises:
             ProtocolError: it exists with other settings; RESOURCE_EXHAUSTED
                 beyond :data:`MAX_CONSUMERS_PER_STREAM`.
@@ -328,6 +364,39 @@ class ConsumerBook:
                     code=ErrorCode.UNEXPECTED_FRAME,
                 )
             return existing
+        implicit = self.consumers.get(m.DEFAULT_CONSUMER)
+        if (
+            settings.blocking
+            and origin == "runtime"
+            and implicit is not None
+            and implicit.origin == "default"
+            and implicit.blocking
+        ):
+            # The implicit consumer only stands in for a consumer nobody named
+            # (it holds a new stream's log until one is declared): the first
+            # blocking consumer declared at run time takes its place and its
+            # position. Otherwise a pipeline that names its consumer would
+            # leave ``default`` holding the producers forever.
+            del self.consumers[m.DEFAULT_CONSUMER]
+            consumer = Consumer(
+                name,
+                implicit.position,
+                implicit.saved,
+                True,
+                settings.on_data_loss,
+                origin=origin,
+            )
+            self.consumers[name] = consumer
+            self.unsaved = True
+            log.warning(
+                "stream %s: consumer %s takes over the implicit consumer %s at %d (a Release "
+                "naming no consumer is refused from now on)",
+                self.stream,
+                name,
+                m.DEFAULT_CONSUMER,
+                implicit.position,
+            )
+            return consumer
         if len(self.consumers) >= MAX_CONSUMERS_PER_STREAM:
             raise ProtocolError(
                 f"stream {self.stream}: already has {len(self.consumers)} consumers, "

@@ -172,7 +172,7 @@ class Flow:
         # releases (Stream._process_released), and the absolution shrinks them
         # at once.
         s = self.stream
-        over = s.outstanding() + s.reserve - s.log.free_capacity
+        over = s.outstanding() + s.reserve - s.free_capacity
         if over <= 0:
             return
         for w in s.writers:
@@ -388,9 +388,9 @@ class XonXoffFlow(Flow):
         return f"xoff:{self.stream.name}"
 
     def level(self) -> int:
-        """Bytes unreleased in the log plus bytes held in memory."""
-        log = self.stream.log
-        return log.tail_position - log.release_position + self.stream.held.bytes
+        """Bytes not consumed in the log plus bytes held in memory (retained ones never count)."""
+        stream = self.stream
+        return stream.log.tail_position - stream.consumed_position + stream.held.bytes
 
     def receive(
         self,

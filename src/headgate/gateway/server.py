@@ -1385,12 +1385,13 @@ class Gateway:
             term_length=self.config.term_length,
             max_message_size=self.config.max_message_size,
             consumers=self.config.consumers_for(name),
+            retention=self.config.retention_for(name),
         )
 
     def _install(self, stream: Stream) -> None:
         """Make an opened stream serve (on the event loop)."""
         capacity = self.config.stream_capacity_for(stream.name)
-        if stream.log.capacity != capacity:
+        if stream.capacity != capacity:
             # An existing log keeps the capacity it was created with; the
             # configuration is what the operator wants now.
             stream.set_capacity(capacity)
@@ -1567,10 +1568,14 @@ class Gateway:
                 except ProtocolError as exc:
                     log.warning("reload: %s", exc)
         for name in list(self.streams):
+            retention = self.config.retention_for(name)
+            if retention != self.streams[name].retention:
+                log.info("stream %s: retention %s", name, retention)
+                self.streams[name].set_retention(retention)
             capacity = self.config.stream_capacity_for(name)
-            if capacity != self.streams[name].log.capacity:
+            if capacity != self.streams[name].capacity:
                 log.info(
-                    "stream %s: capacity %d -> %d", name, self.streams[name].log.capacity, capacity
+                    "stream %s: capacity %d -> %d", name, self.streams[name].capacity, capacity
                 )
                 self.set_capacity(name, capacity)
 
@@ -1724,6 +1729,8 @@ class Gateway:
     def check_consumers(self, now: float) -> None:
         """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""
         for stream in self.streams.values():
+            if stream.expire_retained():
+                self.mark_dirty(stream)  # the next commit stores it and deletes the terms
             idle_after, policy = self.config.idle_rule_for(stream.name)
             if any(a.policy == "detach" for a in stream.check_idle(now, idle_after, policy)):
                 self.mark_dirty(stream)

@@ -69,6 +69,7 @@ import contextlib
 import errno
 import logging
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -77,13 +78,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from headgate.config import ConsumerSettings
+from headgate.config import ConsumerSettings, Retention
 from headgate.gateway.accounts import Account
 from headgate.gateway.consumers import (
     ConsumerBook,
     ConsumerStatistics,
     IdleAction,
     consumers_file,
+    free_position,
 )
 from headgate.gateway.dedup import (
     DedupSnapshot,
@@ -519,6 +521,10 @@ class StreamStatistics:
     reserve: int = 0
     #: The stream's named consumers, by name.
     consumers: tuple[ConsumerStatistics, ...] = ()
+    #: Released bytes the log still holds (retention), readable for replays.
+    retained_bytes: int = 0
+    #: The oldest position the log holds (``release_position`` less the retained bytes).
+    freed_position: int = 0
 
 
 class Stream:
@@ -532,6 +538,13 @@ class Stream:
         self.reserve = (stream_log.capacity // stream_log.term_length + 2) * max_frame
         self._floor = max_frame
         self._max_frame = max_frame
+        #: Released data kept readable; its bytes are part of the log's
+        #: capacity, not of the producers' (see :attr:`capacity`).
+        self.retention = Retention()
+        #: What every blocking consumer has committed: producers' credit
+        #: follows it. The log's release position (what it frees) trails it
+        #: by the retained bytes (:func:`~headgate.gateway.consumers.free_position`).
+        self.consumed_position = stream_log.release_position
         self._start = self._first_grant(stream_log.capacity)
         #: When the gateway last rebalanced this stream's credit (``Gateway.rebalance``; its clock).
         self.rebalanced_at = float("-inf")
@@ -596,6 +609,7 @@ class Stream:
         term_length: int,
         max_message_size: int,
         consumers: Mapping[str, ConsumerSettings] | None = None,
+        retention: Retention | None = None,
     ) -> Stream:
         """Open (or create) the stream's log, its consumers, and rebuild its dedup state.
 
@@ -603,14 +617,21 @@ class Stream:
         :mod:`headgate.gateway.dedup`) that covers the log up to a position,
         and the headers of the frames after that position. ``consumers``
         are those the configuration declares (see
-        :meth:`~headgate.gateway.consumers.ConsumerBook.load`).
+        :meth:`~headgate.gateway.consumers.ConsumerBook.load`). ``capacity``
+        is the producers' budget; the log holds ``retention.bytes`` more.
 
         Raises:
             LogError: the log, or the stream's consumers file, is damaged.
         """
         directory, state_file = stream_files(data_dir, name)
-        stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
+        retention = retention or Retention()
+        stream_log = StreamLog.open(
+            directory, term_length=term_length, capacity=capacity + retention.bytes
+        )
         stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
+        stream.retention = retention
+        stream.reserve = stream._reserve_for(stream.capacity)
+        stream._start = stream._first_grant(stream.capacity)
         try:
             stream.consumers = ConsumerBook.load(
                 name,
@@ -788,9 +809,25 @@ class Stream:
             total += state.capacity - state.buffered_bytes
         return total
 
+    @property
+    def capacity(self) -> int:
+        """The producers' budget: the log's capacity less what retention may hold."""
+        return self.log.capacity - self.retention.bytes
+
+    @property
+    def free_capacity(self) -> int:
+        """What producers may still fill: ``capacity`` less the unconsumed bytes.
+
+        Retained bytes (released, kept readable) never count against it; the
+        log's own free space is the bound only if retention was lowered
+        while it held more.
+        """
+        unconsumed = self.log.tail_position - self.consumed_position
+        return max(0, min(self.capacity - unconsumed, self.log.free_capacity))
+
     def unassigned(self) -> int:
         """Log space that no writer holds; never negative."""
-        return max(0, self.log.free_capacity - self.reserve - self.outstanding())
+        return max(0, self.free_capacity - self.reserve - self.outstanding())
 
     def guarantees_outstanding(self) -> int:
         """Guarantees the writers hold (as the gateway knows them)."""
@@ -1050,18 +1087,58 @@ class Stream:
         freed only once half of it is in use, so that non-blocking readers
         find what was written lately and a release (with its producer-state
         snapshot) is not paid at every group commit.
+
+        The consumed position (credit) moves to that point; the log frees
+        only what retention lets go (:func:`free_position`), here and
+        nowhere else.
         """
         log_ = self.log
         durable = log_.durable_position
         floor = self.consumers.floor()
+        consumed = self.consumed_position
         if floor is None:
-            if log_.tail_position - log_.release_position < log_.capacity // 2:
-                return
-            position = durable
+            if log_.tail_position - consumed >= self.capacity // 2:
+                consumed = durable
         else:
-            position = min(floor, durable)
-        if position <= log_.release_position:
+            consumed = min(floor, durable)
+        previous = self.consumed_position
+        moved = consumed > previous
+        if moved:
+            self.consumed_position = consumed
+        if not self._free_retained():
+            # A full disk: the credit waits with the log's space.
+            self.consumed_position = previous
             return
+        if moved:
+            self._process_released()
+
+    def _free_retained(self) -> bool:
+        """Free the log up to what retention no longer keeps behind the consumed position.
+
+        Returns False only when freeing had to be deferred (the dedup
+        snapshot could not be written).
+        """
+        log_ = self.log
+        consumed = self.consumed_position
+        if consumed <= log_.release_position:
+            return True
+        position = consumed
+        if self.retention.bytes:
+            try:
+                position = free_position(
+                    consumed,
+                    self.retention,
+                    (
+                        (h.position, h.end_position, h.timestamp_us)
+                        for h in log_.scan_headers(log_.release_position, consumed, verify=False)
+                    ),
+                    time.time_ns() // 1000,
+                )
+            except LogError as exc:
+                log.warning("stream %s: retained data not freed: %s", self.name, exc)
+                return True
+        if position <= log_.release_position:
+            return True
         # Frames being reclaimed must stay recognisable as duplicates.
         try:
             self._write_snapshot()
@@ -1069,7 +1146,7 @@ class Stream:
             # A full disk: keep the space until the snapshot can be written
             # (the next commit of this stream tries again).
             log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
-            return
+            return False
         if self.consumers.behind(position):
             # A non-blocking consumer loses these frames: count their records.
             try:
@@ -1087,8 +1164,22 @@ class Stream:
             log_.release(position)
         except LogError as exc:  # positions are checked on arrival: only a bug lands here
             log.error("stream %s: cannot free the log to %d: %s", self.name, position, exc)
-            return
-        self._process_released()
+        return True
+
+    def expire_retained(self) -> bool:
+        """Free retained data older than ``retain_seconds`` (housekeeping); True if it did."""
+        if self.retention.seconds is None:
+            return False
+        before = self.log.release_position
+        self._free_retained()
+        return self.log.release_position != before
+
+    def set_retention(self, retention: Retention) -> None:
+        """Change the retention (a reload): the log's capacity follows, credit keeps its own."""
+        capacity = self.capacity
+        self.retention = retention
+        self.set_capacity(capacity)
+        self._free_retained()
 
     def declare_consumer(
         self, name: str, settings: ConsumerSettings, *, origin: str = "runtime"
@@ -1217,8 +1308,8 @@ class Stream:
         return actions
 
     def _process_released(self, writers: Sequence[Writer] | None = None) -> None:
-        """Free the channel space of every run the release position now covers."""
-        released = self.log.release_position
+        """Free the channel space of every run the consumed position now covers."""
+        released = self.consumed_position
         shares: dict[int, int] | None = None
         for writer in self.writers if writers is None else writers:
             if not writer.alive:
@@ -1251,7 +1342,7 @@ class Stream:
         Shares follow use (``start``): credit nobody uses stays unassigned,
         for a newcomer to be granted at once.
         """
-        total = max(0, self.log.capacity - self.reserve)
+        total = max(0, self.capacity - self.reserve)
         return fair_shares(
             total, self._floor, self.writers, now, start=self._start, limited=limited
         )
@@ -1276,10 +1367,21 @@ class Stream:
         return True
 
     def set_capacity(self, capacity: int) -> None:
-        """Resize the log; the next rebalance (``Gateway.rebalance``) grants or pleads to match."""
-        self.log.set_capacity(capacity)
-        self.reserve = (capacity // self.log.term_length + 2) * self._max_frame
+        """Resize the producers' budget (the log holds the retention on top of it).
+
+        The next rebalance (``Gateway.rebalance``) grants or pleads to match.
+        """
+        self.log.set_capacity(capacity + self.retention.bytes)
+        self.reserve = self._reserve_for(capacity)
         self._start = self._first_grant(capacity)
+
+    def _reserve_for(self, capacity: int) -> int:
+        """Room kept back for padding at term rotations while ``capacity`` bytes are written.
+
+        Retained bytes are positions already written, their padding included:
+        only the producers' budget needs the reserve.
+        """
+        return (capacity // self.log.term_length + 2) * self._max_frame
 
     def rebalance_credit(self, now: float) -> None:
         """Grant free space to writers below their share; plead those above it."""
@@ -1511,11 +1613,11 @@ class Stream:
         """A snapshot; with ``now_us`` (wall clock, µs) each consumer's lag in seconds too."""
         return StreamStatistics(
             name=self.name,
-            capacity=self.log.capacity,
-            free_capacity=self.log.free_capacity,
+            capacity=self.capacity,
+            free_capacity=self.free_capacity,
             tail_position=self.log.tail_position,
             durable_position=self.log.durable_position,
-            release_position=self.log.release_position,
+            release_position=self.consumed_position,
             writers=len(self.writers),
             guarantees_outstanding=self.guarantees_outstanding(),
             appended_batches=self.appended_batches,
@@ -1528,6 +1630,8 @@ class Stream:
                 self.log.durable_position,
                 None if now_us is None else (now_us, self._oldest_unreleased_timestamp),
             ),
+            retained_bytes=self.consumed_position - self.log.release_position,
+            freed_position=self.log.release_position,
         )
 
     def _oldest_unreleased_timestamp(self, position: int) -> int | None:

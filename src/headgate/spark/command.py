@@ -4,8 +4,9 @@ It runs next to a gateway (``headgate serve``), reads the gateway's logs and
 writes Parquet, one Structured Streaming query per stream, as the TOML file
 describes (:mod:`headgate.spark.pipeline`). After each committed micro-batch
 it sends the gateway a Release over its own connection
-(:class:`~headgate.client.control.ReleaseClient`), which turns into credit
-for the stream's producers.
+(:class:`~headgate.spark.pipeline.GatewayReleases`), which turns into credit
+for the stream's producers. Each stream's releases name its consumer,
+declared on the gateway before Spark starts (:func:`~headgate.spark.pipeline.declare_consumers`).
 
 The order of the checks is the user's order of mistakes: the file's structure
 first, without starting Spark; then the data directory; then schemas, SQL and
@@ -21,14 +22,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from headgate.client.security import SecurityError
 from headgate.config import ConfigError
 from headgate.spark.pipeline import (
+    GatewayReleases,
     Pipeline,
     PipelineConfig,
     check_definitions,
+    declare_consumers,
     error_text,
     load_pipeline_config,
     release_committed,
@@ -89,16 +91,14 @@ def run_pipeline(
     """
     from pyspark import SparkContext
 
-    from headgate.client import ReleaseClient
-
     # A session that already runs in this process (a notebook, the tests) is
     # reused and left running; one started here is stopped here.
     check_definitions(config, write_new=False)  # Pipeline.start records them
-    client = (
-        ReleaseClient(config.gateway, security=config.security)
-        if config.gateway is not None
-        else None
-    )
+    if config.gateway is not None:
+        # Each query's consumer must hold the log before its first batch;
+        # a token that may not declare it fails here, in one line.
+        declare_consumers(config)
+    client = GatewayReleases(config) if config.gateway is not None else None
     if client is not None:
         # Before Spark starts: the last release before a kill may be lost.
         release_committed(config, client.release)
@@ -235,15 +235,23 @@ def _empty_scratch(local_dir: Path) -> None:
 def _status_line(pipeline: Pipeline) -> str:
     parts = []
     for name in pipeline.queries:
-        parts.append(
+        line = (
             f"{name}: {pipeline.batches[name]} batches, {pipeline.rows_written[name]:,} rows, "
             f"{pipeline.dead_letters[name]:,} dead"
         )
+        figures = pipeline.consumer_progress.get(name)
+        if figures is not None:
+            line += f", consumer {figures.consumer} {figures.lag_bytes:,} bytes behind"
+            if figures.skipped_bytes:
+                line += f" ({figures.skipped_bytes:,} bytes skipped: freed unread)"
+        parts.append(line)
     return " | ".join(parts)
 
 
-def _summary(pipeline: Pipeline, config: PipelineConfig, client: Any, echo: Echo) -> None:
-    applied = client.statistics().applied if client is not None else {}
+def _summary(
+    pipeline: Pipeline, config: PipelineConfig, client: GatewayReleases | None, echo: Echo
+) -> None:
+    applied = client.applied() if client is not None else {}
     for name in pipeline.queries:
         committed = pipeline.committed.get(name)
         line = (

@@ -35,6 +35,20 @@ shows every key)::
     partition_by = ["symbol"]
     trigger_seconds = 1.0
     max_records_per_trigger = 100000
+    consumer = "archive"                # the gateway consumer its releases name
+                                        # (default: the pipeline file's name)
+    blocking = true                     # its pace throttles the producers (default)
+    fail_on_data_loss = true            # false: skip what the log freed unread
+
+Consumers: each stream's releases name a consumer of that stream on the
+gateway (PROTOCOL.md, "Consumers"). Its default is the pipeline file's name
+without ``.toml`` (``archive.toml`` releases as consumer ``archive``), so two
+pipeline files on one stream never share a consumer, and so never free what
+the other has not read, unless they say so. The consumer is declared on the
+gateway before any query starts (:func:`declare_consumers`; its token needs
+``admin`` or a ``consume`` pattern matching ``STREAM/CONSUMER``). A
+configuration built from a dict, as ``headgate run`` builds its own, releases
+as ``default``, the consumer a stream has when nobody declared one.
 
 Every structural mistake is found by :func:`load_pipeline_config` without
 Spark; schemas, transforms and partition columns are checked by Spark's
@@ -62,6 +76,7 @@ from typing import Any
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.config import ConfigError, parse_size
 from headgate.log.address import AddressError
+from headgate.protocol.messages import DEFAULT_CONSUMER, is_valid_name
 from headgate.spark.planning import MISSING_STREAMS, offset_address
 
 Release = Callable[[str, int], None]
@@ -176,6 +191,13 @@ class StreamPipeline:
     #: Admission control per micro-batch.
     max_records_per_trigger: int | None = None
     max_bytes_per_trigger: int | None = None
+    #: The gateway consumer whose position the stream's releases commit.
+    consumer: str = DEFAULT_CONSUMER
+    #: Whether that consumer holds the producers back (declared so).
+    blocking: bool = True
+    #: A batch whose start the log freed before it was read: fail the query
+    #: (True), or skip to the oldest held position (the source's ``failOnDataLoss``).
+    fail_on_data_loss: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +336,11 @@ def check_definitions(config: PipelineConfig, *, write_new: bool = True) -> None
 
 
 def load_pipeline_config(path: Path) -> PipelineConfig:
-    """Read a pipeline TOML file; every mistake is a ConfigError naming it."""
+    """Read a pipeline TOML file; every mistake is a ConfigError naming it.
+
+    A stream without ``consumer`` releases as the consumer named after the
+    file (its name without the suffix): see the module docstring.
+    """
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -325,7 +351,7 @@ def load_pipeline_config(path: Path) -> PipelineConfig:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    return pipeline_config_from_dict(raw, where=str(path))
+    return pipeline_config_from_dict(raw, where=str(path), default_consumer=path.stem)
 
 
 def _path(value: object, what: str) -> Path:
@@ -380,9 +406,9 @@ def _option_text(value: object, what: str) -> str:
     raise ConfigError(f"{what} must be text, a number or true/false, got {value!r}")
 
 
-def _stream_from_table(name: str, table: object, at: str) -> StreamPipeline:
-    from headgate.protocol.messages import is_valid_name
-
+def _stream_from_table(
+    name: str, table: object, at: str, default_consumer: str | None
+) -> StreamPipeline:
     if not is_valid_name(name):
         raise ConfigError(
             f"{at}: {name!r} is not a stream name (letters, digits, '.', '_' and '-', "
@@ -442,6 +468,23 @@ def _stream_from_table(name: str, table: object, at: str) -> StreamPipeline:
         raise ConfigError(f"{at}.transform must be SQL text")
     output = table.get("output")
     checkpoint = table.get("checkpoint")
+    consumer = table.get("consumer", default_consumer)
+    if consumer is None:
+        raise ConfigError(
+            f"{at}: the pipeline file's name is not a consumer name (letters, digits, '.', "
+            "'_' and '-', starting with a letter or digit); set consumer"
+        )
+    if not isinstance(consumer, str) or not is_valid_name(consumer):
+        raise ConfigError(
+            f"{at}.consumer: {consumer!r} is not a consumer name (letters, digits, '.', '_' "
+            "and '-', starting with a letter or digit)"
+        )
+    flags: dict[str, bool] = {}
+    for key in ("blocking", "fail_on_data_loss"):
+        flag = table.get(key, True)
+        if not isinstance(flag, bool):
+            raise ConfigError(f"{at}.{key} must be true or false, got {flag!r}")
+        flags[key] = flag
     return StreamPipeline(
         name=name,
         format=fmt,
@@ -454,11 +497,24 @@ def _stream_from_table(name: str, table: object, at: str) -> StreamPipeline:
         trigger_seconds=float(trigger),
         max_records_per_trigger=records,
         max_bytes_per_trigger=size,
+        consumer=consumer,
+        blocking=flags["blocking"],
+        fail_on_data_loss=flags["fail_on_data_loss"],
     )
 
 
-def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -> PipelineConfig:
-    """Check a parsed TOML document and build the configuration (no Spark needed)."""
+def pipeline_config_from_dict(
+    raw: dict[str, Any], *, where: str = "pipeline", default_consumer: str = DEFAULT_CONSUMER
+) -> PipelineConfig:
+    """Check a parsed TOML document and build the configuration (no Spark needed).
+
+    ``default_consumer``: the consumer of a stream that names none
+    (:func:`load_pipeline_config` gives the file's name).
+    """
+    if not is_valid_name(default_consumer):
+        fallback: str | None = None
+    else:
+        fallback = default_consumer
     from headgate.client.address import GatewayAddress
 
     unknown = set(raw) - set(_TOP_KEYS)
@@ -488,7 +544,7 @@ def pipeline_config_from_dict(raw: dict[str, Any], *, where: str = "pipeline") -
     if not isinstance(streams_raw, dict) or not streams_raw:
         raise ConfigError(f"{where}: needs at least one [streams.NAME] table")
     streams = tuple(
-        _stream_from_table(name, table, f"{where}: streams.{name}")
+        _stream_from_table(name, table, f"{where}: streams.{name}", fallback)
         for name, table in streams_raw.items()
     )
     output_dir = _path(raw.get("output_dir", str(data_dir / "parquet")), f"{where}: output_dir")
@@ -858,6 +914,150 @@ def release_committed(config: PipelineConfig, release: Release) -> dict[str, int
     return released
 
 
+def consumer_settings(spec: StreamPipeline) -> Any:
+    """How the gateway is asked to declare ``spec``'s consumer (``ConsumerSettings``)."""
+    from headgate.config import ConsumerSettings
+
+    return ConsumerSettings(
+        blocking=spec.blocking, on_data_loss="fail" if spec.fail_on_data_loss else "skip"
+    )
+
+
+class GatewayReleases:
+    """The pipeline's releases to its gateway: one release client per consumer.
+
+    A stream's releases name its consumer (``consumer`` in its table). Each
+    client declares its consumer before its first Release of a stream on
+    each connection, so a stream created after the pipeline started gets
+    the consumer too. :meth:`release` is a :data:`Release`: it routes by
+    stream, and never waits.
+    """
+
+    def __init__(self, config: PipelineConfig) -> None:
+        from headgate.client.control import ReleaseClient
+
+        if config.gateway is None:
+            raise ValueError("a pipeline without a gateway has nowhere to release")
+        self._clients: dict[tuple[str, Any], Any] = {}
+        self._client_of: dict[str, Any] = {}
+        for spec in config.streams:
+            key = (spec.consumer, consumer_settings(spec))
+            if key not in self._clients:
+                self._clients[key] = ReleaseClient(
+                    config.gateway,
+                    security=config.security,
+                    consumer=spec.consumer,
+                    declare=key[1],
+                )
+            self._client_of[spec.name] = self._clients[key]
+        #: Where the releases go.
+        self.address = next(iter(self._clients.values())).address
+
+    def release(self, stream: str, position: int) -> None:
+        """Commit ``stream`` up to ``position`` for the stream's consumer."""
+        self._client_of[stream].release(stream, position)
+
+    def applied(self) -> dict[str, int]:
+        """Per stream, the newest position the gateway confirmed having applied."""
+        applied: dict[str, int] = {}
+        for client in self._clients.values():
+            applied.update(client.statistics().applied)
+        return applied
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Flush and close every client; True if the gateway confirmed every release."""
+        return all([client.close(timeout) for client in self._clients.values()])
+
+
+def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str, int]:
+    """Declare each stream's consumer on the gateway, before any query runs.
+
+    A pipeline must hold the log from its start: a consumer declared only at
+    its first Release starts at the oldest position the log still holds, and
+    another consumer may have freed the log past where this one's first batch
+    reads meanwhile. Returns each declared consumer's committed position, by
+    stream. A stream the gateway does not have yet is skipped (its release
+    client declares the consumer with its first Release); so is a gateway
+    that cannot be reached (logged: the same happens then).
+
+    Raises:
+        ConfigError: the token may not declare the consumer (it needs
+            ``admin``, or a ``consume`` pattern matching ``STREAM/CONSUMER``),
+            or the consumer exists with other settings.
+    """
+    import asyncio
+
+    from headgate.client.reader import Reader, ReaderError, ReaderRefused
+    from headgate.protocol.errors import ErrorCode
+
+    if config.gateway is None:
+        return {}
+    gateway = config.gateway
+    positions: dict[str, int] = {}
+
+    async def declare(spec: StreamPipeline) -> None:
+        settings = consumer_settings(spec)
+        async with Reader(
+            gateway,
+            security=config.security,
+            client_name="headgate-pipeline",
+            connect_timeout=timeout,
+        ) as reader:
+            positions[spec.name] = await reader.declare_consumer(
+                spec.name,
+                spec.consumer,
+                blocking=settings.blocking,
+                skip_data_loss=settings.on_data_loss == "skip",
+            )
+
+    def run(spec: StreamPipeline) -> None:
+        coroutine = asyncio.wait_for(declare(spec), timeout * 2)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            asyncio.run(coroutine)
+            return
+        # Called from a thread with a running event loop: run it beside it.
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(asyncio.run, coroutine).result()
+
+    for spec in config.streams:
+        try:
+            run(spec)
+        except ReaderRefused as exc:
+            if exc.code in (ErrorCode.UNEXPECTED_FRAME, ErrorCode.RECOVERING) and (
+                "no stream called" in exc.text or exc.code is ErrorCode.RECOVERING
+            ):
+                log.info(
+                    "stream %s: not on the gateway yet; its consumer is declared "
+                    "with its first release",
+                    spec.name,
+                )
+                continue
+            raise ConfigError(
+                f"{config.origin}: streams.{spec.name}: the gateway at {gateway} refused to "
+                f"declare consumer {spec.consumer!r} of stream {spec.name!r}: {exc.text}"
+                + (
+                    f" (the token needs admin, or a consume pattern matching "
+                    f"{spec.name}/{spec.consumer}; or set consumer to one it may use)"
+                    if exc.code is ErrorCode.FORBIDDEN
+                    else ""
+                )
+            ) from None
+        except (ReaderError, TimeoutError, OSError) as exc:
+            log.warning(
+                "cannot declare consumer %s of stream %s at the gateway %s now (%s); it is "
+                "declared with the first release",
+                spec.consumer,
+                spec.name,
+                gateway,
+                exc,
+            )
+    return positions
+
+
 #: A key the pipeline leaves in the data source's shared environment once it is settled.
 _SETTLED_MARK = "HEADGATE_SOURCE_ENVIRONMENT_SETTLED"
 
@@ -916,6 +1116,52 @@ def _await_source_start(query: Any, timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def query_name(stream: StreamPipeline) -> str:
+    """The Spark query's name: one per stream and consumer (Spark refuses two alike at once).
+
+    Two pipelines may read one stream in one SparkSession as two consumers.
+    """
+    if stream.consumer == DEFAULT_CONSUMER:
+        return f"headgate_{stream.name}"
+    return f"headgate_{stream.name}__{stream.consumer}"
+
+
+@dataclass(frozen=True, slots=True)
+class ConsumerProgress:
+    """What a stream's last progress said of its consumer (the source's ``_consumer`` figures)."""
+
+    #: The consumer the query reads for.
+    consumer: str
+    #: Log bytes between the end of the last planned batch and the durable end.
+    lag_bytes: int
+    #: Bytes skipped (freed before they were read) with fail_on_data_loss false.
+    skipped_bytes: int
+
+
+def consumer_progress(latest_offset: object) -> dict[str, ConsumerProgress]:
+    """The consumer figures in a source progress's ``latestOffset``, by stream; {} if none."""
+    from headgate.spark.source import PROGRESS_KEY
+
+    try:
+        parsed = json.loads(latest_offset) if isinstance(latest_offset, str) else latest_offset
+    except ValueError:
+        return {}
+    figures = parsed.get(PROGRESS_KEY) if isinstance(parsed, dict) else None
+    if not isinstance(figures, dict) or not isinstance(figures.get("lag_bytes"), dict):
+        return {}
+    skipped = figures.get("skipped_bytes")
+    skipped = skipped if isinstance(skipped, dict) else {}
+    return {
+        str(stream): ConsumerProgress(
+            consumer=str(figures.get("name") or DEFAULT_CONSUMER),
+            lag_bytes=int(lag),
+            skipped_bytes=int(skipped.get(stream, 0)),
+        )
+        for stream, lag in figures["lag_bytes"].items()
+        if isinstance(lag, int)
+    }
+
+
 class Pipeline:
     """Runs the configured queries and reports progress back as releases.
 
@@ -926,11 +1172,9 @@ class Pipeline:
     def __init__(self, spark: Any, config: PipelineConfig, release: Release | None = None):
         self.spark = spark
         self.config = config
-        self._gateway_releases: Any = None
+        self._gateway_releases: GatewayReleases | None = None
         if release is None and config.gateway is not None:
-            from headgate.client.control import ReleaseClient
-
-            self._gateway_releases = ReleaseClient(config.gateway, security=config.security)
+            self._gateway_releases = GatewayReleases(config)
             release = self._gateway_releases.release
         self._release = release
         self.queries: dict[str, Any] = {}
@@ -938,8 +1182,11 @@ class Pipeline:
         self.dead_letters: dict[str, int] = {s.name: 0 for s in config.streams}
         self.batches: dict[str, int] = {s.name: 0 for s in config.streams}
         self.committed: dict[str, int] = {}
+        #: Per stream, its consumer's lag and skipped bytes at the last progress.
+        self.consumer_progress: dict[str, ConsumerProgress] = {}
         self._lock = threading.Lock()
         self._listener: Any = None
+        self._query_names = {query_name(s) for s in config.streams}
         self._plans: dict[str, _Plan] = {}
         self._available_now = False
 
@@ -975,6 +1222,9 @@ class Pipeline:
             def onQueryTerminated(self, event: Any) -> None:
                 pass
 
+        if self._gateway_releases is not None:
+            # Each query's consumer holds the log from before its first batch.
+            declare_consumers(self.config)
         self._listener = _Progress()
         self.spark.streams.addListener(self._listener)
         self._plans = plans
@@ -1010,8 +1260,15 @@ class Pipeline:
                 log.exception("releasing %s at %d failed", stream, position)
 
     def _on_progress(self, progress: Any) -> None:
-        # Fires in the driver after the batch's commit, the last batch included.
+        # Fires in the driver after the batch's commit, the last batch included,
+        # for every query of the session: another pipeline's are not ours.
+        if progress.name not in self._query_names:
+            return
         for source in progress.sources:
+            figures = consumer_progress(source.latestOffset)
+            if figures:
+                with self._lock:
+                    self.consumer_progress.update(figures)
             end = source.endOffset
             if not end:
                 continue
@@ -1026,6 +1283,8 @@ class Pipeline:
             self.spark.readStream.format("headgate")
             .option("streams", stream.name)
             .option("missingStreams", self.config.missing_streams)
+            .option("consumer", stream.consumer)
+            .option("failOnDataLoss", "true" if stream.fail_on_data_loss else "false")
         )
         if self.config.read_through_gateway:
             from headgate.spark.source import security_options
@@ -1069,7 +1328,7 @@ class Pipeline:
         writer = (
             source.writeStream.foreachBatch(write_batch)
             .option("checkpointLocation", str(self.config.checkpoint(stream.name)))
-            .queryName(f"headgate_{stream.name}")
+            .queryName(query_name(stream))
         )
         if available_now:
             writer = writer.trigger(availableNow=True)

@@ -43,6 +43,26 @@ Options:
     position. Checked when the query starts (a released position, one past
     the end or inside a batch, an index past the batch's records: one line).
     Used only when a query starts without a checkpoint.
+``startingTimestamp``
+    Instead of ``startingOffsets``, as in Kafka's source: milliseconds since
+    the epoch, or an ISO-8601 time with its zone (``2026-11-25T06:00:00Z``).
+    Each stream starts at the first record stored at or after that time: the
+    driver reads the frame headers from the oldest retained position on and
+    takes the first frame whose timestamp (when the gateway appended it;
+    every record of a frame has it) is at or after it; none: the stream's
+    end. A stream that appears later is read the same way. Used only when a
+    query starts without a checkpoint.
+``consumer``
+    The gateway consumer this query reads for (PROTOCOL.md, "Consumers"):
+    ``headgate pipeline`` releases each batch it commits as that consumer.
+    The query's progress names it (see below).
+``failOnDataLoss``
+    ``true`` (default): a batch whose start the log no longer holds (freed
+    before this query read it: a non-blocking consumer that fell behind, or
+    a start outside the retention) fails the query with an error that names
+    the stream, the position the query had read to and the oldest position
+    the log holds. ``false``: the query skips to the oldest held position,
+    and its progress counts the bytes it skipped.
 ``endingOffsets``
     Batch reads only: ``latest`` (default) or JSON ``{"stream": position}``
     (where a batch starts; the batch at it is not read).
@@ -70,12 +90,27 @@ Options:
     driver and the executors.
 
 Any other option is refused with an error that lists these (Kafka's
-``maxOffsetsPerTrigger`` or ``failOnDataLoss`` would otherwise be ignored
-without a word).
+``maxOffsetsPerTrigger`` would otherwise be ignored without a word).
 
 Offsets are JSON objects from stream name to log position, keys sorted; a
 query that starts inside a batch holds the address text (``"4096:2"``) for
 that stream until it reads the batch.
+
+Progress: PySpark's Python sources have no custom metrics, so the source
+reports through ``latestOffset`` in each ``StreamingQueryProgress`` source
+(:meth:`HeadgateStreamReader.reportLatestOffset`): each stream's durable end
+position, as Kafka's source reports its latest offsets, plus one key no
+stream can have (names start with a letter or digit), ``_consumer``::
+
+    {"orders": 81920,
+     "_consumer": {"name": "archive",
+                   "lag_bytes": {"orders": 4096},
+                   "skipped_bytes": {"orders": 0}}}
+
+``lag_bytes``: log bytes between the end of the batch just planned and the
+stream's durable end, when it was planned (0: the query is caught up).
+``skipped_bytes``: bytes this run of the query skipped with
+``failOnDataLoss`` false (what the log freed before the query read it).
 """
 
 from __future__ import annotations
@@ -84,6 +119,7 @@ import json
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import datetime
 from typing import Any
 
 from pyspark.sql.datasource import (
@@ -110,6 +146,7 @@ from pyspark.sql.types import (
 
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.log.address import AddressError, RecordAddress
+from headgate.protocol.messages import is_valid_name
 from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
 from headgate.spark.planning import (
     MISSING_STREAMS,
@@ -126,7 +163,13 @@ from headgate.spark.planning import (
     sorted_offset,
 )
 
-__all__ = ["SCHEMA", "HeadgateDataSource", "HeadgatePartition", "SourceOptions"]
+__all__ = [
+    "PROGRESS_KEY",
+    "SCHEMA",
+    "HeadgateDataSource",
+    "HeadgatePartition",
+    "SourceOptions",
+]
 
 #: One row per record. ``position`` is the log position of the record's frame
 #: and ``index`` the record's index in it: together the record's address
@@ -147,6 +190,10 @@ SCHEMA = StructType(
 )
 
 DEFAULT_BYTES_PER_PARTITION = 32 * 1024 * 1024
+
+#: The key of the consumer's figures in the progress's ``latestOffset`` (no
+#: stream name starts with an underscore).
+PROGRESS_KEY = "_consumer"
 
 # --- options ------------------------------------------------------------------
 
@@ -208,6 +255,12 @@ class SourceOptions:
     security: ClientSecurity = field(default_factory=ClientSecurity)
     #: ``fail`` or ``wait``: see ``missingStreams``.
     missing_streams: str = "fail"
+    #: ``startingTimestamp`` in µs since the epoch, or None.
+    starting_timestamp_us: int | None = None
+    #: The gateway consumer the query reads for (``consumer``), or None.
+    consumer: str | None = None
+    #: ``failOnDataLoss``.
+    fail_on_data_loss: bool = True
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
@@ -256,6 +309,24 @@ class SourceOptions:
                 "headgate: option 'missingStreams' applies to the streams that option "
                 "'streams' names (a streamPattern takes streams as they appear)"
             )
+        if "startingtimestamp" in options and "startingoffsets" in options:
+            raise ValueError(
+                "headgate: set option 'startingOffsets' or 'startingTimestamp', not both"
+            )
+        consumer = options.get("consumer")
+        if consumer is not None:
+            consumer = consumer.strip()
+            if not is_valid_name(consumer):
+                raise ValueError(
+                    f"headgate: option 'consumer' must be a consumer name (letters, digits, "
+                    f"'.', '_' and '-', starting with a letter or digit), got {consumer!r}"
+                )
+        fail_text = options.get("failondataloss", "true").strip().lower()
+        if fail_text not in ("true", "false"):
+            raise ValueError(
+                f"headgate: option 'failOnDataLoss' must be true or false, "
+                f"got {options['failondataloss']!r}"
+            )
         selection = StreamSelection(
             names=None
             if names is None
@@ -284,7 +355,29 @@ class SourceOptions:
             or DEFAULT_BYTES_PER_PARTITION,
             security=security,
             missing_streams=missing,
+            starting_timestamp_us=_timestamp_us(options.get("startingtimestamp")),
+            consumer=consumer,
+            fail_on_data_loss=fail_text == "true",
         )
+
+
+def _timestamp_us(text: str | None) -> int | None:
+    """``startingTimestamp``: milliseconds since the epoch or an ISO-8601 time with a zone."""
+    if text is None:
+        return None
+    text = text.strip()
+    if text.isdigit():
+        return int(text) * 1000
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise ValueError(
+            "headgate: option 'startingTimestamp' must be milliseconds since the epoch "
+            f"or an ISO-8601 time with its zone (2026-11-25T06:00:00Z); got {text!r}"
+        )
+    return int(moment.timestamp() * 1_000_000)
 
 
 #: How many stream names a message lists before it says how many more there are.
@@ -335,6 +428,9 @@ _KNOWN_OPTIONS = {
         "maxBytesPerTrigger",
         "bytesPerPartition",
         "missingStreams",
+        "startingTimestamp",
+        "consumer",
+        "failOnDataLoss",
     )
 } | _SECURITY_OPTIONS
 
@@ -450,6 +546,8 @@ class _Planner:
         # Where each stream absent from a start offset begins; remembered so
         # that latestOffset and partitions agree for a stream first seen now.
         self._first: dict[str, OffsetValue] = {}
+        #: Per stream, what ``failOnDataLoss`` false skipped: from -> to.
+        self.skips: dict[str, dict[int, int]] = {}
 
     def refuse_missing_streams(self, known: Iterable[str] = ()) -> None:
         """Fail if a stream that option ``streams`` names does not exist (``missingStreams``).
@@ -481,13 +579,58 @@ class _Planner:
             starting = self.options.starting
             if isinstance(starting, dict) and stream in starting:
                 self._first[stream] = self._checked_start(stream, offset_address(starting[stream]))
+            elif self.options.starting_timestamp_us is not None:
+                self._first[stream] = self.position_at(stream, self.options.starting_timestamp_us)
             else:
                 self._first[stream] = self.logs.earliest(stream)
         return self._first[stream]
 
+    def position_at(self, stream: str, timestamp_us: int) -> int:
+        """The first frame of ``stream`` stored at or after ``timestamp_us``; the end if none.
+
+        Reads the frame headers from the oldest retained position on, a page
+        at a time (``startingTimestamp``: once per stream, when a query starts).
+        """
+        latest = self.logs.latest(stream)
+        for frame in self.logs.frames(stream, self.logs.earliest(stream), latest):
+            if frame.timestamp_us >= timestamp_us:
+                return int(frame.position)
+        return latest
+
     def begin_value(self, start: Offset, stream: str) -> OffsetValue:
-        """Where ``stream`` is read from after ``start``."""
-        return start[stream] if stream in start else self.first_value(stream)
+        """Where ``stream`` is read from after ``start``: past what the log freed, if allowed.
+
+        Raises:
+            SourceError: the log freed the start before the query read it,
+                and ``failOnDataLoss`` is true.
+        """
+        value = start[stream] if stream in start else self.first_value(stream)
+        position = offset_position(value)
+        try:
+            earliest = self.logs.earliest(stream)
+        except SourceError:
+            if stream in start:  # gone: say how far the query had read it
+                self.logs.latest(stream, read_up_to=position)
+            raise
+        if position >= earliest:
+            return value
+        if self.options.fail_on_data_loss:
+            consumer = self.options.consumer
+            raise SourceError(
+                f"stream {stream!r}: position {position} was already released; the oldest "
+                f"position the log retains is {earliest}: {earliest - position} bytes were "
+                "freed before this query"
+                + (f" (consumer {consumer!r})" if consumer else "")
+                + " read them. Set option failOnDataLoss to false (pipeline file: "
+                "fail_on_data_loss = false) to skip them, or make the consumer blocking"
+            )
+        skipped = self.skips.setdefault(stream, {})
+        skipped[position] = max(earliest, skipped.get(position, earliest))
+        return earliest
+
+    def skipped_bytes(self, stream: str) -> int:
+        """Bytes of ``stream`` skipped so far because the log freed them unread."""
+        return sum(to - begin for begin, to in self.skips.get(stream, {}).items())
 
     def _checked_start(self, stream: str, address: RecordAddress) -> OffsetValue:
         """``startingOffsets``' address for ``stream``, once the log shows a record is there.
@@ -587,6 +730,8 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._target: Offset | None = None
         #: Whether the streams that option ``streams`` names were found (once a query).
         self._streams_checked = False
+        #: The end offset :meth:`latestOffset` returned last (for the lag).
+        self._planned: Offset | None = None
 
     # Spark pickles the reader to run read() in executors; the planner's open
     # logs stay behind (read() opens its own).
@@ -639,7 +784,8 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             stream: self.planner.begin_value(start, stream) if end == ranges[stream][0] else end
             for stream, end in ends.items()
         }
-        return sorted_offset({**carried, **kept})
+        self._planned = sorted_offset({**carried, **kept})
+        return self._planned
 
     def _limits(self, limit: ReadLimit) -> tuple[int | None, int | None]:
         # Spark passes our default limit, or ReadAllAvailable to override it
@@ -650,9 +796,27 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         max_bytes = limit.max_bytes if isinstance(limit, ReadMaxBytes) else None
         return max_records or self._options.max_records, max_bytes or self._options.max_bytes
 
-    def reportLatestOffset(self) -> Offset:
+    def reportLatestOffset(self) -> dict[str, Any]:
+        """Each stream's durable end, and the consumer's lag (``latestOffset`` in the progress).
+
+        Spark calls it right after :meth:`latestOffset` and shows it in the
+        batch's progress only; see the module docstring for the layout.
+        """
         logs = self.planner.logs
-        return sorted_offset({s: logs.latest(s) for s in logs.discover()})
+        latest = sorted_offset({s: logs.latest(s) for s in logs.discover()})
+        planned = self._planned or {}
+        lag = {
+            stream: max(0, offset_position(end) - offset_position(planned[stream]))
+            for stream, end in latest.items()
+            if stream in planned
+        }
+        report: dict[str, Any] = dict(latest)
+        report[PROGRESS_KEY] = {
+            "name": self._options.consumer,
+            "lag_bytes": lag,
+            "skipped_bytes": {s: self.planner.skipped_bytes(s) for s in sorted(lag)},
+        }
+        return report
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[InputPartition]:
         return self.planner.partitions(start, end)
