@@ -200,6 +200,12 @@ serve_log = logging.getLogger("headgate.serve")
 @click.option("--handshake-timeout-ms", type=float, help="Time a peer has to send Hello.")
 @click.option("--max-connections", type=int, help="Largest number of concurrent connections.")
 @click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="Cluster file of a fleet of gateways: serve the partitions it assigns to --name.",
+)
+@click.option("--name", "cluster_name", help="This gateway's name in the --cluster file.")
+@click.option(
     "--log-format",
     type=click.Choice(LOG_FORMATS),
     default="text",
@@ -227,6 +233,8 @@ def serve(
     idle_timeout_ms: int | None,
     handshake_timeout_ms: float | None,
     max_connections: int | None,
+    cluster: Path | None,
+    cluster_name: str | None,
     log_format: str,
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
@@ -267,6 +275,8 @@ def serve(
             idle_timeout_ms=idle_timeout_ms,
             handshake_timeout_ms=handshake_timeout_ms,
             max_connections=max_connections,
+            cluster=cluster,
+            cluster_name=cluster_name,
         )
 
     try:
@@ -856,6 +866,58 @@ def consumers_delete(name: str, stream: str, yes: bool, gateway: str, **options:
         click.confirm(f"delete consumer {name!r} of stream {stream!r}?", abort=True)
     position = _change_consumer(gateway, options, lambda r: r.delete_consumer(stream, name))
     click.echo(f"deleted consumer {name!r} of stream {stream!r} (it was at {position:,})")
+
+
+@main.group()
+def cluster() -> None:
+    """A fleet of gateways (a cluster file): its state."""
+
+
+@cluster.command(name="status")
+@click.argument("cluster_file", type=click.Path(path_type=Path))
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds per gateway.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table, or one JSON object per gateway and per partition.",
+)
+@_security_options
+def cluster_status(cluster_file: Path, timeout: float, fmt: str, **options: Any) -> None:
+    """Each gateway of CLUSTER_FILE up or down, and per partition its fill and consumers' lag.
+
+    Exits 1 when a gateway is down (after showing the others).
+    """
+    from dataclasses import asdict
+
+    from headgate.cluster import ClusterError, load_cluster, partition_name
+    from headgate.cluster_status import cluster_status as ask
+
+    security = _security(options)
+    try:
+        loaded = load_cluster(cluster_file)
+    except ClusterError as exc:
+        click.echo(f"headgate cluster status: {exc}", err=True)
+        sys.exit(2)
+    gateways, partitions = asyncio.run(ask(loaded, security, timeout))
+    if fmt == "json":
+        for row in [*gateways, *partitions]:
+            click.echo(json.dumps({"kind": type(row).__name__, **asdict(row)}))
+    else:
+        for g in gateways:
+            state = "up" if g.up else f"DOWN: {g.error}"
+            click.echo(f"{g.name:<12} {g.address:<24} {state}")
+        click.echo("")
+        click.echo(f"{'partition':<24} {'gateway':<12} {'retained':>12}  consumers (lag)")
+        for p in partitions:
+            name = partition_name(p.stream, p.partition)
+            fill = "?" if p.retained_bytes is None else _bytes_text(p.retained_bytes)
+            lags = ", ".join(f"{c} ({_bytes_text(lag)})" for c, lag in sorted(p.consumers.items()))
+            click.echo(f"{name:<24} {p.gateway:<12} {fill:>12}  {lags}".rstrip())
+    if not all(g.up for g in gateways):
+        sys.exit(1)
 
 
 @main.group()
