@@ -903,8 +903,10 @@ def cluster_status(cluster_file: Path, timeout: float, fmt: str, **options: Any)
         sys.exit(2)
     gateways, partitions = asyncio.run(ask(loaded, security, timeout))
     if fmt == "json":
-        for row in [*gateways, *partitions]:
-            click.echo(json.dumps({"kind": type(row).__name__, **asdict(row)}))
+        for gateway_row in gateways:
+            click.echo(json.dumps({"kind": "gateway", **asdict(gateway_row)}))
+        for partition_row in partitions:
+            click.echo(json.dumps({"kind": "partition", **asdict(partition_row)}))
     else:
         for g in gateways:
             state = "up" if g.up else f"DOWN: {g.error}"
