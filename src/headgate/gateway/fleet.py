@@ -48,6 +48,19 @@ class FleetMembership:
             f"listens on port {listen[1]}: clients will not reach it there"
         )
 
+    def misplaced(self, on_disk: list[str]) -> str | None:
+        """A warning naming the logs on disk this gateway may not serve (a partition the
+        cluster file now assigns elsewhere): their records stay on disk, unread."""
+        names = [name for name in on_disk if self.refusal(name) is not None]
+        if not names:
+            return None
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return (
+            f"{len(names)} stream log(s) on disk are not this gateway's in the cluster "
+            f"file ({shown}): they are kept but not served; move each to the gateway "
+            "that holds it"
+        )
+
     def refusal(self, stream: str) -> ProtocolError | None:
         """Why this gateway must not write or serve the log ``stream``, or None."""
         found = self.cluster.refusal(stream, self.name)

@@ -1241,11 +1241,14 @@ class Gateway:
         # Streams on disk are recovered after the listener is up (they are
         # refused, or their requests wait, until then): what is stored does
         # not delay the first connection.
-        self.recovery = StreamRecovery(
+        on_disk = [
             entry.name
             for entry in sorted((data / "streams").iterdir())
             if entry.is_dir() and m.is_valid_name(entry.name)
-        )
+        ]
+        self.recovery = StreamRecovery(on_disk)
+        if self.fleet is not None and (misplaced := self.fleet.misplaced(on_disk)) is not None:
+            log.warning("%s", misplaced)
         loop = asyncio.get_running_loop()
         if self.config.metrics is not None:
             # Imported only here: prometheus-client is not on the start-up
