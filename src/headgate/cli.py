@@ -525,6 +525,12 @@ def send(
     "(position and index).",
 )
 @click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
+@click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="STREAM is partitioned over this cluster file's gateways: follow every "
+    "partition, merged (--from now or earliest).",
+)
 @_security_options
 def tail(
     stream: str,
@@ -533,6 +539,7 @@ def tail(
     sample: int,
     fmt: str,
     count: int | None,
+    cluster: Path | None,
     **options: Any,
 ) -> None:
     """Print records of STREAM as the gateway appends them.
@@ -554,6 +561,9 @@ def tail(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if cluster is not None:
+        _tail_cluster(cluster, tail_options)
+        return
     try:
         asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
@@ -567,6 +577,30 @@ def tail(
     except BrokenPipeError:
         # The reader of our output went away (| head): stop quietly, and keep
         # Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _tail_cluster(cluster: Path, options: Any) -> None:
+    """``headgate tail --cluster``: every partition of the stream, merged; one line per error."""
+    from headgate.cluster import ClusterError, load_cluster
+    from headgate.log.address import RecordAddress
+    from headgate.tail import run_cluster_tail
+
+    if isinstance(options.start, RecordAddress):
+        raise click.UsageError(
+            "with --cluster, --from is now or earliest (a position is a partition's)"
+        )
+    try:
+        loaded = load_cluster(cluster)
+        loaded.stream(options.stream)
+    except ClusterError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
+        sys.exit(2)
+    try:
+        asyncio.run(run_cluster_tail(loaded, options.stream, options, sys.stdout.buffer))
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 

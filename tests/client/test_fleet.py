@@ -9,6 +9,7 @@ data directory. Every record is read back from the partition logs on disk
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import subprocess
 from collections import defaultdict
@@ -174,6 +175,22 @@ def test_three_gateways_hold_every_acknowledged_record_once_in_key_order(fleet: 
             ids["file"], ids["address"] = by_file.producer_id, by_address.producer_id
 
     run(scenario())
+    # headgate tail --cluster merges the partitions and says which one each record is from.
+    tailed = subprocess.run(
+        [
+            *HEADGATE,
+            *("tail", "orders", "--cluster", str(fleet.cluster), "--from", "earliest"),
+            *("--count", "3000", "--format", "json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert tailed.returncode == 0, tailed.stderr
+    rows = [json.loads(line) for line in tailed.stdout.splitlines()]
+    assert sorted(r["value"].encode() for r in rows) == sorted(keyed_sent)
+    assert {r["stream"] for r in rows} == {f"orders.p{k}" for k in range(6)}
+    assert all(r["stream"] == f"orders.p{partition_of(r['key'].encode(), 6)}" for r in rows)
     fleet.stop_all()
     check_keyed_sequences(fleet.partition_values("orders", ids["file"]), keyed_sent)
     events = fleet.partition_values("events", ids["address"])
