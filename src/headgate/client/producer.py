@@ -555,6 +555,9 @@ class Producer:
             their sequences, so the gateway stores each once. None: no spool.
         spool_max_bytes: the most bytes the spool's files take; a batch
             beyond waits, and so do sends, as for ``max_buffered_bytes``.
+        cluster: a cluster file: makes a
+            :class:`~headgate.client.fleet.FleetProducer` (as a list of
+            addresses for ``address`` does), see below.
 
     Without a spool, a producer that gives up raises
     :class:`ProducerGaveUp`, whose ``pending`` batches :meth:`resend` sends
