@@ -423,3 +423,33 @@ def test_serve_with_a_bad_cluster_says_why_in_one_line(
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("headgate serve: "), result.output
     assert expected in lines[0]
+
+
+def test_a_fleet_producer_is_what_producer_makes_for_a_cluster_or_a_list(tmp_path: Path) -> None:
+    cluster = write_cluster(tmp_path / "c.toml", {g: 7000 + i for i, g in enumerate(GATEWAYS)})
+    assert isinstance(Producer(cluster=cluster), FleetProducer)
+    assert isinstance(Producer(["127.0.0.1:7000"]), FleetProducer)
+    assert isinstance(Producer(address=["127.0.0.1:7000"]), FleetProducer)
+    assert type(Producer("127.0.0.1:7000")) is Producer
+    with pytest.raises(TypeError, match="needs the gateway's address"):
+        Producer()
+    with pytest.raises(ValueError, match="either the bootstrap addresses or the cluster"):
+        Producer(["127.0.0.1:7000"], cluster=cluster)
+    with pytest.raises(TypeError, match="partition_timeout bounds"):
+        FleetProducer(cluster=cluster, reconnect_timeout=5)
+
+
+def test_a_gateways_tls_settings_in_the_cluster_file_apply_to_it_alone() -> None:
+    from headgate.client import ClientSecurity
+    from headgate.client.fleet import gateway_security
+    from headgate.cluster import ClusterGateway
+
+    base = ClientSecurity(token=b"t", ca_file="mine.pem")
+    plain = ClusterGateway(name="gw1", address="h:1")
+    assert gateway_security(base, plain) is base
+    tls = ClusterGateway(
+        name="gw2", address="h:2", tls=True, tls_ca_file="fleet.pem", tls_server_name="gw2.x"
+    )
+    secured = gateway_security(base, tls)
+    assert secured.token == b"t" and secured.uses_tls
+    assert (secured.ca_file, secured.server_name) == ("fleet.pem", "gw2.x")
