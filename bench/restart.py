@@ -112,9 +112,7 @@ def fill(data_dir: Path, case: Case, term_length: int) -> int:
         # frame, so size the log by whole terms, plus room to spare.
         frames_per_term = max(1, term_length // frame_cost(case.frame))
         terms = -(-count // frames_per_term)
-        log = StreamLog.open(
-            directory, term_length=term_length, capacity=(terms + 4) * term_length
-        )
+        log = StreamLog.open(directory, term_length=term_length, capacity=(terms + 4) * term_length)
         try:
             sequence = 0
             producer = index + 1

@@ -142,13 +142,19 @@ def load_example(tag: str, text: str, path: Path) -> object:
         return load_pipeline_config(path)
     if tag == "tokens":
         return load_tokens(path)
+    if tag == "cluster":
+        from headgate.cluster import load_cluster
+
+        return load_cluster(path)
     raise AssertionError(f"a ```toml block of README.md says it is {tag!r}")
 
 
 def test_every_toml_block_of_the_readme_says_what_reads_it() -> None:
     blocks = readme_toml_blocks()
     assert len(blocks) >= 3
-    assert {tag for tag, _ in blocks} <= {"gateway", "pipeline", "tokens"}, [t for t, _ in blocks]
+    assert {tag for tag, _ in blocks} <= {"gateway", "pipeline", "tokens", "cluster"}, [
+        t for t, _ in blocks
+    ]
 
 
 @pytest.mark.parametrize(("tag", "text"), readme_toml_blocks())

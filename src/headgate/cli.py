@@ -200,6 +200,12 @@ serve_log = logging.getLogger("headgate.serve")
 @click.option("--handshake-timeout-ms", type=float, help="Time a peer has to send Hello.")
 @click.option("--max-connections", type=int, help="Largest number of concurrent connections.")
 @click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="Cluster file of a fleet of gateways: serve the partitions it assigns to --name.",
+)
+@click.option("--name", "cluster_name", help="This gateway's name in the --cluster file.")
+@click.option(
     "--log-format",
     type=click.Choice(LOG_FORMATS),
     default="text",
@@ -227,6 +233,8 @@ def serve(
     idle_timeout_ms: int | None,
     handshake_timeout_ms: float | None,
     max_connections: int | None,
+    cluster: Path | None,
+    cluster_name: str | None,
     log_format: str,
 ) -> None:
     """Run the gateway until SIGTERM or Ctrl-C, then flush, sync and exit.
@@ -267,6 +275,8 @@ def serve(
             idle_timeout_ms=idle_timeout_ms,
             handshake_timeout_ms=handshake_timeout_ms,
             max_connections=max_connections,
+            cluster=cluster,
+            cluster_name=cluster_name,
         )
 
     try:
@@ -515,6 +525,12 @@ def send(
     "(position and index).",
 )
 @click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
+@click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="STREAM is partitioned over this cluster file's gateways: follow every "
+    "partition, merged (--from now or earliest).",
+)
 @_security_options
 def tail(
     stream: str,
@@ -523,6 +539,7 @@ def tail(
     sample: int,
     fmt: str,
     count: int | None,
+    cluster: Path | None,
     **options: Any,
 ) -> None:
     """Print records of STREAM as the gateway appends them.
@@ -544,6 +561,9 @@ def tail(
         )
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if cluster is not None:
+        _tail_cluster(cluster, tail_options)
+        return
     try:
         asyncio.run(run_tail(tail_options, sys.stdout.buffer))
     except ReaderError as exc:
@@ -557,6 +577,30 @@ def tail(
     except BrokenPipeError:
         # The reader of our output went away (| head): stop quietly, and keep
         # Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _tail_cluster(cluster: Path, options: Any) -> None:
+    """``headgate tail --cluster``: every partition of the stream, merged; one line per error."""
+    from headgate.cluster import ClusterError, load_cluster
+    from headgate.log.address import RecordAddress
+    from headgate.tail import run_cluster_tail
+
+    if isinstance(options.start, RecordAddress):
+        raise click.UsageError(
+            "with --cluster, --from is now or earliest (a position is a partition's)"
+        )
+    try:
+        loaded = load_cluster(cluster)
+        loaded.stream(options.stream)
+    except ClusterError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
+        sys.exit(2)
+    try:
+        asyncio.run(run_cluster_tail(loaded, options.stream, options, sys.stdout.buffer))
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
@@ -856,6 +900,60 @@ def consumers_delete(name: str, stream: str, yes: bool, gateway: str, **options:
         click.confirm(f"delete consumer {name!r} of stream {stream!r}?", abort=True)
     position = _change_consumer(gateway, options, lambda r: r.delete_consumer(stream, name))
     click.echo(f"deleted consumer {name!r} of stream {stream!r} (it was at {position:,})")
+
+
+@main.group()
+def cluster() -> None:
+    """A fleet of gateways (a cluster file): its state."""
+
+
+@cluster.command(name="status")
+@click.argument("cluster_file", type=click.Path(path_type=Path))
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds per gateway.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["table", "json"]),
+    default="table",
+    show_default=True,
+    help="table, or one JSON object per gateway and per partition.",
+)
+@_security_options
+def cluster_status(cluster_file: Path, timeout: float, fmt: str, **options: Any) -> None:
+    """Each gateway of CLUSTER_FILE up or down, and per partition its fill and consumers' lag.
+
+    Exits 1 when a gateway is down (after showing the others).
+    """
+    from dataclasses import asdict
+
+    from headgate.cluster import ClusterError, load_cluster, partition_name
+    from headgate.cluster_status import cluster_status as ask
+
+    security = _security(options)
+    try:
+        loaded = load_cluster(cluster_file)
+    except ClusterError as exc:
+        click.echo(f"headgate cluster status: {exc}", err=True)
+        sys.exit(2)
+    gateways, partitions = asyncio.run(ask(loaded, security, timeout))
+    if fmt == "json":
+        for gateway_row in gateways:
+            click.echo(json.dumps({"kind": "gateway", **asdict(gateway_row)}))
+        for partition_row in partitions:
+            click.echo(json.dumps({"kind": "partition", **asdict(partition_row)}))
+    else:
+        for g in gateways:
+            state = "up" if g.up else f"DOWN: {g.error}"
+            click.echo(f"{g.name:<12} {g.address:<24} {state}")
+        click.echo("")
+        click.echo(f"{'partition':<24} {'gateway':<12} {'retained':>12}  consumers (lag)")
+        for p in partitions:
+            name = partition_name(p.stream, p.partition)
+            fill = "?" if p.retained_bytes is None else _bytes_text(p.retained_bytes)
+            lags = ", ".join(f"{c} ({_bytes_text(lag)})" for c, lag in sorted(p.consumers.items()))
+            click.echo(f"{name:<24} {p.gateway:<12} {fill:>12}  {lags}".rstrip())
+    if not all(g.up for g in gateways):
+        sys.exit(1)
 
 
 @main.group()

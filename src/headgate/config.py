@@ -39,6 +39,10 @@ Example ``headgate.toml``::
     writer_slots = 128              # default: an eighth of max_connections
     handshake_rate = 20             # TLS handshakes per second per address
     max_pending_handshakes = 64
+    # A fleet (see README, "A fleet of gateways"): this gateway is `gw1` of
+    # the cluster file, and serves only the partitions it assigns to gw1.
+    cluster = "cluster.toml"
+    cluster_name = "gw1"
 
     [streams.ticks]
     capacity = "32MiB"       # at least two terms (term_length)
@@ -353,6 +357,11 @@ class GatewayConfig:
     handshake_rate: float = 20.0
     #: TLS handshakes in progress at once, over all peers.
     max_pending_handshakes: int = 64
+    #: The cluster file of the fleet this gateway belongs to (see
+    #: :mod:`headgate.cluster`); None: a gateway on its own.
+    cluster: Path | None = None
+    #: This gateway's name in ``cluster`` (required with it).
+    cluster_name: str | None = None
     #: Per-stream overrides by stream name.
     streams: dict[str, StreamSettings] = field(default_factory=dict)
 
@@ -414,6 +423,11 @@ class GatewayConfig:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.window < 1:
             raise ConfigError(f"window must be at least 1 batch, got {self.window}")
+        if (self.cluster is None) != (self.cluster_name is None):
+            raise ConfigError(
+                "cluster and cluster_name go together: the cluster file, and this "
+                "gateway's name in it"
+            )
         for name, over in self.streams.items():
             if over.policy is not None and over.policy not in POLICIES:
                 raise ConfigError(
@@ -530,6 +544,8 @@ _GATEWAY_KEYS = {
     "writer_slots",
     "handshake_rate",
     "max_pending_handshakes",
+    "cluster",
+    "cluster_name",
 }
 #: Keys that were replaced, with what replaced them.
 _REPLACED_KEYS = {
@@ -583,10 +599,15 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             "tls_key",
             "tls_client_ca",
             "auth_file",
+            "cluster",
         ):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{what}: expected a path, got {value!r}")
             out[key] = Path(value)
+        elif key == "cluster_name":
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{what}: expected a gateway name, got {value!r}")
+            out[key] = value
         elif key in (
             "stream_capacity",
             "term_length",

@@ -12,17 +12,25 @@ import base64
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import BinaryIO
 
-from headgate.client.reader import Missed, Reader, ReaderError, ReaderRefused, TailBatch
+from headgate.client.reader import (
+    Missed,
+    Reader,
+    ReaderError,
+    ReaderRefused,
+    Subscription,
+    TailBatch,
+)
 from headgate.client.security import ClientSecurity
+from headgate.cluster import Cluster
 from headgate.log.address import AddressError, RecordAddress
 from headgate.protocol.messages import StartAt
 from headgate.protocol.records import decode_records
 
-__all__ = ["TailOptions", "explain", "parse_start", "run_tail"]
+__all__ = ["TailOptions", "explain", "parse_start", "run_cluster_tail", "run_tail"]
 
 
 def parse_start(text: str) -> StartAt | RecordAddress:
@@ -170,4 +178,74 @@ async def run_tail(options: TailOptions, out: BinaryIO) -> int:
             if options.count is not None and written >= options.count:
                 break
             await asyncio.sleep(0)
+    return written
+
+
+async def run_cluster_tail(
+    cluster: Cluster, stream: str, options: TailOptions, out: BinaryIO
+) -> int:
+    """Follow every partition of partitioned ``stream``, merged as they arrive.
+
+    One reader per gateway; each record's ``stream`` (``--format json``) is
+    its partition's log, ``orders.p3``, so it says where it came from. A
+    gateway that cannot be reached is said on stderr once, and the tail goes
+    on with the others. ``options.start`` is ``now`` or ``earliest`` (a
+    position belongs to one partition). Returns the records written.
+    """
+    partitions = cluster.stream(stream).partitions
+    items: asyncio.Queue[tuple[TailBatch | Missed, TailOptions]] = asyncio.Queue(maxsize=64)
+    position = options.start if isinstance(options.start, StartAt) else StartAt.NOW
+
+    async def follow(gateway: str, held: list[str]) -> None:
+        from headgate.client.fleet import gateway_security
+
+        entry = cluster.gateways[gateway]
+        try:
+            async with Reader(
+                entry.address,
+                client_name="headgate-tail",
+                security=gateway_security(options.security, entry),
+            ) as reader:
+                subscriptions = [
+                    reader.subscribe(name, position, sample_every=options.sample_every)
+                    for name in held
+                ]
+
+                async def pump(subscription: Subscription, name: str) -> None:
+                    partition_options = replace(options, stream=name)
+                    async for item in subscription:
+                        await items.put((item, partition_options))
+
+                async with asyncio.TaskGroup() as group:
+                    for subscription, name in zip(subscriptions, held, strict=True):
+                        group.create_task(pump(subscription, name))
+        except* ReaderError as errors:
+            print(f"headgate tail: gateway {gateway}: {errors.exceptions[0]}", file=sys.stderr)
+
+    by_gateway: dict[str, list[str]] = {}
+    for p in partitions:
+        by_gateway.setdefault(p.gateway, []).append(p.name)
+    tasks = [asyncio.ensure_future(follow(g, names)) for g, names in by_gateway.items()]
+    written = 0
+    try:
+        while options.count is None or written < options.count:
+            getter = asyncio.ensure_future(items.get())
+            done, _ = await asyncio.wait([getter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                tasks = [t for t in tasks if not t.done()]
+                if not tasks:
+                    break  # no gateway is left to follow
+                continue
+            item, partition_options = getter.result()
+            if isinstance(item, Missed):
+                _write_missed(item, partition_options, out)
+                continue
+            budget = None if options.count is None else options.count - written
+            written += _write_batch(item, partition_options, out, budget)
+            out.flush()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     return written

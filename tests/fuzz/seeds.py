@@ -52,6 +52,7 @@ def producer_side() -> list[bytes]:
         glob(m.Ping(nonce=7)) + glob(m.Release(stream="clicks", position=64)),
         glob(m.Goodbye(code=ErrorCode.NONE)),
         glob(m.Subscribe(stream="clicks", start=m.StartAt.EARLIEST)),
+        glob(m.Metadata(request_id=1)) + bind + batch,
         encode_frame(
             SendChannel(
                 channel=1,
@@ -81,6 +82,25 @@ def gateway_side() -> list[bytes]:
             )
         ),
         glob(m.Error(code=ErrorCode.UNAUTHENTICATED)),
+        # A fleet: the cluster a gateway runs under, and a partition it does not hold.
+        glob(
+            m.ClusterMetadata(
+                request_id=1,
+                gateway="gw1",
+                gateways=(
+                    m.MetadataGateway(name="gw1", address="10.0.0.1:7878"),
+                    m.MetadataGateway(name="gw2", address="10.0.0.2:7878"),
+                ),
+                streams=(m.MetadataStream(stream="orders", holders=(0, 1, 0, 1)),),
+            )
+        )
+        + glob(
+            m.Error(
+                code=ErrorCode.WRONG_GATEWAY,
+                scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=0),
+                text="gw2",
+            )
+        ),
         encode_frame(
             SendChannel(
                 channel=2,
@@ -124,6 +144,7 @@ def edge_values() -> tuple[list[bytes], list[bytes]]:
             ),
             glob(m.ListStreams(request_id=v)),
             glob(m.DescribeStreams(request_id=v)),
+            glob(m.Metadata(request_id=v)),
             glob(m.Ack(handle=v, next_sequence=v, durable_position=v)),
             bind + encode_frame(Absolve(channel=2, amount=v)),
             bind + encode_frame(Plead(channel=2, target=v)),

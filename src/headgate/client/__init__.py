@@ -4,7 +4,9 @@
 background thread for code without an event loop. Both keep every record
 until the gateway acknowledges it durable, reconnect after a lost connection
 and resend without duplicates (the gateway deduplicates by producer id,
-stream and sequence number). :class:`ReleaseClient` is the pipeline's side:
+stream and sequence number). :class:`FleetProducer` (what
+``Producer(cluster=...)`` makes) routes partitioned streams over a fleet of
+gateways, one :class:`Producer` per gateway. :class:`ReleaseClient` is the pipeline's side:
 it tells a gateway how far Spark has committed each stream. Every client
 takes the gateway's address as ``host:port`` or ``unix:PATH``
 (:class:`GatewayAddress`) and its token and TLS settings as one
@@ -22,6 +24,7 @@ from headgate.client.errors import (
     SessionRefused,
     StreamRefused,
 )
+from headgate.client.fleet import FleetProducer, FleetStatistics, PartitionUnavailable
 from headgate.client.producer import (
     BatchResult,
     Delivery,
@@ -49,8 +52,11 @@ __all__ = [
     "BufferFull",
     "ClientSecurity",
     "Delivery",
+    "FleetProducer",
+    "FleetStatistics",
     "GatewayAddress",
     "Missed",
+    "PartitionUnavailable",
     "PendingBatch",
     "Policy",
     "Producer",

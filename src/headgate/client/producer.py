@@ -556,6 +556,9 @@ class Producer:
             their sequences, so the gateway stores each once. None: no spool.
         spool_max_bytes: the most bytes the spool's files take; a batch
             beyond waits, and so do sends, as for ``max_buffered_bytes``.
+        cluster: a cluster file: makes a
+            :class:`~headgate.client.fleet.FleetProducer` (as a list of
+            addresses for ``address`` does), see below.
 
     Without a spool, a producer that gives up raises
     :class:`ProducerGaveUp`, whose ``pending`` batches :meth:`resend` sends
@@ -563,11 +566,26 @@ class Producer:
 
     Use it as ``async with Producer(...) as p:``; leaving the block normally
     flushes and closes, leaving it by an exception aborts.
+
+    ``Producer(cluster="cluster.toml")`` or ``Producer(["gw1:7878", ...])``
+    (a list of gateways to bootstrap from) makes a
+    :class:`~headgate.client.fleet.FleetProducer` instead: partitioned
+    streams over a fleet of gateways, one of these per gateway.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # A fleet: the same call, another class (see headgate.client.fleet).
+        address = args[0] if args else kwargs.get("address")
+        if cls is Producer and (kwargs.get("cluster") is not None or isinstance(address, list)):
+            from headgate.client.fleet import FleetProducer
+
+            kwargs.pop("address", None)
+            return FleetProducer(address, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
-        address: str | tuple[str, int] | GatewayAddress,
+        address: str | tuple[str, int] | GatewayAddress | list[str] | None = None,
         *,
         producer_id: int | None = None,
         producer_secret: bytes | None = None,
@@ -583,7 +601,11 @@ class Producer:
         security: ClientSecurity | None = None,
         spool: str | os.PathLike[str] | None = None,
         spool_max_bytes: int = 256 * 1024 * 1024,
+        cluster: str | os.PathLike[str] | None = None,
     ) -> None:
+        if address is None or isinstance(address, list) or cluster is not None:
+            # __new__ made a FleetProducer for a list or a cluster; only None is left.
+            raise TypeError("a Producer needs the gateway's address (or cluster=...)")
         explicit_id = producer_id
         if security is not None:
             token = security.token_bytes() if token is None else token

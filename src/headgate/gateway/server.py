@@ -82,6 +82,7 @@ from headgate.gateway.budget import (
     address_key,
     token_key,
 )
+from headgate.gateway.fleet import FleetMembership, metadata_without_cluster
 from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import ReaderConnection, TailHub
@@ -753,6 +754,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 f"token {rights.name!r} may not write stream {name!r}", code=ErrorCode.FORBIDDEN
             )
         gw = self.gateway
+        if gw.fleet is not None and (misplaced := gw.fleet.refusal(name)) is not None:
+            return misplaced
         if name in gw.streams:
             return None
         if gw.recovery.recovering(name):
@@ -900,6 +903,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"token {rights.name!r} may not read stream {request.stream!r}",
                         code=ErrorCode.FORBIDDEN,
                     )
+                if isinstance(request, m.Fetch | m.Subscribe):
+                    gw.check_placement(request.stream)
                 self.readers.on_request(request, visible=rights.can_read)
             case GuaranteesReceived(channel=channel):
                 self.readers.on_guarantees(channel)
@@ -914,6 +919,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"{name}/{consumer})",
                         code=ErrorCode.FORBIDDEN,
                     )
+                gw.check_placement(name)
                 if gw.release(name, position, consumer):
                     self.charge(Cost.CONSUMER_WRITE)
             case MessageReceived(message=m.ResetConsumer() | m.DeleteConsumer() as change):
@@ -948,12 +954,16 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"a consume pattern matching {declare.stream}/{declare.consumer})",
                         code=ErrorCode.FORBIDDEN,
                     )
+                gw.check_placement(declare.stream)
                 position, created = gw.declare_consumer(declare)
                 if created:
                     self.charge(Cost.CONSUMER_WRITE)
                 self.session.send_global(
                     m.ConsumerPosition(request_id=declare.request_id, position=position)
                 )
+            case MessageReceived(message=m.Metadata(request_id=request_id)):
+                self.charge(Cost.LIST_STREAMS)
+                self.session.send_global(gw.cluster_metadata(request_id))
             case MessageReceived(message=m.Goodbye()):
                 self.close_with(self.session.data_to_send())
             case _:
@@ -1167,6 +1177,13 @@ class Gateway:
         self.tokens: TokenTable | None = (
             None if self.config.auth_file is None else load_tokens(self.config.auth_file)
         )
+        #: This gateway's place in a fleet (the cluster file), or None on its own.
+        self.fleet: FleetMembership | None = None
+        if self.config.cluster is not None and self.config.cluster_name is not None:
+            self.fleet = FleetMembership.load(self.config.cluster, self.config.cluster_name)
+            self.name = self.fleet.name
+            if (mismatch := self.fleet.listen_mismatch(self.config.listen)) is not None:
+                log.warning("%s", mismatch)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -1232,11 +1249,14 @@ class Gateway:
         # Streams on disk are recovered after the listener is up (they are
         # refused, or their requests wait, until then): what is stored does
         # not delay the first connection.
-        self.recovery = StreamRecovery(
+        on_disk = [
             entry.name
             for entry in sorted((data / "streams").iterdir())
             if entry.is_dir() and m.is_valid_name(entry.name)
-        )
+        ]
+        self.recovery = StreamRecovery(on_disk)
+        if self.fleet is not None and (misplaced := self.fleet.misplaced(on_disk)) is not None:
+            log.warning("%s", misplaced)
         loop = asyncio.get_running_loop()
         if self.config.metrics is not None:
             # Imported only here: prometheus-client is not on the start-up
@@ -1531,11 +1551,21 @@ class Gateway:
         """
         config = config.validate()
         old = self.config
-        for key in ("listen", "unix_socket", "data_dir", "term_length", "max_message_size"):
+        for key in (
+            "listen",
+            "unix_socket",
+            "data_dir",
+            "term_length",
+            "max_message_size",
+            "cluster",
+            "cluster_name",
+        ):
             if getattr(old, key) != getattr(config, key):
                 log.warning("reload: %s changes only at restart", key)
         kept = replace(
             config,
+            cluster=old.cluster,
+            cluster_name=old.cluster_name,
             listen=old.listen,
             unix_socket=old.unix_socket,
             data_dir=old.data_dir,
@@ -1578,6 +1608,20 @@ class Gateway:
                     "stream %s: capacity %d -> %d", name, self.streams[name].capacity, capacity
                 )
                 self.set_capacity(name, capacity)
+
+    # -- a fleet of gateways ------------------------------------------------------
+
+    def check_placement(self, name: str) -> None:
+        """Raise the connection-wide error for a read of a log this gateway of a fleet
+        does not hold (a partition of another gateway, a partitioned stream's name)."""
+        if self.fleet is not None and (misplaced := self.fleet.refusal(name)) is not None:
+            raise misplaced
+
+    def cluster_metadata(self, request_id: int) -> m.ClusterMetadata:
+        """The answer to Metadata: the fleet's assignment (empty on its own)."""
+        if self.fleet is None:
+            return metadata_without_cluster(request_id, self.name)
+        return self.fleet.metadata(request_id)
 
     def mark_dirty(self, stream: Stream) -> None:
         self._dirty.add(stream)

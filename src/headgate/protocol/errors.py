@@ -84,6 +84,14 @@ class ErrorCode(IntEnum):
     #: after a restart. Not a refusal for good: nothing was stored or lost,
     #: and the same bind succeeds once recovery is done; try again soon.
     RECOVERING = 24
+    # --- a fleet of gateways (a cluster file; codes 35 to 39) ---
+    #: Scoped to a stream: the stream is a partition of a partitioned stream
+    #: that another gateway of the cluster holds (the text names it and its
+    #: address); or, connection-wide, a read of such a partition.
+    WRONG_GATEWAY = 35
+    #: Scoped to a stream: the name is a partitioned stream's own (or a
+    #: partition number it does not have); only its partitions are logs.
+    PARTITIONED_STREAM = 36
 
 
 class ProtocolError(Exception):

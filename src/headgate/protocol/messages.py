@@ -46,6 +46,8 @@ __all__ = [
     "BATCH_HEADER_SIZE",
     "DEFAULT_CONSUMER",
     "FIRST_DATA_CHANNEL",
+    "MAX_METADATA_GATEWAYS",
+    "MAX_METADATA_PARTITIONS",
     "MAX_NAME_BYTES",
     "MAX_SCHEMA_TEXT_BYTES",
     "MAX_SECRET_BYTES",
@@ -61,6 +63,7 @@ __all__ = [
     "BindSchema",
     "BindStream",
     "ChannelMessage",
+    "ClusterMetadata",
     "ConsumerInfo",
     "ConsumerList",
     "ConsumerPosition",
@@ -80,6 +83,9 @@ __all__ = [
     "ListConsumers",
     "ListStreams",
     "MessageType",
+    "Metadata",
+    "MetadataGateway",
+    "MetadataStream",
     "Missed",
     "Ping",
     "Pong",
@@ -195,6 +201,11 @@ class MessageType(IntEnum):
     CONSUMER_LIST = 0x33
     RESET_CONSUMER = 0x34
     DELETE_CONSUMER = 0x35
+    # --- a fleet of gateways (0x40 to 0x47) ---
+    #: What cluster does the gateway run under? (any peer)
+    METADATA = 0x40
+    #: The answer: the cluster's gateways and partition assignment.
+    CLUSTER_METADATA = 0x41
 
 
 class HandleType(IntEnum):
@@ -623,6 +634,61 @@ class ConsumerList:
     consumers: tuple[ConsumerInfo, ...]
 
 
+# --- a fleet of gateways ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Metadata:
+    """Asks a gateway for the cluster it runs under, so a client can start from one address."""
+
+    #: Chosen by the client; ClusterMetadata echoes it.
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetadataGateway:
+    """One gateway of the cluster, as clients reach it."""
+
+    #: Its name in the cluster file.
+    name: str
+    #: ``host:port`` (UTF-8, at most 255 bytes).
+    address: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetadataStream:
+    """One partitioned stream: which gateway holds each partition."""
+
+    #: The stream's name.
+    stream: str
+    #: Per partition (by number), the index of its gateway in ``gateways``.
+    holders: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterMetadata:
+    """A gateway's answer to Metadata: the assignment it runs under.
+
+    No TLS settings: they name files on each client's machine. A gateway
+    without a cluster file answers with no gateways and no streams.
+    """
+
+    #: The request_id of the Metadata.
+    request_id: int
+    #: The answering gateway's name in the cluster (its server name without one).
+    gateway: str
+    #: The cluster's gateways, sorted by name.
+    gateways: tuple[MetadataGateway, ...]
+    #: The partitioned streams, sorted by name.
+    streams: tuple[MetadataStream, ...]
+
+
+#: Most gateways, and partitions per stream, a ClusterMetadata may carry
+#: (what a cluster file may hold: headgate.cluster's limits).
+MAX_METADATA_GATEWAYS = 255
+MAX_METADATA_PARTITIONS = 1024
+
+
 # --- channel messages ------------------------------------------------------
 
 
@@ -668,6 +734,8 @@ GlobalMessage = (
     | ConsumerList
     | ResetConsumer
     | DeleteConsumer
+    | Metadata
+    | ClusterMetadata
 )
 ChannelMessage = BindStream | BindSchema
 
@@ -996,9 +1064,75 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
                         f"between 1970 and 9999"
                     )
                 _put_u64(out, described.released_at_us, "released_at_us")
+        case Metadata():
+            out.append(MessageType.METADATA)
+            _put_u64(out, message.request_id, "request_id")
+        case ClusterMetadata():
+            _put_cluster_metadata(out, message)
         case _:
             raise TypeError(f"not a headgate message: {message!r}")
     return bytes(out)
+
+
+def _put_cluster_metadata(out: bytearray, message: ClusterMetadata) -> None:
+    if len(message.gateways) > MAX_METADATA_GATEWAYS:
+        raise ValueError(f"at most {MAX_METADATA_GATEWAYS} gateways")
+    out.append(MessageType.CLUSTER_METADATA)
+    _put_u64(out, message.request_id, "request_id")
+    _put_text(out, message.gateway, MAX_NAME_BYTES, "gateway name")
+    _put_u64(out, len(message.gateways), "gateway count")
+    for gateway in message.gateways:
+        _put_name(out, gateway.name, "gateway name")
+        if not gateway.address:
+            raise ValueError("a gateway's address is empty")
+        _put_text(out, gateway.address, MAX_NAME_BYTES, "gateway address")
+    _put_u64(out, len(message.streams), "stream count")
+    for stream in message.streams:
+        _put_name(out, stream.stream, "stream name")
+        if not 1 <= len(stream.holders) <= MAX_METADATA_PARTITIONS:
+            raise ValueError(f"a stream has 1 to {MAX_METADATA_PARTITIONS} partitions")
+        _put_u64(out, len(stream.holders), "partition count")
+        for holder in stream.holders:
+            if not 0 <= holder < len(message.gateways):
+                raise ValueError(f"partition holder {holder} is not a gateway's index")
+            _put_u64(out, holder, "holder")
+
+
+def _read_cluster_metadata(reader: _Reader, size: int) -> ClusterMetadata:
+    """ClusterMetadata's fields; every count is checked against what the bytes can hold."""
+    request_id = reader.u64("request_id")
+    gateway = reader.text(MAX_NAME_BYTES, "gateway name")
+    count = reader.u64("gateway count")
+    # A gateway entry takes at least 4 bytes (a name, an address).
+    if count > min(MAX_METADATA_GATEWAYS, size // 4):
+        raise MessageError(f"CLUSTER_METADATA: {count} gateways cannot be (or fit) in it")
+    gateways = []
+    for _ in range(count):
+        name = reader.name("gateway name")
+        address = reader.text(MAX_NAME_BYTES, "gateway address")
+        if not address:
+            raise MessageError(f"CLUSTER_METADATA: gateway {name!r} has an empty address")
+        gateways.append(MetadataGateway(name=name, address=address))
+    count = reader.u64("stream count")
+    # A stream entry takes at least 4 bytes (a name, a count, one holder).
+    if count > size // 4:
+        raise MessageError(f"CLUSTER_METADATA: {count} streams cannot fit in the message")
+    streams = []
+    for _ in range(count):
+        name = reader.name("stream name")
+        partitions = reader.u64("partition count")
+        if not 1 <= partitions <= min(MAX_METADATA_PARTITIONS, size):
+            raise MessageError(f"CLUSTER_METADATA: stream {name!r} has {partitions} partitions")
+        holders = tuple(reader.u64("holder") for _ in range(partitions))
+        for holder in holders:
+            if holder >= len(gateways):
+                raise MessageError(
+                    f"CLUSTER_METADATA: stream {name!r}: holder {holder} is not a gateway"
+                )
+        streams.append(MetadataStream(stream=name, holders=holders))
+    return ClusterMetadata(
+        request_id=request_id, gateway=gateway, gateways=tuple(gateways), streams=tuple(streams)
+    )
 
 
 def _put_stream_info(out: bytearray, info: StreamInfo) -> None:
@@ -1358,5 +1492,9 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                     )
                 described.append(StreamDescription(info=info, released_at_us=released_at_us))
             message = StreamDescriptions(request_id=request_id, streams=tuple(described))
+        case MessageType.METADATA:
+            message = Metadata(request_id=reader.u64("request_id"))
+        case MessageType.CLUSTER_METADATA:
+            message = _read_cluster_metadata(reader, len(payload))
     reader.finish()
     return message
