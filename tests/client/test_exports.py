@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 
@@ -81,3 +82,22 @@ def test_importing_the_package_loads_no_client_module() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "False"
+
+
+def test_the_producer_options_record_is_the_producers_keyword_options() -> None:
+    # SyncProducer takes them as **options: their defaults live only in Producer.
+    keywords = {
+        name
+        for name, parameter in inspect.signature(producer.Producer.__init__).parameters.items()
+        if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    assert set(producer.ProducerOptions.__optional_keys__) == keywords
+    sync_keywords = set(inspect.signature(sync.SyncProducer.__init__).parameters)
+    assert sync_keywords == {
+        "self",
+        "address",
+        "handoff_records",
+        "max_pending_records",
+        "connect_timeout",
+        "options",
+    }

@@ -301,8 +301,27 @@ def test_a_goodbye_or_an_unscoped_error_after_open_ends_the_session(
     assert pair.flush_down() == [MessageReceived(message=ending)]
     assert pair.producer.closed
     assert pair.producer.data_to_send() == b""  # no Pong
-    with pytest.raises(RuntimeError, match="closed"):
-        pair.producer.send_global(m.Ping(nonce=1))
+    assert pair.producer.receive_data(b"\x00" * 8) == []  # later bytes are moot too
+
+
+def test_after_the_peers_goodbye_what_came_before_it_may_still_be_answered() -> None:
+    pair = Pair()
+    pair.open()
+    pair.producer.send_global(m.Release(stream="s", position=0))
+    pair.producer.send_global(m.Goodbye(code=ErrorCode.NONE))
+    events = pair.flush_up()
+    assert [type(e.message) for e in events if isinstance(e, MessageReceived)] == [
+        m.Release,
+        m.Goodbye,
+    ]
+    assert pair.gateway.closed
+    refusal = ProtocolError("may not release", code=ErrorCode.FORBIDDEN)
+    data = pair.gateway.fail(refusal)  # the answer it owes still goes out
+    (frame,) = FrameDecoder(max_payload=1 << 20).feed(data)
+    assert isinstance(frame, SendGlobal)
+    assert m.decode_global(frame.payload) == m.Error(
+        code=ErrorCode.FORBIDDEN, text="may not release"
+    )
 
 
 def test_a_goodbye_ends_the_gateway_session_too_and_frames_after_it_are_moot() -> None:

@@ -46,7 +46,7 @@ from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
@@ -86,6 +86,7 @@ __all__ = [
     "Delivery",
     "Policy",
     "Producer",
+    "ProducerOptions",
     "ProducerStatistics",
     "StreamStatistics",
 ]
@@ -93,6 +94,32 @@ __all__ = [
 #: ``"wait"`` sends only within guarantees; ``"optimistic"`` sends at once and
 #: lets the session resend what the gateway drops.
 Policy = Literal["wait", "optimistic", "window"]
+
+
+class ProducerOptions(TypedDict, total=False):
+    """The keyword options of :class:`Producer`, for the clients that wrap one.
+
+    :class:`~headgate.client.SyncProducer` takes them as ``**options`` and
+    hands them on, so their defaults live in one place, ``Producer``'s
+    signature (a test checks that the keys match it).
+    """
+
+    producer_id: int | None
+    producer_secret: bytes | None
+    policy: Policy
+    linger_ms: float
+    max_batch_bytes: int
+    max_buffered_bytes: int
+    client_name: str
+    reconnect_timeout: float | None
+    token: bytes | str | None
+    ssl: ssl_module.SSLContext | None
+    server_hostname: str | None
+    security: ClientSecurity | None
+    spool: str | os.PathLike[str] | None
+    spool_max_bytes: int
+    cluster: str | os.PathLike[str] | None
+
 
 # Records-block size accounting (see headgate.protocol.records): a block
 # without keys is exactly 12 bytes plus 4 + len(value) per record. With keys
@@ -715,6 +742,11 @@ class Producer:
     def address(self) -> GatewayAddress:
         """The gateway's address."""
         return self._address
+
+    @property
+    def linger_ms(self) -> float:
+        """How long an open batch waits for more records before it is sealed."""
+        return self._linger * 1000.0
 
     @property
     def producer_secret(self) -> bytes | None:

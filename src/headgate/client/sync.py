@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import os
-import ssl as ssl_module
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack
 
 from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, StreamRefused
-from headgate.client.producer import BatchResult, Policy, Producer, ProducerStatistics
-from headgate.client.security import ClientSecurity
+from headgate.client.producer import (
+    BatchResult,
+    Producer,
+    ProducerOptions,
+    ProducerStatistics,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -72,42 +74,15 @@ class SyncProducer:
         self,
         address: str | tuple[str, int] | GatewayAddress,
         *,
-        producer_id: int | None = None,
-        producer_secret: bytes | None = None,
-        policy: Policy = "wait",
-        linger_ms: float = 5.0,
-        max_batch_bytes: int = 256 * 1024,
-        max_buffered_bytes: int = 64 * 1024 * 1024,
-        client_name: str = "headgate-python",
-        reconnect_timeout: float | None = 30.0,
         handoff_records: int = 1000,
         max_pending_records: int = 200_000,
         connect_timeout: float | None = None,
-        token: bytes | str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
-        server_hostname: str | None = None,
-        security: ClientSecurity | None = None,
-        spool: str | os.PathLike[str] | None = None,
-        spool_max_bytes: int = 256 * 1024 * 1024,
+        **options: Unpack[ProducerOptions],
     ) -> None:
-        self._producer = Producer(
-            address,
-            producer_id=producer_id,
-            producer_secret=producer_secret,
-            policy=policy,
-            linger_ms=linger_ms,
-            max_batch_bytes=max_batch_bytes,
-            max_buffered_bytes=max_buffered_bytes,
-            client_name=client_name,
-            reconnect_timeout=reconnect_timeout,
-            token=token,
-            ssl=ssl,
-            server_hostname=server_hostname,
-            security=security,
-            spool=spool,
-            spool_max_bytes=spool_max_bytes,
-        )
-        self._linger = max(linger_ms / 1000.0, 0.001)
+        if options.get("cluster") is not None:
+            raise TypeError("SyncProducer writes to one gateway; a fleet needs the asyncio client")
+        self._producer = Producer(address, **options)
+        self._linger = max(self._producer.linger_ms / 1000.0, 0.001)
         self._handoff = max(1, handoff_records)
         self._max_pending = max(self._handoff, max_pending_records)
         self._pending: deque[tuple[str, Any, bytes | None]] = deque()

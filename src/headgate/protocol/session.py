@@ -295,7 +295,10 @@ class Session:
         self._optimistic = optimistic
         self._out = bytearray()
         self._opened = False  # whether the peer's Hello / Welcome arrived
+        # We send nothing more: fail() was called, or the gateway refused us.
         self._closed = False
+        # The peer sends nothing more: its Goodbye or unscoped Error arrived.
+        self._ended = False
         # Receiving side (we are the LCMUX server).
         self._bind_in: ServerChannel[_Binding] = ServerChannel(m.STREAM_CHANNEL)
         self._schema_in: ServerChannel[_Binding] = ServerChannel(m.SCHEMA_CHANNEL)
@@ -358,8 +361,15 @@ class Session:
     @property
     def closed(self) -> bool:
         """Whether the session ended: :meth:`fail` was called, or the peer's
-        Goodbye or unscoped Error arrived (before or after the session opened)."""
-        return self._closed
+        Goodbye or unscoped Error arrived (before or after the session opened).
+
+        Either way nothing more is decoded: bytes the peer sent after its
+        Goodbye are moot. After the peer's Goodbye (or Error) this end may
+        still send what it owes for the frames that came before it (a
+        Welcome, the answer to a request, an Error), until the adapter
+        closes the connection; after :meth:`fail` it sends nothing more.
+        """
+        return self._closed or self._ended
 
     def _emit(self, frame: Frame) -> None:
         encode_frame_into(frame, self._out)
@@ -395,10 +405,12 @@ class Session:
         if self._closed:
             raise RuntimeError("the session is closed")
         events: list[Event] = []
+        if self._ended:
+            return events  # after the peer's Goodbye: moot
         self._events = events
         for frame in self._decoder.feed(data):
-            if self._closed:
-                break  # a refusal in place of Welcome ends the session; the rest is moot
+            if self._closed or self._ended:
+                break  # a refusal in place of Welcome, or a Goodbye: the rest is moot
             self._dispatch(frame, events)
         self._bind_pending(events)
         return events
@@ -423,11 +435,13 @@ class Session:
         if self._closed:
             raise RuntimeError("the session is closed")
         events: list[Event] = []
+        if self._ended:
+            return events, len(view), 0  # after the peer's Goodbye: moot
         self._events = events
         frames, ends, consumed, need = self._decoder.decode_in_place(view)
         try:
             for frame, end in zip(frames, ends, strict=True):
-                if self._closed:
+                if self._ended:
                     break  # the peer's Goodbye or Error came first; the rest is moot
                 self._frame_end = end
                 self._dispatch(frame, events)
@@ -680,8 +694,8 @@ class Session:
                 )
             case m.Goodbye() | m.Error(scope=None):
                 # The peer ends the session and sends nothing after it: what
-                # follows in the same read is not for us, and we answer nothing.
-                self._closed = True
+                # follows in the same read is moot (and no Ping in it is answered).
+                self._ended = True
                 events.append(MessageReceived(message=message))
             case m.FreeHandle():
                 self._on_free_handle(message, events)
