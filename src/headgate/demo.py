@@ -33,7 +33,7 @@ from rich.live import Live
 from rich.table import Table
 
 from headgate.config import GatewayConfig, StreamSettings
-from headgate.gateway import Gateway, StreamStatistics
+from headgate.gateway import Gateway, GatewayStreamStatistics
 from headgate.log.lock import DirectoryInUse
 
 STREAMS = ("ticks", "accounting", "audit")
@@ -437,11 +437,11 @@ class _Demo:
         stats = self.producer_streams()
         return {s: stats[s].records_acked if s in stats else 0 for s in STREAMS}
 
-    def gateway_stats(self) -> dict[str, StreamStatistics]:
+    def gateway_stats(self) -> dict[str, GatewayStreamStatistics]:
         assert self.gw_thread is not None and self.gateway is not None
         gateway = self.gateway
 
-        async def snapshot() -> list[StreamStatistics]:
+        async def snapshot() -> list[GatewayStreamStatistics]:
             return gateway.statistics()
 
         return {s.name: s for s in self.gw_thread.run(snapshot(), 10)}
@@ -496,7 +496,7 @@ class _Demo:
         title: str,
         rates: dict[str, float] | None,
         *,
-        gw: dict[str, StreamStatistics] | None = None,
+        gw: dict[str, GatewayStreamStatistics] | None = None,
         catching_up: bool = False,
     ) -> Table:
         gw = gw if gw is not None else self.gateway_stats()

@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from typing import BinaryIO
 
 from headgate.client.reader import (
-    Missed,
+    MissedBatches,
     Reader,
     ReaderError,
     ReaderRefused,
@@ -136,7 +136,7 @@ def _write_batch(
     return len(values)
 
 
-def _write_missed(missed: Missed, options: TailOptions, out: BinaryIO) -> None:
+def _write_missed(missed: MissedBatches, options: TailOptions, out: BinaryIO) -> None:
     if options.output == "json":
         out.write((json.dumps({"missed_batches": missed.count}) + "\n").encode())
     else:
@@ -164,7 +164,7 @@ async def run_tail(options: TailOptions, out: BinaryIO) -> int:
     ) as reader:
         subscription = reader.subscribe(options.stream, position, sample_every=options.sample_every)
         async for item in subscription:
-            if isinstance(item, Missed):
+            if isinstance(item, MissedBatches):
                 _write_missed(item, options, out)
                 continue
             skip = 0
@@ -193,7 +193,7 @@ async def run_cluster_tail(
     position belongs to one partition). Returns the records written.
     """
     partitions = cluster.stream(stream).partitions
-    items: asyncio.Queue[tuple[TailBatch | Missed, TailOptions]] = asyncio.Queue(maxsize=64)
+    items: asyncio.Queue[tuple[TailBatch | MissedBatches, TailOptions]] = asyncio.Queue(maxsize=64)
     position = options.start if isinstance(options.start, StartAt) else StartAt.NOW
 
     async def follow(gateway: str, held: list[str]) -> None:
@@ -238,7 +238,7 @@ async def run_cluster_tail(
                     break  # no gateway is left to follow
                 continue
             item, partition_options = getter.result()
-            if isinstance(item, Missed):
+            if isinstance(item, MissedBatches):
                 _write_missed(item, partition_options, out)
                 continue
             budget = None if options.count is None else options.count - written

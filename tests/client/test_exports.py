@@ -21,7 +21,7 @@ CLIENT_API = {
     "FleetProducer",
     "FleetStatistics",
     "GatewayAddress",
-    "Missed",
+    "MissedBatches",
     "PartitionUnavailable",
     "PendingBatch",
     "Policy",
@@ -58,7 +58,7 @@ def test_each_export_is_the_object_from_its_one_home() -> None:
     assert headgate.client.Producer is producer.Producer
     assert headgate.client.SyncProducer is sync.SyncProducer
     assert headgate.client.Reader is reader.Reader
-    assert headgate.client.Missed is reader.Missed
+    assert headgate.client.MissedBatches is reader.MissedBatches
     assert headgate.client.StartAt is messages.StartAt
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from headgate.client import Producer, ReleaseClient
-from headgate.client.reader import Missed, Reader, ReaderError, SyncReader, TailBatch
+from headgate.client.reader import MissedBatches, Reader, ReaderError, SyncReader, TailBatch
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.log import LogReader
@@ -232,7 +232,9 @@ def test_sync_reader_fetches_without_an_event_loop(tmp_path: Path) -> None:
 # --- live tail -----------------------------------------------------------------------
 
 
-async def take(sub: AsyncIterator[TailBatch | Missed], n: int, timeout: float = 10) -> list[Any]:
+async def take(
+    sub: AsyncIterator[TailBatch | MissedBatches], n: int, timeout: float = 10
+) -> list[Any]:
     out: list[Any] = []
     async with asyncio.timeout(timeout):
         while len(out) < n:
@@ -316,7 +318,7 @@ async def test_a_stalled_subscriber_gets_missed_counts_and_never_slows_the_produ
             assert tail.delivered_total + tail.missed_total == appended
             assert 0 < tail.delivered_total < appended // 4
             delivered, missed = tail.delivered_total, tail.missed_total
-            # It gets what it was sent, each batch after a Missed with the count
+            # It gets what it was sent, each batch after a MissedBatches with the count
             # skipped before it; reading again, it gets new batches.
             await produce(gw, "s", 10, producer_id=12)
             items: list[Any] = []
@@ -330,7 +332,7 @@ async def test_a_stalled_subscriber_gets_missed_counts_and_never_slows_the_produ
             before_new = items[:-1]
             batches = [i for i in before_new if isinstance(i, TailBatch)]
             assert len(batches) == delivered
-            assert sum(i.count for i in before_new if isinstance(i, Missed)) == missed
+            assert sum(i.count for i in before_new if isinstance(i, MissedBatches)) == missed
             assert all(b.header.producer_id == 11 for b in batches)
         # Ingestion did not wait for the stalled subscriber (generous: shared CPU).
         assert with_tail < 2 * without_tail + 1.0
@@ -365,7 +367,7 @@ async def test_history_released_under_a_catching_up_subscriber_is_reported_misse
                 items += await take(sub, 1)
                 assert len(items) < sent + 10
             assert [type(i) for i in items[:sent]] == [TailBatch] * sent
-            assert items[sent] == Missed(1)  # some batches, count unknown
+            assert items[sent] == MissedBatches(1)  # some batches, count unknown
             assert values(items[sent + 1 :]) == [b"value-%06d" % i for i in range(5)]
 
 

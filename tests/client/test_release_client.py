@@ -18,7 +18,7 @@ import pytest
 from headgate.client import ReleaseClient, SyncProducer
 from headgate.config import GatewayConfig
 from headgate.demo import BackgroundLoop
-from headgate.gateway import Gateway, StreamStatistics
+from headgate.gateway import Gateway, GatewayStreamStatistics
 
 
 class Served:
@@ -41,11 +41,11 @@ class Served:
         self.tcp = f"{host}:{port}"
         self.unix = f"unix:{sock}"
 
-    def stats(self, stream: str) -> StreamStatistics:
-        async def snapshot() -> StreamStatistics:
+    def stats(self, stream: str) -> GatewayStreamStatistics:
+        async def snapshot() -> GatewayStreamStatistics:
             return self.gateway.streams[stream].statistics()
 
-        result: StreamStatistics = self.loop.run(snapshot(), 10)
+        result: GatewayStreamStatistics = self.loop.run(snapshot(), 10)
         return result
 
     def stop(self) -> None:

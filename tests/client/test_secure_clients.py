@@ -21,7 +21,7 @@ from click.testing import CliRunner
 
 from headgate.cli import main
 from headgate.client import Producer, ReleaseClient
-from headgate.client.reader import Missed, Reader, ReaderError, ReaderRefused, SyncReader
+from headgate.client.reader import MissedBatches, Reader, ReaderError, ReaderRefused, SyncReader
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
@@ -191,7 +191,7 @@ async def test_a_reader_with_a_read_token_lists_fetches_and_subscribes_over_tls(
         assert end == secured.log("open-a").durable_position
         subscription = reader.subscribe("open-a", m.StartAt.EARLIEST)
         first = await asyncio.wait_for(anext(subscription), 10)
-        assert not isinstance(first, Missed) and first.position == 0
+        assert not isinstance(first, MissedBatches) and first.position == 0
         # Quiet for longer than the idle timeout: the reader's Pings keep it open.
         await asyncio.sleep(IDLE_MS * 1.8 / 1000)
         again, _ = await reader.fetch_all("open-a", 0, batches[0].end_position)

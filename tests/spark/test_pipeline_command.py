@@ -28,7 +28,7 @@ from headgate.cli import main
 from headgate.client import SyncProducer
 from headgate.config import GatewayConfig, StreamSettings
 from headgate.demo import BackgroundLoop
-from headgate.gateway import Gateway, StreamStatistics
+from headgate.gateway import Gateway, GatewayStreamStatistics
 
 
 class Served:
@@ -51,11 +51,11 @@ class Served:
         host, port = self.gateway.address
         self.tcp = f"{host}:{port}"
 
-    def stats(self) -> dict[str, StreamStatistics]:
-        async def snapshot() -> dict[str, StreamStatistics]:
+    def stats(self) -> dict[str, GatewayStreamStatistics]:
+        async def snapshot() -> dict[str, GatewayStreamStatistics]:
             return {s.name: s for s in self.gateway.statistics()}
 
-        result: dict[str, StreamStatistics] = self.loop.run(snapshot(), 10)
+        result: dict[str, GatewayStreamStatistics] = self.loop.run(snapshot(), 10)
         return result
 
     def stop(self) -> None:

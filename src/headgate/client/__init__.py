@@ -34,7 +34,7 @@ from headgate.client.producer import (
     StreamStatistics,
 )
 from headgate.client.reader import (
-    Missed,
+    MissedBatches,
     Reader,
     ReaderError,
     ReaderRefused,
@@ -55,7 +55,7 @@ __all__ = [
     "FleetProducer",
     "FleetStatistics",
     "GatewayAddress",
-    "Missed",
+    "MissedBatches",
     "PartitionUnavailable",
     "PendingBatch",
     "Policy",

@@ -51,7 +51,7 @@ from headgate.protocol.session import (
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
-    "Missed",
+    "MissedBatches",
     "Reader",
     "ReaderError",
     "ReaderRefused",
@@ -125,7 +125,7 @@ class TailBatch:
 
 
 @dataclass(frozen=True, slots=True)
-class Missed:
+class MissedBatches:
     """The gateway skipped batches of a live tail because this reader was slow."""
 
     #: How many batches were skipped.
@@ -138,7 +138,7 @@ class _Channel:
     def __init__(self, stream: str) -> None:
         self.stream = stream
         self.handle: int | None = None
-        self.items: deque[tuple[TailBatch | Missed, int]] = deque()  # (item, size)
+        self.items: deque[tuple[TailBatch | MissedBatches, int]] = deque()  # (item, size)
         self.wake = asyncio.Event()
 
 
@@ -419,7 +419,7 @@ class Reader:
             case m.Missed(handle=handle, count=count):
                 channel = self._by_handle.get(handle)
                 if channel is not None:
-                    channel.items.append((Missed(count), 0))
+                    channel.items.append((MissedBatches(count), 0))
                     channel.wake.set()
             case m.Error(code=code, text=text):
                 self._fail(
@@ -468,7 +468,7 @@ class Reader:
 
     # -- taking what arrived ---------------------------------------------------------
 
-    async def _next(self, channel: _Channel) -> TailBatch | Missed | None:
+    async def _next(self, channel: _Channel) -> TailBatch | MissedBatches | None:
         """The next item of ``channel``, or None if nothing came before ``_changed``."""
         while not channel.items:
             self._check()
@@ -632,7 +632,7 @@ class Reader:
         ``start``: ``StartAt.NOW``, ``StartAt.EARLIEST`` or a log position.
         With ``sample_every`` n, one batch in n. The tail is lossy: while the
         application does not take batches, the gateway skips them and a
-        :class:`Missed` tells how many, before the next batch. The Subscribe
+        :class:`MissedBatches` tells how many, before the next batch. The Subscribe
         is sent at once.
         """
         self._check()
@@ -712,7 +712,7 @@ class Reader:
 
 class Subscription:
     """A live tail of one stream: ``async for item in subscription`` gives
-    :class:`TailBatch` and :class:`Missed` items, in the order the gateway sent them."""
+    :class:`TailBatch` and :class:`MissedBatches` items, in the order the gateway sent them."""
 
     def __init__(self, reader: Reader, channel: _Channel) -> None:
         self._reader = reader
@@ -725,7 +725,7 @@ class Subscription:
     def __aiter__(self) -> Subscription:
         return self
 
-    async def __anext__(self) -> TailBatch | Missed:
+    async def __anext__(self) -> TailBatch | MissedBatches:
         while True:
             item = await self._reader._next(self._channel)
             if item is not None:

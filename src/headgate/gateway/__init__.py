@@ -1,6 +1,13 @@
 """The gateway: asyncio server, stream logs, credit from log space, durable acks."""
 
 from headgate.gateway.server import AddressInUse, Gateway, GatewayConnection
-from headgate.gateway.streams import Stream, StreamStatistics, Writer
+from headgate.gateway.streams import GatewayStreamStatistics, Stream, Writer
 
-__all__ = ["AddressInUse", "Gateway", "GatewayConnection", "Stream", "StreamStatistics", "Writer"]
+__all__ = [
+    "AddressInUse",
+    "Gateway",
+    "GatewayConnection",
+    "GatewayStreamStatistics",
+    "Stream",
+    "Writer",
+]

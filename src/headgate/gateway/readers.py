@@ -45,7 +45,7 @@ from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import Session
 
-__all__ = ["MAX_BACKLOG", "ReaderConnection", "ReaderRequest", "Subscription", "TailHub"]
+__all__ = ["MAX_BACKLOG", "ReaderConnection", "ReaderRequest", "TailHub", "TailSubscription"]
 
 #: What a reader asks of the gateway that this module serves.
 ReaderRequest = m.Fetch | m.Subscribe | m.ListStreams | m.DescribeStreams
@@ -91,7 +91,7 @@ class _FetchJob:
 
 
 @dataclass(eq=False)
-class Subscription:
+class TailSubscription:
     """One Subscribe: a lossy view of one stream for one reader connection."""
 
     #: The reader connection it belongs to.
@@ -124,12 +124,12 @@ class Subscription:
 class TailHub:
     """Every live subscription of the gateway, by stream."""
 
-    subscriptions: dict[str, list[Subscription]] = field(default_factory=dict)
+    subscriptions: dict[str, list[TailSubscription]] = field(default_factory=dict)
 
-    def add(self, sub: Subscription) -> None:
+    def add(self, sub: TailSubscription) -> None:
         self.subscriptions.setdefault(sub.stream, []).append(sub)
 
-    def remove(self, sub: Subscription) -> None:
+    def remove(self, sub: TailSubscription) -> None:
         subs = self.subscriptions.get(sub.stream)
         if subs is not None and sub in subs:
             subs.remove(sub)
@@ -241,9 +241,9 @@ class ReaderConnection:
         self._fetch_handles: dict[str, int] = {}
         # Requests that need a handle, in request order: a stream name (its
         # fetch handle) or a subscription. The k-th bind answers the k-th.
-        self._to_bind: deque[str | Subscription] = deque()
+        self._to_bind: deque[str | TailSubscription] = deque()
         self._binding: set[str] = set()
-        self.subscriptions: list[Subscription] = []
+        self.subscriptions: list[TailSubscription] = []
         self._scheduled = False
         self._out_of_room = False
         self._closed = False
@@ -341,7 +341,7 @@ class ReaderConnection:
                 else:
                     start = message.start
                     self._check_range(stream, start, log_.tail_position)
-                sub = Subscription(
+                sub = TailSubscription(
                     owner=self,
                     stream=message.stream,
                     sample_every=message.sample_every,
@@ -634,7 +634,7 @@ class ReaderConnection:
                 job.cursor = frame.end_position
         return job.cursor >= job.end, used
 
-    def _catch_up(self, sub: Subscription, budget: int) -> int:
+    def _catch_up(self, sub: TailSubscription, budget: int) -> int:
         """Send stored frames to a subscription behind the tail; log bytes used."""
         stream = self._streams.get(sub.stream)
         if stream is None:
@@ -679,7 +679,7 @@ class ReaderConnection:
 
     # -- live delivery -----------------------------------------------------------------
 
-    def deliver(self, sub: Subscription, header: m.TailHeader, records: memoryview) -> bool:
+    def deliver(self, sub: TailSubscription, header: m.TailHeader, records: memoryview) -> bool:
         """Offer one appended batch to one live subscription; True if anything was queued.
 
         The one place a live batch reaches a subscriber. It sends at once, or
@@ -703,7 +703,7 @@ class ReaderConnection:
         return True
 
     def send_to_subscriber(
-        self, sub: Subscription, header: m.TailHeader, records: memoryview
+        self, sub: TailSubscription, header: m.TailHeader, records: memoryview
     ) -> bool:
         """Send one batch to a subscriber now if its guarantees allow; else False.
 

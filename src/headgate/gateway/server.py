@@ -94,7 +94,7 @@ from headgate.gateway.statistics import (
     StreamCounters,
     StreamSnapshot,
 )
-from headgate.gateway.streams import Stream, StreamStatistics, Writer
+from headgate.gateway.streams import GatewayStreamStatistics, Stream, Writer
 from headgate.gateway.tls import server_context
 from headgate.gateway.turns import MIN_SLICE, Passes, TurnTaker
 from headgate.log import LogError
@@ -1835,7 +1835,7 @@ class Gateway:
             self.rebalance(stream, now)
             stream.flush_writers()
 
-    def statistics(self) -> list[StreamStatistics]:
+    def statistics(self) -> list[GatewayStreamStatistics]:
         now_us = time.time_ns() // 1000  # consumers' lag in seconds is wall-clock age
         return [s.statistics(now_us) for s in self.streams.values()]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from headgate.gateway.accounts import AccountStatistics
 from headgate.gateway.ring import RingStatistics
-from headgate.gateway.streams import StreamStatistics
+from headgate.gateway.streams import GatewayStreamStatistics
 
 __all__ = [
     "ACK_LATENCY_BUCKETS",
@@ -104,7 +104,7 @@ class LatencyHistogram:
 
 @dataclass(eq=False, slots=True)
 class StreamCounters:
-    """Per-stream figures the gateway keeps beside :class:`StreamStatistics`."""
+    """Per-stream figures the gateway keeps beside :class:`GatewayStreamStatistics`."""
 
     #: Batches dropped because they did not fit (optimistic producers).
     dropped_batches: int = 0
@@ -146,7 +146,7 @@ class ConnectionStatistics:
 class StreamSnapshot:
     """One stream's statistics and histograms, as a scrape exposes them."""
 
-    stats: StreamStatistics
+    stats: GatewayStreamStatistics
     dropped_batches: int
     #: ``(le, cumulative count)`` pairs ending with ``+Inf``.
     fsync_buckets: list[tuple[str, int]]

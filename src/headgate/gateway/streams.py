@@ -498,7 +498,7 @@ def stream_files(data_dir: Path, name: str) -> tuple[Path, Path]:
 
 
 @dataclass(frozen=True, slots=True)
-class StreamStatistics:
+class GatewayStreamStatistics:
     """A snapshot of one stream, for metrics and ``headgate top``."""
 
     name: str
@@ -1609,9 +1609,9 @@ class Stream:
         self._resume_after_held()
         return True
 
-    def statistics(self, now_us: int | None = None) -> StreamStatistics:
+    def statistics(self, now_us: int | None = None) -> GatewayStreamStatistics:
         """A snapshot; with ``now_us`` (wall clock, µs) each consumer's lag in seconds too."""
-        return StreamStatistics(
+        return GatewayStreamStatistics(
             name=self.name,
             capacity=self.capacity,
             free_capacity=self.free_capacity,
