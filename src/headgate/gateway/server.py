@@ -70,6 +70,7 @@ from headgate.config import (
     format_address,
 )
 from headgate.costs import batch_cost
+from headgate.gateway import commit_trace
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import (
@@ -1104,6 +1105,10 @@ class Gateway:
         self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
+        #: Per group commit, where its time went (off unless HEADGATE_COMMIT_TRACE is set).
+        self._trace = commit_trace.from_environment(
+            self.config.group_commit_interval_ms / 1000, self.config.term_length
+        )
         #: The streams found on disk at start that are not recovered yet.
         self.recovery = StreamRecovery()
         # Recovery runs in threads of its own: a group commit of the streams
@@ -1341,6 +1346,8 @@ class Gateway:
         for stream in self.streams.values():
             stream.close()
         self._executor.shutdown(wait=True)
+        if self._trace is not None:
+            self._trace.close()
         if self.config.unix_socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.unix_socket)
@@ -1450,7 +1457,10 @@ class Gateway:
         """Acks for batches that arrived at ``arrivals`` were just written out."""
         histogram = self.counters(stream.name).ack_latency
         assert histogram is not None
-        histogram.observe_since(arrivals, time.monotonic())
+        now = time.monotonic()
+        histogram.observe_since(arrivals, now)
+        if self._trace is not None:
+            self._trace.acks(stream.name, now, arrivals)
 
     def _offer_to_tails(
         self,
@@ -1789,14 +1799,18 @@ class Gateway:
 
     # -- background work -------------------------------------------------------------
 
-    async def _commit(self, streams: list[Stream]) -> None:
+    async def _commit(self, streams: list[Stream], due: float | None = None) -> None:
         if not streams:
             return
         loop = asyncio.get_running_loop()
+        trace = self._trace
+        woke = time.monotonic()
+        thread_times = [0.0, 0.0]
 
         def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
             took: list[float | None] = []
             failed: dict[Stream, LogError] = {}
+            thread_times[0] = time.monotonic()
             for stream in streams:
                 start = time.perf_counter()
                 try:
@@ -1806,9 +1820,11 @@ class Gateway:
                     took.append(None)
                     continue
                 took.append(time.perf_counter() - start)
+            thread_times[1] = time.monotonic()
             return took, failed
 
         took, failed = await loop.run_in_executor(self._executor, sync_all)
+        resumed = time.monotonic()
         for stream, seconds in zip(streams, took, strict=True):
             if seconds is not None:
                 fsync = self.counters(stream.name).fsync
@@ -1836,14 +1852,24 @@ class Gateway:
             ):
                 stream.rebalance(now)
             stream.flush_writers()
+        if trace is not None:
+            trace.commit(
+                due,
+                woke,
+                *thread_times,
+                resumed,
+                time.monotonic(),
+                [(s.name, s.log.tail_position, t) for s, t in zip(streams, took, strict=True)],
+            )
 
     async def _group_commit(self) -> None:
         interval = self.config.group_commit_interval_ms / 1000
         while True:
+            due = time.monotonic() + interval
             await asyncio.sleep(interval)
             dirty, self._dirty = list(self._dirty), set()
             try:
-                await self._commit(dirty)
+                await self._commit(dirty, due)
             except LogError as exc:
                 # Nothing is acknowledged that is not durable; producers keep
                 # their batches and the next commit tries again.
@@ -1875,6 +1901,8 @@ class Gateway:
             except Exception:
                 # A bug, not a peer's doing: this loop also moves all credit.
                 log.exception("checking deadlines failed")
+            if self._trace is not None:
+                self._trace.flush()
 
     def check_deadlines(self, now: float) -> None:
         """Close the connections past a deadline: idle, a frame, or a Plead.

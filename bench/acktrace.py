@@ -1,0 +1,509 @@
+"""Where a slow durable ack's time goes: a steady paced load, with the gateway's commit trace on.
+
+    .venv/bin/python bench/acktrace.py --rate 1200000 --seconds 60   # a probe run
+    .venv/bin/python bench/acktrace.py --analyze TRACE.jsonl         # a gateway trace alone
+
+A probe run starts ``headgate serve`` with ``HEADGATE_COMMIT_TRACE`` set
+(see ``headgate.gateway.commit_trace``), then this process sends records at
+``--rate`` in bursts every 1 ms, each closed by ``flush(stream)``, as
+``bench/ingest.py`` row 4 does, for ``--seconds``; every 2 s it releases what
+is durable (so a load of minutes keeps the log inside its capacity and the
+disk's use bounded, and the gateway frees terms as it would under Spark).
+Extra ``serve`` options go after ``--``.
+
+Each burst's time, from its first ``send()`` to the return of its
+``flush()``, is cut into:
+
+- ``send``: the producer's own ``send()`` calls of the burst;
+- ``to gateway``: from the flush call to the arrival of the burst's last
+  batch at the gateway (the flush task's turn, the seal, the socket, the
+  gateway's read and decode);
+- the gateway's part, from that arrival to the Ack being written, cut by the
+  phases of the group commit that acked it (below);
+- ``to producer``: from the Ack being written to ``flush()`` returning.
+
+A group commit's phases, on the event loop's clock: ``before`` (the batch
+arrived while the previous commit was still under way: its remaining
+fsync and acks), ``interval`` (the commit's wait), ``loop lag`` (from the
+end of the wait to the loop running the commit), ``to thread`` (to the
+fsync thread starting: it needs the GIL), ``fsync`` (the thread's syncs),
+``to loop`` (from the thread's end to the loop resuming: the GIL again, and
+the loop's other work), ``acks`` (the loop's work until the batch's Ack was
+written). ``gc`` is the garbage collections that overlapped (part of the
+other phases). A batch that arrived before the previous commit's fsync
+began and was not in it is counted as ``missed`` (its append came late).
+
+The report: percentiles of bursts and of each part over all bursts, then the
+mean of each part over the slow bursts (at or above ``--slow-ms``, default
+the p99), and the machine's load average at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BURST_INTERVAL_S = 0.001
+RELEASE_INTERVAL_S = 2.0
+START_TIMEOUT_S = 30.0
+_LISTENING = re.compile(r"listening on (\S+):(\d+)")
+
+GATEWAY_PHASES = ("before", "interval", "loop lag", "to thread", "fsync", "to loop", "acks")
+BURST_PARTS = ("send", "to gateway", *GATEWAY_PHASES, "to producer")
+
+
+# --- the trace ---------------------------------------------------------------------------
+
+
+@dataclass
+class Commit:
+    number: int
+    due: float | None
+    woke: float
+    thread: float
+    synced: float
+    resumed: float
+    done: float
+    streams: list[tuple[str, int, float | None]]
+    interval: float
+
+    @property
+    def waited_from(self) -> float:
+        return self.woke if self.due is None else self.due - self.interval
+
+    def spans(self) -> list[tuple[str, float, float]]:
+        """The commit's phases after its wait began, as (name, start, end)."""
+        due = self.woke if self.due is None else self.due
+        return [
+            ("interval", self.waited_from, due),
+            ("loop lag", due, self.woke),
+            ("to thread", self.woke, self.thread),
+            ("fsync", self.thread, self.synced),
+            ("to loop", self.synced, self.resumed),
+            ("acks", self.resumed, self.done),
+        ]
+
+
+@dataclass
+class Trace:
+    header: dict[str, Any]
+    commits: dict[int, Commit]
+    #: (commit, stream, written at, arrivals)
+    acks: list[tuple[int, str, float, list[float]]]
+    #: (start, seconds, generation)
+    gcs: list[tuple[float, float, int]]
+    numbers: list[int] = field(default_factory=list)
+
+    def previous(self, number: int) -> Commit | None:
+        i = bisect.bisect_left(self.numbers, number)
+        return self.commits[self.numbers[i - 1]] if i > 0 else None
+
+    def gc_within(self, start: float, end: float) -> float:
+        return sum(
+            max(0.0, min(end, at + s) - max(start, at))
+            for at, s, _ in self.gcs
+            if at < end and at + s > start
+        )
+
+
+def load_trace(path: Path) -> Trace:
+    header: dict[str, Any] = {}
+    commits: dict[int, Commit] = {}
+    acks: list[tuple[int, str, float, list[float]]] = []
+    gcs: list[tuple[float, float, int]] = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        event = json.loads(line)
+        if "trace" in event:
+            header = event
+        elif "commit" in event:
+            commits[event["commit"]] = Commit(
+                number=event["commit"],
+                due=event["due"],
+                woke=event["woke"],
+                thread=event["thread"],
+                synced=event["synced"],
+                resumed=event["resumed"],
+                done=event["done"],
+                streams=[tuple(s) for s in event["streams"]],  # type: ignore[misc]
+                interval=header.get("interval_s", 0.0),
+            )
+        elif "acks" in event:
+            acks.append((event["acks"], event["stream"], event["at"], event["arrived"]))
+        elif "gc" in event:
+            gcs.append((event["at"], event["seconds"], event["gc"]))
+    trace = Trace(header, commits, acks, gcs)
+    trace.numbers = sorted(commits)
+    return trace
+
+
+def overlap(start: float, end: float, span_start: float, span_end: float) -> float:
+    return max(0.0, min(end, span_end) - max(start, span_start))
+
+
+def gateway_parts(trace: Trace, number: int, arrived: float, at: float) -> dict[str, float]:
+    """The wait ``[arrived, at]`` of a batch acked by commit ``number``, cut by phase."""
+    commit = trace.commits.get(number)
+    parts = dict.fromkeys(GATEWAY_PHASES, 0.0)
+    if commit is None:
+        return parts
+    parts["before"] = max(0.0, min(at, commit.waited_from) - arrived)
+    for name, start, end in commit.spans():
+        parts[name] += overlap(arrived, at, start, end)
+    previous = trace.previous(number)
+    parts["missed"] = 1.0 if previous is not None and arrived < previous.thread else 0.0
+    parts["gc"] = trace.gc_within(arrived, at)
+    return parts
+
+
+# --- reports --------------------------------------------------------------------------
+
+
+def quantile(ordered: Sequence[float], q: float) -> float:
+    if not ordered:
+        return float("nan")
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def table(rows: Iterable[Sequence[str]], header: Sequence[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def describe(
+    samples: list[dict[str, float]], total_key: str, names: Sequence[str], slow_s: float | None
+) -> str:
+    """Percentiles of each part over all samples, and its mean over the slow ones."""
+    if not samples:
+        return "(no samples)"
+    totals = sorted(s[total_key] for s in samples)
+    threshold = quantile(totals, 0.99) if slow_s is None else slow_s
+    slow = [s for s in samples if s[total_key] >= threshold]
+    rows = []
+    for name in [total_key, *names, "gc", "missed"]:
+        values = sorted(s.get(name, 0.0) for s in samples)
+        slow_mean = sum(s.get(name, 0.0) for s in slow) / len(slow) if slow else 0.0
+        if name == "missed":
+            rows.append(
+                [name, f"{sum(values):.0f} of {len(values)}", "", "", f"{slow_mean:.2f} (share)"]
+            )
+            continue
+        rows.append(
+            [
+                name,
+                ms(quantile(values, 0.5)),
+                ms(quantile(values, 0.99)),
+                ms(values[-1]),
+                ms(slow_mean),
+            ]
+        )
+    out = table(rows, ["part", "p50 ms", "p99 ms", "max ms", f"mean over {len(slow)} slow ms"])
+    return out + f"\n\nslow: at or above {ms(threshold)} ms ({len(slow)} of {len(samples)})"
+
+
+def commit_report(trace: Trace) -> str:
+    """Each phase over every commit, and what the commits synced."""
+    commits = [trace.commits[n] for n in trace.numbers]
+    if not commits:
+        return "(no commits)"
+    rows = []
+    for name in ("loop lag", "to thread", "fsync", "to loop", "acks"):
+        values = sorted(
+            next(end - start for phase, start, end in c.spans() if phase == name) for c in commits
+        )
+        rows.append([name, ms(quantile(values, 0.5)), ms(quantile(values, 0.99)), ms(values[-1])])
+    periods = sorted(b.woke - a.woke for a, b in itertools.pairwise(commits))
+    if periods:
+        rows.append(
+            [
+                "commit to commit",
+                ms(quantile(periods, 0.5)),
+                ms(quantile(periods, 0.99)),
+                ms(periods[-1]),
+            ]
+        )
+    gcs = sorted(s for _, s, _ in trace.gcs)
+    text = table(rows, ["phase (all commits)", "p50 ms", "p99 ms", "max ms"])
+    span = commits[-1].done - commits[0].woke
+    text += (
+        f"\n\n{len(commits)} commits in {span:.1f} s; garbage collections: {len(gcs)}"
+        + (f", longest {ms(gcs[-1])} ms, total {ms(sum(gcs))} ms" if gcs else "")
+        + f"; by generation {_by_generation(trace)}"
+    )
+    term_length = trace.header.get("term_length")
+    if term_length:
+        crossings = _term_crossings(commits, term_length)
+        text += f"\nterms entered: {len(crossings)}"
+    return text
+
+
+def _by_generation(trace: Trace) -> str:
+    counts: dict[int, int] = {}
+    for _, _, generation in trace.gcs:
+        counts[generation] = counts.get(generation, 0) + 1
+    return ", ".join(f"gen{g}: {n}" for g, n in sorted(counts.items())) or "none"
+
+
+def _term_crossings(commits: list[Commit], term_length: int) -> list[int]:
+    """Numbers of the commits whose sync took a stream into a new term."""
+    last: dict[str, int] = {}
+    out = []
+    for c in commits:
+        for name, tail, _ in c.streams:
+            term = tail // term_length
+            if name in last and term != last[name]:
+                out.append(c.number)
+            last[name] = term
+    return out
+
+
+def batch_samples(trace: Trace) -> list[dict[str, float]]:
+    """Every acked batch, its latency cut by the phases of its commit."""
+    samples = []
+    for number, _, at, arrivals in trace.acks:
+        for arrived in arrivals:
+            parts = gateway_parts(trace, number, arrived, at)
+            parts["latency"] = at - arrived
+            samples.append(parts)
+    return samples
+
+
+def analyze(path: Path, slow_ms: float | None) -> str:
+    trace = load_trace(path)
+    slow = None if slow_ms is None else slow_ms / 1e3
+    return (
+        f"trace {path}: {trace.header}\n\n"
+        + commit_report(trace)
+        + "\n\nAcked batches (gateway: from arrival to Ack written):\n\n"
+        + describe(batch_samples(trace), "latency", GATEWAY_PHASES, slow)
+    )
+
+
+# --- the probe -----------------------------------------------------------------------
+
+
+@dataclass
+class Burst:
+    start: float
+    flushed: float
+    end: float = 0.0
+
+
+def join_bursts(trace: Trace, stream: str, bursts: list[Burst]) -> list[dict[str, float]]:
+    """Each burst's time cut into the producer's, the wire's and the commit's parts."""
+    acks = sorted(
+        (at, number, arrivals) for number, name, at, arrivals in trace.acks if name == stream
+    )
+    times = [a[0] for a in acks]
+    samples = []
+    for burst in bursts:
+        if not burst.end:
+            continue
+        # The Ack that ended the flush: the latest one written before it returned.
+        i = bisect.bisect_right(times, burst.end) - 1
+        if i < 0:
+            continue
+        at, number, arrivals = acks[i]
+        after = [a for a in arrivals if a >= burst.flushed]
+        arrived = min(after) if after else max(arrivals)
+        parts = gateway_parts(trace, number, arrived, at)
+        parts["send"] = burst.flushed - burst.start
+        parts["to gateway"] = max(0.0, arrived - burst.flushed)
+        parts["to producer"] = burst.end - at
+        parts["burst"] = burst.end - burst.start
+        samples.append(parts)
+    return samples
+
+
+def _pool(size: int, count: int = 10_000) -> list[bytes]:
+    blob = os.urandom(size * count)
+    return [blob[i * size : (i + 1) * size] for i in range(count)]
+
+
+async def _paced(
+    address: tuple[str, int], stream: str, rate: float, seconds: float, size: int
+) -> tuple[list[Burst], int]:
+    from headgate.client import Producer
+    from headgate.client.control import ReleaseClient
+
+    pool = _pool(size)
+    bursts: list[Burst] = []
+    pending: list[asyncio.Task[None]] = []
+    releases = ReleaseClient(address, client_name="acktrace")
+    producer = Producer(address, client_name="acktrace")
+
+    async def timed(burst: Burst) -> None:
+        await producer.flush(stream)
+        burst.end = time.monotonic()
+
+    try:
+        await producer.connect()
+        await producer.send(stream, pool[0])
+        await producer.flush()
+        most = max(1, int(rate * 5 * BURST_INTERVAL_S))
+        start = time.monotonic()
+        deadline = start + seconds
+        next_release = start + RELEASE_INTERVAL_S
+        marker = None
+        sent = index = 0
+        tick = 0
+        while (now := time.monotonic()) < deadline:
+            tick += 1
+            due = min(int(rate * (now - start)) - sent, most)
+            if due > 0:
+                burst = Burst(now, 0.0)
+                for _ in range(due):
+                    await producer.send(stream, pool[index])
+                    index = (index + 1) % len(pool)
+                sent += due
+                burst.flushed = time.monotonic()
+                bursts.append(burst)
+                pending.append(asyncio.create_task(timed(burst)))
+            if now >= next_release:
+                next_release += RELEASE_INTERVAL_S
+                if marker is not None and marker.done():
+                    releases.release(stream, marker.result().durable_position)
+                    marker = None
+                if marker is None:
+                    marker = await producer.send_many(stream, [pool[0]])
+            await asyncio.sleep(max(0.0, start + tick * BURST_INTERVAL_S - time.monotonic()))
+        await asyncio.gather(*pending)
+        elapsed = time.monotonic() - start
+        print(
+            f"# sent {sent:,} records in {elapsed:.1f} s: {sent / elapsed:,.0f} rec/s", flush=True
+        )
+        await producer.close()
+        return bursts, sent
+    finally:
+        await producer.abort()
+        releases.close(2.0)
+
+
+def _serve(
+    data_dir: Path, trace: Path, extra: list[str], log: Path, switch_interval_ms: float | None
+) -> tuple[subprocess.Popen[bytes], int]:
+    # The gateway's GIL switch interval (the longest the fsync thread waits for
+    # the loop thread to let go of the GIL), if --switch-interval-ms asks.
+    preamble = (
+        "" if switch_interval_ms is None else f"sys.setswitchinterval({switch_interval_ms / 1e3})"
+    )
+    argv = [
+        sys.executable,
+        "-c",
+        f"import sys; {preamble}; from headgate.cli import main; sys.argv[0] = 'headgate'; main()",
+        "serve",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        str(data_dir),
+        "--stream-capacity",
+        "1GiB",
+        "--group-commit-ms",
+        "2",
+        *extra,
+    ]
+    env = dict(os.environ, HEADGATE_COMMIT_TRACE=str(trace))
+    with open(log, "wb") as err:
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, env=env)
+    assert process.stdout is not None
+    deadline = time.monotonic() + START_TIMEOUT_S
+    line = b""
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        match = _LISTENING.search(line.decode(errors="replace"))
+        if match:
+            return process, int(match.group(2))
+        if not line and process.poll() is not None:
+            break
+    process.kill()
+    raise RuntimeError(f"the gateway did not start: {line!r}; see {log}")
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def probe(args: argparse.Namespace) -> int:
+    base = Path(tempfile.mkdtemp(prefix="headgate-acktrace-"))
+    trace_path = Path(args.keep_trace) if args.keep_trace else base / "trace.jsonl"
+    trace_path.unlink(missing_ok=True)
+    load_start = _load()
+    process, port = _serve(
+        base / "data", trace_path, args.serve, base / "gateway.log", args.switch_interval_ms
+    )
+    try:
+        bursts, _ = asyncio.run(
+            _paced(("127.0.0.1", port), "probe", args.rate, args.seconds, args.size)
+        )
+    finally:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        load_end = _load()
+    trace = load_trace(trace_path)
+    latencies = sorted(b.end - b.start for b in bursts if b.end)
+    print(
+        f"# {len(latencies)} bursts at {args.rate:,.0f} rec/s of {args.size} B for "
+        f"{args.seconds:g} s; serve options {args.serve or '(none)'}; switch interval "
+        f"{trace.header.get('switch_interval_s')} s; "
+        f"load average {load_start} at start, {load_end} at end"
+    )
+    print(
+        f"# burst p50 / p99 / max: {ms(quantile(latencies, 0.5))} / "
+        f"{ms(quantile(latencies, 0.99))} / {ms(latencies[-1])} ms\n"
+    )
+    print(commit_report(trace))
+    slow = None if args.slow_ms is None else args.slow_ms / 1e3
+    print("\nBursts (first send() to flush() returning):\n")
+    print(describe(join_bursts(trace, "probe", bursts), "burst", BURST_PARTS, slow))
+    print("\nAcked batches (gateway: from arrival to Ack written):\n")
+    print(describe(batch_samples(trace), "latency", GATEWAY_PHASES, slow))
+    shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--analyze", metavar="TRACE", help="report on a gateway trace file")
+    parser.add_argument("--rate", type=float, default=1_200_000, help="records per second")
+    parser.add_argument("--seconds", type=float, default=30.0, help="how long the load lasts")
+    parser.add_argument("--size", type=int, default=100, help="bytes per record")
+    parser.add_argument("--slow-ms", type=float, help="a slow burst (default: the p99)")
+    parser.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        help="the gateway process's sys.setswitchinterval (default: Python's, 5 ms)",
+    )
+    parser.add_argument("--keep-trace", metavar="FILE", help="write the gateway's trace here")
+    parser.add_argument("serve", nargs="*", help="extra `headgate serve` options, after --")
+    args = parser.parse_args()
+    if args.analyze:
+        print(analyze(Path(args.analyze), args.slow_ms))
+        return 0
+    return probe(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
