@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import gc
 import itertools
 import json
 import os
@@ -140,7 +141,7 @@ def load_trace(path: Path) -> Trace:
                 synced=event["synced"],
                 resumed=event["resumed"],
                 done=event["done"],
-                streams=[tuple(s) for s in event["streams"]],  # type: ignore[misc]
+                streams=[tuple(s) for s in event["streams"]],
                 interval=header.get("interval_s", 0.0),
             )
         elif "acks" in event:
@@ -200,7 +201,8 @@ def describe(
     threshold = quantile(totals, 0.99) if slow_s is None else slow_s
     slow = [s for s in samples if s[total_key] >= threshold]
     rows = []
-    for name in [total_key, *names, "gc", "missed"]:
+    extra = ["producer gc"] if any("producer gc" in s for s in samples) else []
+    for name in [total_key, *names, "gc", *extra, "missed"]:
         values = sorted(s.get(name, 0.0) for s in samples)
         slow_mean = sum(s.get(name, 0.0) for s in slow) / len(slow) if slow else 0.0
         if name == "missed":
@@ -251,9 +253,16 @@ def commit_report(trace: Trace) -> str:
         + f"; by generation {_by_generation(trace)}"
     )
     term_length = trace.header.get("term_length")
-    if term_length:
-        crossings = _term_crossings(commits, term_length)
-        text += f"\nterms entered: {len(crossings)}"
+    crossings = set(_term_crossings(commits, term_length) if term_length else [])
+    # The slowest commits (woke to done at or above its p99): what came with them?
+    took = sorted(c.done - c.woke for c in commits)
+    threshold = quantile(took, 0.99)
+    slow = [c for c in commits if c.done - c.woke >= threshold]
+    text += (
+        f"\nterms entered: {len(crossings)}; the {len(slow)} slowest commits (woke to done "
+        f">= {ms(threshold)} ms): {sum(c.number in crossings for c in slow)} entered a term, "
+        f"{sum(trace.gc_within(c.woke, c.done) > 0 for c in slow)} had a gc"
+    )
     return text
 
 
@@ -309,7 +318,27 @@ class Burst:
     end: float = 0.0
 
 
-def join_bursts(trace: Trace, stream: str, bursts: list[Burst]) -> list[dict[str, float]]:
+class GcPauses:
+    """This process's garbage collections (the producer's), as (start, seconds)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        now = time.monotonic()
+        if phase == "start":
+            self._started = now
+        else:
+            self.pauses.append((self._started, now - self._started))
+
+    def within(self, start: float, end: float) -> float:
+        return sum(overlap(start, end, at, at + s) for at, s in self.pauses)
+
+
+def join_bursts(
+    trace: Trace, stream: str, bursts: list[Burst], producer_gc: GcPauses | None = None
+) -> list[dict[str, float]]:
     """Each burst's time cut into the producer's, the wire's and the commit's parts."""
     acks = sorted(
         (at, number, arrivals) for number, name, at, arrivals in trace.acks if name == stream
@@ -331,6 +360,8 @@ def join_bursts(trace: Trace, stream: str, bursts: list[Burst]) -> list[dict[str
         parts["to gateway"] = max(0.0, arrived - burst.flushed)
         parts["to producer"] = burst.end - at
         parts["burst"] = burst.end - burst.start
+        if producer_gc is not None:
+            parts["producer gc"] = producer_gc.within(burst.start, burst.end)
         samples.append(parts)
     return samples
 
@@ -404,9 +435,9 @@ def _serve(
 ) -> tuple[subprocess.Popen[bytes], int]:
     # The gateway's GIL switch interval (the longest the fsync thread waits for
     # the loop thread to let go of the GIL), if --switch-interval-ms asks.
-    preamble = (
-        "" if switch_interval_ms is None else f"sys.setswitchinterval({switch_interval_ms / 1e3})"
-    )
+    preamble = "pass"
+    if switch_interval_ms is not None:
+        preamble = f"sys.setswitchinterval({switch_interval_ms / 1e3})"
     argv = [
         sys.executable,
         "-c",
@@ -448,6 +479,8 @@ def probe(args: argparse.Namespace) -> int:
     trace_path = Path(args.keep_trace) if args.keep_trace else base / "trace.jsonl"
     trace_path.unlink(missing_ok=True)
     load_start = _load()
+    producer_gc = GcPauses()
+    gc.callbacks.append(producer_gc)
     process, port = _serve(
         base / "data", trace_path, args.serve, base / "gateway.log", args.switch_interval_ms
     )
@@ -477,7 +510,7 @@ def probe(args: argparse.Namespace) -> int:
     print(commit_report(trace))
     slow = None if args.slow_ms is None else args.slow_ms / 1e3
     print("\nBursts (first send() to flush() returning):\n")
-    print(describe(join_bursts(trace, "probe", bursts), "burst", BURST_PARTS, slow))
+    print(describe(join_bursts(trace, "probe", bursts, producer_gc), "burst", BURST_PARTS, slow))
     print("\nAcked batches (gateway: from arrival to Ack written):\n")
     print(describe(batch_samples(trace), "latency", GATEWAY_PHASES, slow))
     shutil.rmtree(base, ignore_errors=True)
