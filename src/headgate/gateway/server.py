@@ -1105,9 +1105,14 @@ class Gateway:
         self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
+        # Set while an eager group commit waits for something to commit.
+        self._commit_wanted: asyncio.Future[float] | None = None
         #: Per group commit, where its time went (off unless HEADGATE_COMMIT_TRACE is set).
         self._trace = commit_trace.from_environment(
-            self.config.group_commit_interval_ms / 1000, self.config.term_length
+            0.0
+            if self.config.group_commit_mode == "eager"
+            else self.config.group_commit_interval_ms / 1000,
+            self.config.term_length,
         )
         #: The streams found on disk at start that are not recovered yet.
         self.recovery = StreamRecovery()
@@ -1575,6 +1580,12 @@ class Gateway:
 
     def mark_dirty(self, stream: Stream) -> None:
         self._dirty.add(stream)
+        wanted = self._commit_wanted
+        if wanted is not None:
+            # An eager group commit waits for this (group_commit_mode).
+            self._commit_wanted = None
+            if not wanted.done():  # (cancelled at stop)
+                wanted.set_result(time.monotonic())
 
     # -- the log writer ----------------------------------------------------------------
 
@@ -1799,12 +1810,14 @@ class Gateway:
 
     # -- background work -------------------------------------------------------------
 
-    async def _commit(self, streams: list[Stream], due: float | None = None) -> None:
+    async def _commit(self, streams: list[Stream], due: float | None = None) -> bool:
+        """Sync ``streams``, then send the acks it allows; False if a stream's sync failed."""
         if not streams:
-            return
+            return True
         loop = asyncio.get_running_loop()
         trace = self._trace
         woke = time.monotonic()
+        # When the fsync thread began and ended (for the trace).
         thread_times = [0.0, 0.0]
 
         def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
@@ -1856,29 +1869,47 @@ class Gateway:
             trace.commit(
                 due,
                 woke,
-                *thread_times,
+                thread_times[0],
+                thread_times[1],
                 resumed,
                 time.monotonic(),
                 [(s.name, s.log.tail_position, t) for s, t in zip(streams, took, strict=True)],
             )
+        return not failed
 
     async def _group_commit(self) -> None:
         interval = self.config.group_commit_interval_ms / 1000
+        eager = self.config.group_commit_mode == "eager"
+        loop = asyncio.get_running_loop()
+        ok = True
         while True:
-            due = time.monotonic() + interval
-            await asyncio.sleep(interval)
+            if eager and ok:
+                # The next commit starts once the last one is done and
+                # something waits: a batch waits for at most the rest of the
+                # commit under way and its own, never for an interval.
+                due = time.monotonic()
+                if not self._dirty:
+                    self._commit_wanted = loop.create_future()
+                    due = await self._commit_wanted
+            else:
+                # (Eager too, after a failed sync: a failing disk is retried
+                # once per interval, not in a loop.)
+                due = time.monotonic() + interval
+                await asyncio.sleep(interval)
             dirty, self._dirty = list(self._dirty), set()
             try:
-                await self._commit(dirty, due)
+                ok = await self._commit(dirty, due)
             except LogError as exc:
                 # Nothing is acknowledged that is not durable; producers keep
                 # their batches and the next commit tries again.
                 log.error("group commit failed: %s", exc)
                 self._dirty.update(dirty)
+                ok = False
             except Exception:
                 # A bug: without this task nothing would ever be acknowledged
                 # again, so it is logged and the next interval goes on.
                 log.exception("group commit failed")
+                ok = False
 
     async def _rebalance_loop(self) -> None:
         while True:
