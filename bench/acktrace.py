@@ -107,6 +107,11 @@ class Trace:
     acks: list[tuple[int, str, float, list[float]]]
     #: (start, seconds, generation)
     gcs: list[tuple[float, float, int]]
+    #: The loop's stalls, and the log writer's long passes: (start, seconds).
+    stalls: list[tuple[float, float]] = field(default_factory=list)
+    #: Per stall: (since the tick before, seconds run, seconds waiting for a CPU).
+    stall_use: list[tuple[float, float, float]] = field(default_factory=list)
+    appends: list[tuple[float, float]] = field(default_factory=list)
     numbers: list[int] = field(default_factory=list)
 
     def previous(self, number: int) -> Commit | None:
@@ -114,11 +119,13 @@ class Trace:
         return self.commits[self.numbers[i - 1]] if i > 0 else None
 
     def gc_within(self, start: float, end: float) -> float:
-        return sum(
-            max(0.0, min(end, at + s) - max(start, at))
-            for at, s, _ in self.gcs
-            if at < end and at + s > start
-        )
+        return sum(overlap(start, end, at, at + s) for at, s, _ in self.gcs)
+
+    def stalled_within(self, start: float, end: float) -> float:
+        return sum(overlap(start, end, at, at + s) for at, s in self.stalls)
+
+    def appending_within(self, start: float, end: float) -> float:
+        return sum(overlap(start, end, at, at + s) for at, s in self.appends)
 
 
 def load_trace(path: Path) -> Trace:
@@ -126,6 +133,9 @@ def load_trace(path: Path) -> Trace:
     commits: dict[int, Commit] = {}
     acks: list[tuple[int, str, float, list[float]]] = []
     gcs: list[tuple[float, float, int]] = []
+    stalls: list[tuple[float, float]] = []
+    stall_use: list[tuple[float, float, float]] = []
+    appends: list[tuple[float, float]] = []
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
@@ -148,7 +158,12 @@ def load_trace(path: Path) -> Trace:
             acks.append((event["acks"], event["stream"], event["at"], event["arrived"]))
         elif "gc" in event:
             gcs.append((event["at"], event["seconds"], event["gc"]))
-    trace = Trace(header, commits, acks, gcs)
+        elif "stall" in event:
+            stalls.append((event["stall"], event["seconds"]))
+            stall_use.append((event["since"], event["cpu"], event["runqueue"]))
+        elif "appends" in event:
+            appends.append((event["appends"], event["seconds"]))
+    trace = Trace(header, commits, acks, gcs, stalls, stall_use, appends)
     trace.numbers = sorted(commits)
     return trace
 
@@ -169,6 +184,7 @@ def gateway_parts(trace: Trace, number: int, arrived: float, at: float) -> dict[
     previous = trace.previous(number)
     parts["missed"] = 1.0 if previous is not None and arrived < previous.thread else 0.0
     parts["gc"] = trace.gc_within(arrived, at)
+    parts["loop stalled"] = trace.stalled_within(arrived, at)
     return parts
 
 
@@ -202,7 +218,7 @@ def describe(
     slow = [s for s in samples if s[total_key] >= threshold]
     rows = []
     extra = ["producer gc"] if any("producer gc" in s for s in samples) else []
-    for name in [total_key, *names, "gc", *extra, "missed"]:
+    for name in [total_key, *names, "loop stalled", "gc", *extra, "missed"]:
         values = sorted(s.get(name, 0.0) for s in samples)
         slow_mean = sum(s.get(name, 0.0) for s in slow) / len(slow) if slow else 0.0
         if name == "missed":
@@ -263,7 +279,42 @@ def commit_report(trace: Trace) -> str:
         f">= {ms(threshold)} ms): {sum(c.number in crossings for c in slow)} entered a term, "
         f"{sum(trace.gc_within(c.woke, c.done) > 0 for c in slow)} had a gc"
     )
+    text += "\n\n" + stall_report(trace)
     return text
+
+
+def stall_report(trace: Trace) -> str:
+    """The loop's stalls: how many, how long, and what came with the longest."""
+    if not trace.stalls:
+        return "loop stalls (a 1 ms timer more than 2 ms late): none"
+    stalls = sorted(zip(trace.stalls, trace.stall_use, strict=True), key=lambda x: -x[0][1])
+    total = sum(s for (_, s), _ in stalls)
+    # Where the loop thread's time went over each stall (from its previous tick):
+    # running, waiting for a CPU, or off the CPU (blocked in the kernel, or idle
+    # in epoll for at most the 1 ms timer).
+    spans = [at + s - since for (at, s), (since, _, _) in stalls]
+    ran = sum(cpu for _, (_, cpu, _) in stalls)
+    queued = sum(wait for _, (_, _, wait) in stalls)
+    lines = [
+        f"loop stalls (a 1 ms timer more than 2 ms late): {len(stalls)}, {ms(total)} ms late "
+        f"in all, longest {ms(stalls[0][0][1])} ms. Over the {ms(sum(spans))} ms they span, "
+        f"the loop thread ran {ms(ran)} ms, waited for a CPU {ms(queued)} ms, and was off "
+        f"the CPU (blocked, or idle up to 1 ms per tick) {ms(sum(spans) - ran - queued)} ms. "
+        "The longest, with what overlapped them:",
+        "",
+        "| at s | stall ms | ran ms | waited for CPU ms | appends ms | gc ms | fsync ms |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    first = min(c.woke for c in trace.commits.values()) if trace.commits else 0.0
+    for (at, seconds), (_, cpu, wait) in stalls[:8]:
+        end = at + seconds
+        fsync = sum(overlap(at, end, c.thread, c.synced) for c in trace.commits.values())
+        lines.append(
+            f"| {at - first:.3f} | {ms(seconds)} | {ms(cpu)} | {ms(wait)} | "
+            f"{ms(trace.appending_within(at, end))} | {ms(trace.gc_within(at, end))} | "
+            f"{ms(fsync)} |"
+        )
+    return "\n".join(lines)
 
 
 def _by_generation(trace: Trace) -> str:
@@ -360,6 +411,8 @@ def join_bursts(
         parts["to gateway"] = max(0.0, arrived - burst.flushed)
         parts["to producer"] = burst.end - at
         parts["burst"] = burst.end - burst.start
+        # Over the whole burst: a stall before the batch arrived delayed its read.
+        parts["loop stalled"] = trace.stalled_within(burst.start, burst.end)
         if producer_gc is not None:
             parts["producer gc"] = producer_gc.within(burst.start, burst.end)
         samples.append(parts)
@@ -474,20 +527,50 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def _disk_written() -> float:
+    """Bytes written to the machine's disks so far (/proc/diskstats, whole disks only)."""
+    total = 0.0
+    try:
+        lines = Path("/proc/diskstats").read_text().splitlines()
+    except OSError:
+        return 0.0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 9 and re.fullmatch(r"(vd|sd|xvd)[a-z]+|nvme\d+n\d+", fields[2]):
+            total += int(fields[9]) * 512
+    return total
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` so far (0 if gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def probe(args: argparse.Namespace) -> int:
     base = Path(tempfile.mkdtemp(prefix="headgate-acktrace-"))
     trace_path = Path(args.keep_trace) if args.keep_trace else base / "trace.jsonl"
     trace_path.unlink(missing_ok=True)
     load_start = _load()
+    written = _disk_written()
     producer_gc = GcPauses()
     gc.callbacks.append(producer_gc)
     process, port = _serve(
         base / "data", trace_path, args.serve, base / "gateway.log", args.switch_interval_ms
     )
+    began = time.monotonic()
+    cpu = _cpu_seconds(process.pid), time.process_time()
     try:
-        bursts, _ = asyncio.run(
+        bursts, sent = asyncio.run(
             _paced(("127.0.0.1", port), "probe", args.rate, args.seconds, args.size)
         )
+        span = time.monotonic() - began
+        gateway_cpu = (_cpu_seconds(process.pid) - cpu[0]) / span
+        producer_cpu = (time.process_time() - cpu[1]) / span
+        written = (_disk_written() - written) / span
     finally:
         process.terminate()
         try:
@@ -497,11 +580,35 @@ def probe(args: argparse.Namespace) -> int:
         load_end = _load()
     trace = load_trace(trace_path)
     latencies = sorted(b.end - b.start for b in bursts if b.end)
+    commits = [trace.commits[n] for n in trace.numbers]
+    if args.brief:
+        # One line per run, for interleaved comparisons.
+        phases = {
+            name: sorted(next(e - s for phase, s, e in c.spans() if phase == name) for c in commits)
+            for name in ("loop lag", "to thread", "fsync", "to loop", "acks")
+        }
+        print(
+            f"{args.label or ' '.join(args.serve) or 'default'}: load {load_start.split()[0]}"
+            f"->{load_end.split()[0]}, disk {written / 1e6:.0f} MB/s (ours "
+            f"{sent * args.size / span / 1e6:.0f}), cpu gateway {gateway_cpu:.2f} producer "
+            f"{producer_cpu:.2f}; {sent / span:,.0f} rec/s; burst p50/p99/max "
+            f"{ms(quantile(latencies, 0.5))}/{ms(quantile(latencies, 0.99))}/"
+            f"{ms(latencies[-1])} ms; {len(commits) / span:.0f} commits/s; p99 "
+            + ", ".join(f"{name} {ms(quantile(v, 0.99))}" for name, v in phases.items())
+            + f"; loop stalls {len(trace.stalls)}, {ms(sum(s for _, s in trace.stalls))} ms "
+            f"(ran {ms(sum(c for _, c, _ in trace.stall_use))}, waited for CPU "
+            f"{ms(sum(w for _, _, w in trace.stall_use))}), longest "
+            f"{ms(max((s for _, s in trace.stalls), default=0.0))} ms"
+        )
+        shutil.rmtree(base, ignore_errors=True)
+        return 0
     print(
         f"# {len(latencies)} bursts at {args.rate:,.0f} rec/s of {args.size} B for "
         f"{args.seconds:g} s; serve options {args.serve or '(none)'}; switch interval "
         f"{trace.header.get('switch_interval_s')} s; "
-        f"load average {load_start} at start, {load_end} at end"
+        f"load average {load_start} at start, {load_end} at end; the machine's disk writes "
+        f"{written / 1e6:.0f} MB/s (ours {sent * args.size / span / 1e6:.0f} of records); "
+        f"CPU: gateway {gateway_cpu:.2f}, this producer {producer_cpu:.2f} cores"
     )
     print(
         f"# burst p50 / p99 / max: {ms(quantile(latencies, 0.5))} / "
@@ -529,6 +636,8 @@ def main() -> int:
         type=float,
         help="the gateway process's sys.setswitchinterval (default: Python's, 5 ms)",
     )
+    parser.add_argument("--brief", action="store_true", help="one line per run")
+    parser.add_argument("--label", help="the run's name in --brief's line")
     parser.add_argument("--keep-trace", metavar="FILE", help="write the gateway's trace here")
     parser.add_argument("serve", nargs="*", help="extra `headgate serve` options, after --")
     args = parser.parse_args()

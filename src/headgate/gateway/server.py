@@ -1273,6 +1273,8 @@ class Gateway:
             )
         self._tasks.append(asyncio.create_task(self._group_commit()))
         self._tasks.append(asyncio.create_task(self._rebalance_loop()))
+        if self._trace is not None:
+            self._tasks.append(asyncio.create_task(self._trace.watch_loop()))
         log.info("listening on %s:%d, data in %s", self.address[0], self.address[1], data)
 
     def attach(self, conn: GatewayConnection) -> str | None:
@@ -1636,7 +1638,9 @@ class Gateway:
                 message.event = None
                 message.loan.repay()
                 origins[conn.conn_id] = conn
-        self._charge_appends(run_origin, run_started)
+        ended = self._charge_appends(run_origin, run_started)
+        if self._trace is not None:
+            self._trace.appends(now, ended, len(origins))
         for conn in origins.values():
             conn.after_write()
 
