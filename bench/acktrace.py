@@ -217,7 +217,7 @@ def describe(
     threshold = quantile(totals, 0.99) if slow_s is None else slow_s
     slow = [s for s in samples if s[total_key] >= threshold]
     rows = []
-    extra = ["producer gc"] if any("producer gc" in s for s in samples) else []
+    extra = [n for n in ("producer gc", "producer stalled") if any(n in s for s in samples)]
     for name in [total_key, *names, "loop stalled", "gc", *extra, "missed"]:
         values = sorted(s.get(name, 0.0) for s in samples)
         slow_mean = sum(s.get(name, 0.0) for s in slow) / len(slow) if slow else 0.0
@@ -387,8 +387,66 @@ class GcPauses:
         return sum(overlap(start, end, at, at + s) for at, s in self.pauses)
 
 
+class LoopStalls:
+    """This process's event loop running a 1 ms timer more than 2 ms late (the producer's).
+
+    As the gateway's trace does (``CommitTrace.watch_loop``): each stall as
+    (start, seconds, seconds the thread ran, seconds it waited for a CPU).
+    """
+
+    def __init__(self) -> None:
+        self.stalls: list[tuple[float, float, float, float]] = []
+
+    async def watch(self) -> None:
+        from headgate.gateway.commit_trace import (
+            STALL_S,
+            WATCH_INTERVAL_S,
+            _open_schedstat,
+            _read_schedstat,
+        )
+
+        fd = _open_schedstat()
+        before = time.monotonic()
+        ran, waited = _read_schedstat(fd)
+        try:
+            while True:
+                await asyncio.sleep(WATCH_INTERVAL_S)
+                now = time.monotonic()
+                now_ran, now_waited = _read_schedstat(fd)
+                late = now - before - WATCH_INTERVAL_S
+                if late > STALL_S:
+                    self.stalls.append(
+                        (
+                            before + WATCH_INTERVAL_S,
+                            late,
+                            (now_ran - ran) / 1e9,
+                            (now_waited - waited) / 1e9,
+                        )
+                    )
+                ran, waited, before = now_ran, now_waited, time.monotonic()
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    def within(self, start: float, end: float) -> float:
+        return sum(overlap(start, end, at, at + s) for at, s, _, _ in self.stalls)
+
+    def summary(self) -> str:
+        late = sum(s for _, s, _, _ in self.stalls)
+        ran = sum(r for _, _, r, _ in self.stalls)
+        waited = sum(w for _, _, _, w in self.stalls)
+        return (
+            f"producer loop stalls: {len(self.stalls)}, {ms(late)} ms late in all; over them "
+            f"it ran {ms(ran)} ms (its own sends and acks) and waited for a CPU {ms(waited)} ms"
+        )
+
+
 def join_bursts(
-    trace: Trace, stream: str, bursts: list[Burst], producer_gc: GcPauses | None = None
+    trace: Trace,
+    stream: str,
+    bursts: list[Burst],
+    producer_gc: GcPauses | None = None,
+    producer_stalls: LoopStalls | None = None,
 ) -> list[dict[str, float]]:
     """Each burst's time cut into the producer's, the wire's and the commit's parts."""
     acks = sorted(
@@ -415,6 +473,8 @@ def join_bursts(
         parts["loop stalled"] = trace.stalled_within(burst.start, burst.end)
         if producer_gc is not None:
             parts["producer gc"] = producer_gc.within(burst.start, burst.end)
+        if producer_stalls is not None:
+            parts["producer stalled"] = producer_stalls.within(burst.start, burst.end)
         samples.append(parts)
     return samples
 
@@ -425,7 +485,12 @@ def _pool(size: int, count: int = 10_000) -> list[bytes]:
 
 
 async def _paced(
-    address: tuple[str, int], stream: str, rate: float, seconds: float, size: int
+    address: tuple[str, int],
+    stream: str,
+    rate: float,
+    seconds: float,
+    size: int,
+    stalls: LoopStalls,
 ) -> tuple[list[Burst], int]:
     from headgate.client import Producer
     from headgate.client.control import ReleaseClient
@@ -440,6 +505,7 @@ async def _paced(
         await producer.flush(stream)
         burst.end = time.monotonic()
 
+    watcher = asyncio.create_task(stalls.watch())
     try:
         await producer.connect()
         await producer.send(stream, pool[0])
@@ -479,6 +545,7 @@ async def _paced(
         await producer.close()
         return bursts, sent
     finally:
+        watcher.cancel()
         await producer.abort()
         releases.close(2.0)
 
@@ -558,6 +625,7 @@ def probe(args: argparse.Namespace) -> int:
     written = _disk_written()
     producer_gc = GcPauses()
     gc.callbacks.append(producer_gc)
+    producer_stalls = LoopStalls()
     process, port = _serve(
         base / "data", trace_path, args.serve, base / "gateway.log", args.switch_interval_ms
     )
@@ -565,7 +633,9 @@ def probe(args: argparse.Namespace) -> int:
     cpu = _cpu_seconds(process.pid), time.process_time()
     try:
         bursts, sent = asyncio.run(
-            _paced(("127.0.0.1", port), "probe", args.rate, args.seconds, args.size)
+            _paced(
+                ("127.0.0.1", port), "probe", args.rate, args.seconds, args.size, producer_stalls
+            )
         )
         span = time.monotonic() - began
         gateway_cpu = (_cpu_seconds(process.pid) - cpu[0]) / span
@@ -598,7 +668,9 @@ def probe(args: argparse.Namespace) -> int:
             + f"; loop stalls {len(trace.stalls)}, {ms(sum(s for _, s in trace.stalls))} ms "
             f"(ran {ms(sum(c for _, c, _ in trace.stall_use))}, waited for CPU "
             f"{ms(sum(w for _, _, w in trace.stall_use))}), longest "
-            f"{ms(max((s for _, s in trace.stalls), default=0.0))} ms"
+            f"{ms(max((s for _, s in trace.stalls), default=0.0))} ms; producer loop stalls "
+            f"{ms(sum(x[1] for x in producer_stalls.stalls))} ms (waited for CPU "
+            f"{ms(sum(x[3] for x in producer_stalls.stalls))})"
         )
         shutil.rmtree(base, ignore_errors=True)
         return 0
@@ -617,7 +689,15 @@ def probe(args: argparse.Namespace) -> int:
     print(commit_report(trace))
     slow = None if args.slow_ms is None else args.slow_ms / 1e3
     print("\nBursts (first send() to flush() returning):\n")
-    print(describe(join_bursts(trace, "probe", bursts, producer_gc), "burst", BURST_PARTS, slow))
+    print(
+        describe(
+            join_bursts(trace, "probe", bursts, producer_gc, producer_stalls),
+            "burst",
+            BURST_PARTS,
+            slow,
+        )
+    )
+    print("\n" + producer_stalls.summary())
     print("\nAcked batches (gateway: from arrival to Ack written):\n")
     print(describe(batch_samples(trace), "latency", GATEWAY_PHASES, slow))
     shutil.rmtree(base, ignore_errors=True)
