@@ -615,6 +615,8 @@ class Stream:
         """
         directory, state_file = stream_files(data_dir, name)
         stream_log = StreamLog.open(directory, term_length=term_length, capacity=capacity)
+        # A release's freed terms are not the acks' business (headgate.log.deleter).
+        stream_log.delete_in_background()
         stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
         try:
             stream.consumers = ConsumerBook.load(

@@ -46,6 +46,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Final, Protocol, overload
 
+from headgate.log.deleter import TermDeleter
 from headgate.log.errors import LogCorruptError, LogError, LogFullError, storage_error
 from headgate.log.frame import (
     DATA_FRAME,
@@ -318,6 +319,8 @@ class StreamLog:
         self._fast_end = 0
         self._refresh_fast_end()
         self._preparer = TermPreparer(directory, settings.term_length, self._install_prepared)
+        # Set by delete_in_background: freed terms are deleted off the commit's path.
+        self._deleter: TermDeleter | None = None
         if active.term_id + 1 not in terms:
             self._preparer.request(active.term_id + 1)
 
@@ -449,6 +452,8 @@ class StreamLog:
                         term.close()
                     self._terms.clear()
                 self._preparer.close()
+                if self._deleter is not None:
+                    self._deleter.close()
                 self._meta.close()
                 os.close(self._lock_fd)
 
@@ -1029,11 +1034,24 @@ class StreamLog:
             self._meta_dirty = False
             with self._lock:
                 doomed = [self._terms.pop(t) for t in freed]
-            for term in doomed:
-                term.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(term.path)
+            if self._deleter is not None:
+                self._deleter.delete(doomed)  # off this commit's path
+            else:
+                for term in doomed:
+                    term.close()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(term.path)
         return self._durable
+
+    def delete_in_background(self) -> None:
+        """From now on, term files freed by a release are deleted on a helper thread.
+
+        :meth:`sync` then returns without waiting for their deletion (see
+        :mod:`headgate.log.deleter`); :meth:`close` waits for it. Without
+        this, :meth:`sync` deletes them itself before it returns.
+        """
+        if self._deleter is None:
+            self._deleter = TermDeleter()
 
     def _redirty(self, terms: list[TermFile], start: int, end: int) -> None:
         """Store again, unchanged, the committed bytes in ``[start, end)`` so fsync writes them.
