@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from headgate.log import StreamLog, deleter
+from headgate.log import StreamLog
 from headgate.log.term import TermFile
 from tests.log import _frames
 
@@ -178,7 +178,7 @@ def test_freed_terms_are_deleted_off_the_commits_path_and_gone_after_close(
             )
             sequence += 1
         log.release(log.sync())  # frees terms 0 to 3 at the next sync
-        monkeypatch.setattr(deleter.os, "unlink", slow_unlink)
+        monkeypatch.setattr(os, "unlink", slow_unlink)  # the deleter's, and the commit's
         started = time.monotonic()
         log.sync()
         took = time.monotonic() - started
