@@ -70,3 +70,16 @@ async def test_without_the_variable_there_is_no_trace(
         assert gw._trace is None
     finally:
         await gw.stop()
+
+
+async def test_a_trace_that_cannot_be_written_is_a_warning_not_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "no-such-directory" / "trace.jsonl"))
+    gw = Gateway(config(tmp_path))
+    await gw.start()
+    try:
+        assert gw._trace is None
+        assert "cannot write the commit trace" in caplog.text
+    finally:
+        await gw.stop()

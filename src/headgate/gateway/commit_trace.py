@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import os
 import sys
 import time
@@ -219,4 +220,16 @@ def _read_schedstat(fd: int | None) -> tuple[int, int]:
 def from_environment(interval_s: float, term_length: int) -> CommitTrace | None:
     """The trace ``HEADGATE_COMMIT_TRACE`` asks for, or None (the default)."""
     path = os.environ.get(TRACE_ENV, "")
-    return CommitTrace(path, interval_s, term_length) if path else None
+    if not path:
+        return None
+    try:
+        return CommitTrace(path, interval_s, term_length)
+    except OSError as exc:
+        # A diagnostic that cannot be written is not a reason to stop serving.
+        logging.getLogger("headgate.gateway").warning(
+            "%s=%s: cannot write the commit trace (%s); serving without it",
+            TRACE_ENV,
+            path,
+            exc.strerror or exc,
+        )
+        return None
