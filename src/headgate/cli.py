@@ -19,6 +19,7 @@ import click
 from headgate.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
+    GROUP_COMMIT_MODES,
     ConfigError,
     load_gateway_config,
     parse_address,
@@ -166,6 +167,12 @@ serve_log = logging.getLogger("headgate.serve")
 @click.option("--term-length", help="Term file size, a power of two, e.g. 16MiB.")
 @click.option("--group-commit-ms", type=float, help="Group commit interval in milliseconds.")
 @click.option(
+    "--group-commit-mode",
+    type=click.Choice(GROUP_COMMIT_MODES),
+    help="interval (default): commit every --group-commit-ms; eager: as soon as the "
+    "commit before is done and something waits (lower ack latency, more fsyncs).",
+)
+@click.option(
     "--metrics",
     metavar="HOST:PORT",
     help=f"Serve Prometheus metrics at http://HOST:PORT/metrics (off unless given; "
@@ -222,6 +229,7 @@ def serve(
     stream_capacity: str | None,
     term_length: str | None,
     group_commit_ms: float | None,
+    group_commit_mode: str | None,
     metrics: str | None,
     policy: str | None,
     window: int | None,
@@ -262,6 +270,7 @@ def serve(
             stream_capacity=_size(stream_capacity, "--stream-capacity"),
             term_length=_size(term_length, "--term-length"),
             group_commit_interval_ms=group_commit_ms,
+            group_commit_mode=group_commit_mode,
             metrics=None
             if metrics is None
             else parse_address(metrics, what="--metrics", default_port=DEFAULT_METRICS_PORT),

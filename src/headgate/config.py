@@ -14,6 +14,7 @@ Example ``headgate.toml``::
     stream_capacity = "64MiB"
     term_length = "16MiB"
     group_commit_interval_ms = 2
+    group_commit_mode = "interval"  # or "eager": lower ack latency, more fsyncs
     max_message_size = "1MiB"
     max_connection_debt = 4096
     metrics = "127.0.0.1:9108"
@@ -102,6 +103,8 @@ _UNITS = {
 
 DEFAULT_PORT = 7878
 DEFAULT_METRICS_PORT = 9108
+#: When a group commit starts (``GatewayConfig.group_commit_mode``).
+GROUP_COMMIT_MODES = ("interval", "eager")
 
 #: The flow-control policies a stream can use (see PROTOCOL.md, "Flow-control policies").
 POLICIES = ("credit", "window", "xonxoff")
@@ -268,6 +271,14 @@ class GatewayConfig:
     term_length: int = 16 * 1024**2
     #: How often dirty logs are flushed and fsynced (group commit).
     group_commit_interval_ms: float = 2.0
+    #: When a group commit starts: ``"interval"`` (the default), every
+    #: ``group_commit_interval_ms``; ``"eager"``, as soon as the commit
+    #: before it is done and something waits to be committed, so a batch
+    #: waits for at most the rest of the commit under way and its own, and
+    #: never for an interval, at the price of more fsyncs per second (see
+    #: README, "Latency mode"; the interval then only paces retries of a
+    #: failing disk).
+    group_commit_mode: str = "interval"
     #: Largest channel message (one batch) the gateway accepts.
     max_message_size: int = 1024**2
     #: Largest number of concurrent connections.
@@ -462,6 +473,11 @@ class GatewayConfig:
             raise _two_terms("stream_capacity", self.stream_capacity, tl)
         if self.group_commit_interval_ms <= 0:
             raise ConfigError("group_commit_interval_ms must be positive")
+        if self.group_commit_mode not in GROUP_COMMIT_MODES:
+            raise ConfigError(
+                f"group_commit_mode must be one of {', '.join(GROUP_COMMIT_MODES)}, "
+                f"got {self.group_commit_mode!r}"
+            )
         if self.max_connections < 1:
             raise ConfigError("max_connections must be at least 1")
         if self.max_connection_debt < 1:
@@ -518,6 +534,7 @@ _GATEWAY_KEYS = {
     "stream_capacity",
     "term_length",
     "group_commit_interval_ms",
+    "group_commit_mode",
     "max_message_size",
     "max_connections",
     "max_connection_debt",
@@ -645,6 +662,12 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
         ):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{what}: expected a whole number, got {value!r}")
+            out[key] = value
+        elif key == "group_commit_mode":
+            if value not in GROUP_COMMIT_MODES:
+                raise ConfigError(
+                    f"{what}: expected one of {', '.join(GROUP_COMMIT_MODES)}, got {value!r}"
+                )
             out[key] = value
         elif key == "policy":
             out[key] = _policy(value, what)

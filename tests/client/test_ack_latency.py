@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 
-from headgate.client import Producer
-from tests.client.test_producer import gateway, run
+from headgate.client import Producer, SyncProducer
+from tests.client.test_producer import GatewayProcess, gateway, run
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -71,3 +72,24 @@ def test_send_many_batches_are_timed_and_nothing_before_an_ack(tmp_path: Path) -
             assert 0 < stats.ack_latency_p50 <= stats.ack_latency_p99 <= 5.0
 
     run(scenario())
+
+
+def test_the_sync_producer_reports_the_same_percentiles(tmp_path: Path) -> None:
+    served = GatewayProcess(tmp_path)
+    address = served.start()
+    try:
+        with SyncProducer(address, linger_ms=1) as p:
+            started = time.monotonic()
+            for i in range(4):  # four batches, each flushed on its own
+                p.send("sync", b"record-%d" % i)
+                p.flush(timeout=8)
+            elapsed = time.monotonic() - started
+            stats = p.statistics().streams["sync"]
+            assert stats.records_acked == 4
+            assert stats.ack_latency_batches == 4
+            p50, p99, worst = stats.ack_latency_p50, stats.ack_latency_p99, stats.ack_latency_max
+            assert p50 is not None and p99 is not None and worst is not None
+            # Ordered, each a real wait, none longer than the four round trips together.
+            assert 0 < p50 <= p99 <= worst <= elapsed
+    finally:
+        served.stop()

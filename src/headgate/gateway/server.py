@@ -70,6 +70,7 @@ from headgate.config import (
     format_address,
 )
 from headgate.costs import batch_cost
+from headgate.gateway import commit_trace
 from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import (
@@ -1122,6 +1123,15 @@ class Gateway:
         self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
+        # Set while an eager group commit waits for something to commit.
+        self._commit_wanted: asyncio.Future[float] | None = None
+        #: Per group commit, where its time went (off unless HEADGATE_COMMIT_TRACE is set).
+        self._trace = commit_trace.from_environment(
+            0.0
+            if self.config.group_commit_mode == "eager"
+            else self.config.group_commit_interval_ms / 1000,
+            self.config.term_length,
+        )
         #: The streams found on disk at start that are not recovered yet.
         self.recovery = StreamRecovery()
         # Recovery runs in threads of its own: a group commit of the streams
@@ -1291,6 +1301,8 @@ class Gateway:
             )
         self._tasks.append(asyncio.create_task(self._group_commit()))
         self._tasks.append(asyncio.create_task(self._rebalance_loop()))
+        if self._trace is not None:
+            self._tasks.append(asyncio.create_task(self._trace.watch_loop()))
         log.info("listening on %s:%d, data in %s", self.address[0], self.address[1], data)
 
     def attach(self, conn: GatewayConnection) -> str | None:
@@ -1369,6 +1381,8 @@ class Gateway:
         for stream in self.streams.values():
             stream.close()
         self._executor.shutdown(wait=True)
+        if self._trace is not None:
+            self._trace.close()
         if self.config.unix_socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.unix_socket)
@@ -1479,7 +1493,10 @@ class Gateway:
         """Acks for batches that arrived at ``arrivals`` were just written out."""
         histogram = self.counters(stream.name).ack_latency
         assert histogram is not None
-        histogram.observe_since(arrivals, time.monotonic())
+        now = time.monotonic()
+        histogram.observe_since(arrivals, now)
+        if self._trace is not None:
+            self._trace.acks(stream.name, now, arrivals)
 
     def _offer_to_tails(
         self,
@@ -1625,6 +1642,12 @@ class Gateway:
 
     def mark_dirty(self, stream: Stream) -> None:
         self._dirty.add(stream)
+        wanted = self._commit_wanted
+        if wanted is not None:
+            # An eager group commit waits for this (group_commit_mode).
+            self._commit_wanted = None
+            if not wanted.done():  # (cancelled at stop)
+                wanted.set_result(time.monotonic())
 
     # -- the log writer ----------------------------------------------------------------
 
@@ -1675,7 +1698,9 @@ class Gateway:
                 message.event = None
                 message.loan.repay()
                 origins[conn.conn_id] = conn
-        self._charge_appends(run_origin, run_started)
+        ended = self._charge_appends(run_origin, run_started)
+        if self._trace is not None:
+            self._trace.appends(now, ended, len(origins))
         for conn in origins.values():
             conn.after_write()
 
@@ -1877,14 +1902,20 @@ class Gateway:
 
     # -- background work -------------------------------------------------------------
 
-    async def _commit(self, streams: list[Stream]) -> None:
+    async def _commit(self, streams: list[Stream], due: float | None = None) -> bool:
+        """Sync ``streams``, then send the acks it allows; False if a stream's sync failed."""
         if not streams:
-            return
+            return True
         loop = asyncio.get_running_loop()
+        trace = self._trace
+        woke = time.monotonic()
+        # When the fsync thread began and ended (for the trace).
+        thread_times = [0.0, 0.0]
 
         def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
             took: list[float | None] = []
             failed: dict[Stream, LogError] = {}
+            thread_times[0] = time.monotonic()
             for stream in streams:
                 start = time.perf_counter()
                 try:
@@ -1894,9 +1925,11 @@ class Gateway:
                     took.append(None)
                     continue
                 took.append(time.perf_counter() - start)
+            thread_times[1] = time.monotonic()
             return took, failed
 
         took, failed = await loop.run_in_executor(self._executor, sync_all)
+        resumed = time.monotonic()
         for stream, seconds in zip(streams, took, strict=True):
             if seconds is not None:
                 fsync = self.counters(stream.name).fsync
@@ -1923,23 +1956,51 @@ class Gateway:
             ):
                 self.rebalance(stream, now)
             stream.flush_writers()
+        if trace is not None:
+            trace.commit(
+                due,
+                woke,
+                thread_times[0],
+                thread_times[1],
+                resumed,
+                time.monotonic(),
+                [(s.name, s.log.tail_position, t) for s, t in zip(streams, took, strict=True)],
+            )
+        return not failed
 
     async def _group_commit(self) -> None:
         interval = self.config.group_commit_interval_ms / 1000
+        eager = self.config.group_commit_mode == "eager"
+        loop = asyncio.get_running_loop()
+        ok = True
         while True:
-            await asyncio.sleep(interval)
+            if eager and ok:
+                # The next commit starts once the last one is done and
+                # something waits: a batch waits for at most the rest of the
+                # commit under way and its own, never for an interval.
+                due = time.monotonic()
+                if not self._dirty:
+                    self._commit_wanted = loop.create_future()
+                    due = await self._commit_wanted
+            else:
+                # (Eager too, after a failed sync: a failing disk is retried
+                # once per interval, not in a loop.)
+                due = time.monotonic() + interval
+                await asyncio.sleep(interval)
             dirty, self._dirty = list(self._dirty), set()
             try:
-                await self._commit(dirty)
+                ok = await self._commit(dirty, due)
             except LogError as exc:
                 # Nothing is acknowledged that is not durable; producers keep
                 # their batches and the next commit tries again.
                 log.error("group commit failed: %s", exc)
                 self._dirty.update(dirty)
+                ok = False
             except Exception:
                 # A bug: without this task nothing would ever be acknowledged
                 # again, so it is logged and the next interval goes on.
                 log.exception("group commit failed")
+                ok = False
 
     async def _rebalance_loop(self) -> None:
         while True:
@@ -1962,6 +2023,8 @@ class Gateway:
             except Exception:
                 # A bug, not a peer's doing: this loop also moves all credit.
                 log.exception("checking deadlines failed")
+            if self._trace is not None:
+                self._trace.flush()
 
     def check_deadlines(self, now: float) -> None:
         """Close the connections past a deadline: idle, a frame, or a Plead.

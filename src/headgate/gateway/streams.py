@@ -628,6 +628,8 @@ class Stream:
         stream_log = StreamLog.open(
             directory, term_length=term_length, capacity=capacity + retention.bytes
         )
+        # A release's freed terms are not the acks' business (headgate.log.deleter).
+        stream_log.delete_in_background()
         stream = cls(name, stream_log, state_file, max_frame=frame_cost(max_message_size))
         stream.retention = retention
         stream.reserve = stream._reserve_for(stream.capacity)
