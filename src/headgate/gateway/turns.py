@@ -175,6 +175,7 @@ class TurnTaker:
         "_done",
         "_handle",
         "_held_until",
+        "_parked",
         "_passes",
         "_queued_in",
         "_set_backlogged",
@@ -182,6 +183,7 @@ class TurnTaker:
         "_slice",
         "_step",
         "_turn_cost",
+        "busy",
         "last_hold",
     )
 
@@ -203,16 +205,22 @@ class TurnTaker:
         self._set_backlogged = set_backlogged
         self._closing = closing
         self._handle: asyncio.Handle | None = None
+        #: Put off behind another connection of its cause: no turn is
+        #: scheduled; the cause's queue wakes it when it is next (``_wake``).
+        self._parked = False
         self._slice = FIRST_SLICE
         self._held_until = 0.0
         #: When the budget last held this connection (monotonic seconds; 0: never).
         self.last_hold = 0.0
         self._turn_cost = 0.0
+        #: Whether a turn is being taken now: its time is charged to the
+        #: cause when it ends, output flushed in it included.
+        self.busy = False
 
     @property
     def waiting(self) -> bool:
-        """Whether a later turn is scheduled."""
-        return self._handle is not None
+        """Whether a later turn is scheduled, or the connection waits for its cause's."""
+        return self._handle is not None or self._parked
 
     def hold(self, seconds: float) -> None:
         """Decode nothing more for ``seconds`` (the connection's budget is spent)."""
@@ -226,7 +234,7 @@ class TurnTaker:
 
     def received(self) -> None:
         """New bytes wait: decode a turn's worth now, the rest later."""
-        if self._handle is not None:
+        if self._handle is not None or self._parked:
             return  # a turn is already due; it takes these too, in order
         if self._held_until > time.monotonic():
             self._schedule()
@@ -249,11 +257,39 @@ class TurnTaker:
         if share is not None:
             assert passes is not None
             if not self._may_turn(passes, share):
-                self._schedule()
+                if share.waiting[0] is self:
+                    self._schedule()  # next: it asks again in the next pass
+                else:
+                    # Behind another of its cause's connections: it waits
+                    # unscheduled (a pass's callbacks do not grow with the
+                    # connections of a cause that is over its share).
+                    self._parked = True
+                    self._set_backlogged(True)
                 return
-        started = now = time.monotonic()
-        fed = 0
+        started = time.monotonic()
         self._turn_cost = 0.0
+        self.busy = True
+        try:
+            more, fed = self._decode_turn(passes, share, started)
+            # The turn's output is written now: its cause pays for that too.
+            self._done()
+        finally:
+            self.busy = False
+        if share is not None:
+            share.bytes += fed
+            share.credit -= time.monotonic() - started
+            share.cost += self._turn_cost
+        if more and not self._closing():
+            self._schedule()
+        else:
+            self._set_backlogged(False)
+
+    def _decode_turn(
+        self, passes: Passes | None, share: TurnShare | None, started: float
+    ) -> tuple[bool, int]:
+        """Decode slices until the turn is used up; (whether bytes wait for later, bytes fed)."""
+        now = started
+        fed = 0
         more = False
         while not self._closing():
             before = now
@@ -289,15 +325,7 @@ class TurnTaker:
             ):
                 more = True
                 break
-        if share is not None:
-            share.bytes += fed
-            share.credit -= now - started
-            share.cost += self._turn_cost
-        self._done()
-        if more and not self._closing():
-            self._schedule()
-        else:
-            self._set_backlogged(False)
+        return more, fed
 
     def _may_turn(self, passes: Passes, share: TurnShare) -> bool:
         """Whether this connection may take its cause's turn now; if not, it queues for it.
@@ -309,9 +337,11 @@ class TurnTaker:
         passes.visit(share)
         if passes.contended():
             waiting = share.waiting
-            while waiting and waiting[0] is not self and waiting[0]._handle is None:
+            while waiting and waiting[0] is not self and not waiting[0].waiting:
                 # Gone, or it had its bytes decoded meanwhile: not waiting.
                 waiting.popleft()._queued_in = None
+            if waiting and waiting[0] is not self:
+                waiting[0]._wake()
             if share.used_up() or (waiting and waiting[0] is not self):
                 if self._queued_in is not share:
                     self._dequeue()
@@ -327,11 +357,20 @@ class TurnTaker:
             self._queued_in = None
             if queue.waiting and queue.waiting[0] is self:
                 queue.waiting.popleft()
+                if queue.waiting:
+                    queue.waiting[0]._wake()  # the next of its cause
             else:
                 queue.waiting.remove(self)
 
+    def _wake(self) -> None:
+        """It is next of its cause's connections: it asks for its turn in the next pass."""
+        if self._parked:
+            self._parked = False
+            self._schedule()
+
     def cancel(self) -> None:
         """The connection is gone: no more turns."""
+        self._parked = False
         self._dequeue()
         if self._handle is not None:
             self._handle.cancel()
