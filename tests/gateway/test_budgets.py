@@ -24,7 +24,7 @@ from headgate.client import Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
-from headgate.gateway.server import READ_SECONDS
+from headgate.gateway.server import READ_SECONDS, RING_INITIAL
 from headgate.gateway.turns import Passes, TurnShare
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
@@ -272,6 +272,9 @@ async def test_a_peer_gone_behind_its_backlog_is_not_decoded_on(
     await peer.read_for(0.3)
     (conn,) = gateway.connections.values()
     assert conn.ring.undecoded > 0, "a backlog waits"
+    # Its reads filled the ring, but were not handled at once (its budget
+    # held them): a flood is not served larger reads, only data is.
+    assert conn.ring.current.size == RING_INITIAL
     if ending == "fin":
         peer.writer.write_eof()
     else:

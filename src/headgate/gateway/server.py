@@ -149,6 +149,10 @@ READ_SECONDS = 5e-6
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
 RING_MIN_READ = 16 * 1024
+#: The largest ring a connection's reads alone may grow it to: while each read
+#: fills the room it is offered and is handled in the turn that follows (data,
+#: not a backlog), room for two turns' worth of bytes (``turns.TURN_BYTES``).
+RING_READ_LIMIT = 4 * RING_INITIAL
 
 
 #: TCP states (``tcpi_state`` of Linux's TCP_INFO) in which the peer has
@@ -234,7 +238,12 @@ class GatewayConnection(asyncio.BufferedProtocol):
             initial=RING_INITIAL,
             limit=ring_limit(gateway.config.max_message_size),
             min_read=RING_MIN_READ,
+            read_limit=RING_READ_LIMIT,
         )
+        #: Whether the last read filled the room it was offered and was all
+        #: handled in the turn that followed: the next read is offered more.
+        self._read_more = False
+        self._offered = 0
         self.account = Account(
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
@@ -359,7 +368,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if self._closing:
             return _DISCARD  # lingering (close_with): what comes now is dropped
         self._read_started = time.monotonic()
-        return self.ring.writable()
+        room = self.ring.writable(grow=self._read_more)
+        self._offered = len(room)
+        return room
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
@@ -377,6 +388,15 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.last_received = time.monotonic()
         if not self._closing:
             self._turns.received()
+            # A read that filled its room and was handled at once (no backlog,
+            # no turn put off, nothing charged to the budget): the peer sends
+            # faster than one read a pass carries, and is served as fast.
+            self._read_more = (
+                nbytes == self._offered
+                and not self._spending
+                and not self._turns.waiting
+                and not self.ring.undecoded
+            )
         if not self._closing and not self.ring.can_read():
             # Full at its limit: read again once the writer has handled some.
             self.reads.set("ring", True)
