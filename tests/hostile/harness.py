@@ -121,11 +121,14 @@ TLS_ATTACKS = {"tls_handshake_flood"}
 #: throughput alone) does not hold for it in every run yet.
 BENCH_ONLY = {
     # Sixteen connections of one token writing one-record batches within
-    # their guarantees: the good producer kept 0.21-0.53 of its rate in the
-    # runs of 2026-11-25 (the gateway shares its time per token, but each
-    # tiny batch also costs work that is charged to nobody: reads, group
-    # commits, acks). Memory stays bounded (tests/gateway/test_unreleased_memory.py).
-    "noisy_writers_16": "valid one-record batches from 16 connections: 0.21-0.53 of the rate",
+    # their guarantees. In 1-s runs the good producer now keeps 0.6-0.8 of its
+    # rate on a busy machine (bench/hostile.py; 0.3-0.5 before the larger
+    # reads and the charged reads and writes), but the suite's 0.5-s runs
+    # start while the attack is opening, binding and claiming its sixteen
+    # producer ids, when the good producer's first send took 0.3-0.5 s
+    # (runs of 2026-11-25 06:25 UTC, load 5-7): 0.0-0.2 in the suite.
+    "noisy_writers_16": "valid one-record batches from 16 connections: the good producer's "
+    "first send waits 0.3-0.5 s while the attack starts",
 }
 #: Attacks that read the stream of tiny frames (written once per gateway).
 TINY_ATTACKS = {"fetch_tiny_frames", "u64_fields", "free_gateway_handle"}
