@@ -287,6 +287,32 @@ async def test_the_put_off_connections_of_a_cause_wait_unscheduled() -> None:
     assert all(b.taken > t for b, t in zip(many[14:], before, strict=True))
 
 
+async def test_a_cause_that_wants_little_makes_nobody_wait() -> None:
+    """A Ping every pass from another cause is no reason to hold a busy cause back:
+    only causes that both use a fair part of the passes share them."""
+
+    async def busy_pair(with_pinger: bool) -> tuple[int, int]:
+        passes = Passes()
+        busy, light = TurnShare(), TurnShare()
+        heavy = [_Backlog(passes, busy, 64 << 20) for _ in range(2)]
+        pinger = _Backlog(passes, light, 0)
+        for backlog in heavy:
+            backlog.taker.received()
+        for _ in range(50):
+            if with_pinger:
+                pinger.pending += 12
+                pinger.taker.received()
+            await asyncio.sleep(0)
+        for backlog in heavy:
+            backlog.taker.cancel()
+        return sum(b.taken for b in heavy), pinger.taken
+
+    pinged, pings = await busy_pair(with_pinger=True)
+    unpinged, _ = await busy_pair(with_pinger=False)
+    assert pinged >= 0.9 * unpinged, (pinged, unpinged)
+    assert pings == 50 * 12, "and the light one has every turn it wants"
+
+
 async def test_a_cause_alone_takes_every_turn_its_connections_want() -> None:
     """Nobody else wants a turn: the four connections of one cause are not held back."""
     passes = Passes()

@@ -32,8 +32,11 @@ log writer's appends of a cause's batches are taken from it too, so sixty
 connections writing tiny batches at full speed get what one gets, data
 within guarantees included. Once a cause has used its time, its
 connections wait for later passes. This holds only while more than one
-cause wants turns (:class:`Passes`): a gateway that serves one cause alone
-gives it every pass, as before.
+cause uses a fair part of the passes (:class:`Passes`): a gateway that
+serves one cause alone gives it every pass, as before, and a cause that
+wants little (a Ping, a keep-alive, a flood its budget holds) makes nobody
+wait. The loop's time reading a cause's connections and writing their
+answers is the cause's too (``GatewayConnection.charge_time``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ TURN_COST = 2000.0
 #: uses less than this per pass (a producer of large batches, whose bytes per
 #: pass are bounded by one read) comes round again soon.
 QUANTUM_SECONDS = 0.0005
+#: The loop's time in a pass that makes a cause one of those that share it
+#: (:meth:`Passes.contended`): a quarter of its quantum.
+HEAVY_SECONDS = QUANTUM_SECONDS / 4
 #: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
 MAX_DEBT_PASSES = 32
 
@@ -79,7 +85,7 @@ class TurnShare:
     what the causes share.
     """
 
-    __slots__ = ("bytes", "cost", "credit", "pass_number", "waiting")
+    __slots__ = ("bytes", "cost", "credit", "heavy", "pass_number", "used", "used_pass", "waiting")
 
     def __init__(self) -> None:
         #: Seconds of the loop the cause may still use (negative: its debt).
@@ -89,6 +95,11 @@ class TurnShare:
         self.cost = 0.0
         #: The pass these figures are of (:attr:`Passes.number`).
         self.pass_number = -1
+        #: Seconds of the loop charged to the cause in pass ``used_pass``,
+        #: and whether that made it one of the pass's heavy causes.
+        self.used = 0.0
+        self.used_pass = -1
+        self.heavy = False
         #: The cause's connections that were put off, in order: the first
         #: has the cause's next turn, so every connection of it has turns.
         self.waiting: deque[TurnTaker] = deque()
@@ -105,13 +116,14 @@ class Passes:
     loop runs callbacks scheduled in one pass in the next one).
     """
 
-    __slots__ = ("_scheduled", "causes", "causes_before", "number")
+    __slots__ = ("_scheduled", "heavy", "heavy_before", "number")
 
     def __init__(self) -> None:
         self.number = 0
-        #: Causes that wanted a turn in this pass, and in the one before.
-        self.causes = 0
-        self.causes_before = 0
+        #: Causes that used a fair part of this pass (:data:`HEAVY_SECONDS`,
+        #: or a quarter of a turn's bytes or cost), and of the one before.
+        self.heavy = 0
+        self.heavy_before = 0
         self._scheduled = False
 
     def visit(self, share: TurnShare) -> None:
@@ -120,7 +132,6 @@ class Passes:
             share.pass_number = self.number
             share.bytes = 0
             share.cost = 0.0
-            self.causes += 1
             if self.contended():
                 share.credit = min(QUANTUM_SECONDS, share.credit + QUANTUM_SECONDS)
             else:
@@ -133,6 +144,29 @@ class Passes:
         # Bounded, so that a cause that was alone a moment ago and used the
         # whole loop does not wait for many passes once others come.
         share.credit = max(-MAX_DEBT_PASSES * QUANTUM_SECONDS, share.credit - seconds)
+        self.used(share, seconds)
+
+    def used(self, share: TurnShare, seconds: float, *, put_off: bool = False) -> None:
+        """The cause used ``seconds`` of this pass (a turn, appends, reads, writes).
+
+        ``put_off``: it was refused a turn (over its share, or in debt): it
+        wants the loop as much as one that used it.
+        """
+        if share.used_pass != self.number:
+            share.used_pass = self.number
+            share.used = 0.0
+            share.heavy = False
+        share.used += seconds
+        if not share.heavy and (
+            put_off
+            or share.used >= HEAVY_SECONDS
+            or (
+                share.pass_number == self.number
+                and (share.bytes >= TURN_BYTES // 4 or share.cost >= TURN_COST / 4)
+            )
+        ):
+            share.heavy = True
+            self.heavy += 1
 
     def _end_later(self) -> None:
         # Scheduled by every pass in which a turn is taken or put off, so a
@@ -143,12 +177,18 @@ class Passes:
 
     def _next(self) -> None:
         self.number += 1
-        self.causes_before, self.causes = self.causes, 0
+        self.heavy_before, self.heavy = self.heavy, 0
         self._scheduled = False
 
     def contended(self) -> bool:
-        """Whether other causes want turns too (now, or in the pass before)."""
-        return max(self.causes, self.causes_before) > 1
+        """Whether the loop is shared: more than one cause used a fair part of
+        this pass, or of the one before.
+
+        A cause that only wants a little (a Ping, a reader's keep-alive, a
+        flood its budget holds) takes its turns as they come and makes nobody
+        wait: only causes that both want the loop share it.
+        """
+        return max(self.heavy, self.heavy_before) > 1
 
 
 class TurnTaker:
@@ -276,9 +316,12 @@ class TurnTaker:
         finally:
             self.busy = False
         if share is not None:
+            assert passes is not None
             share.bytes += fed
-            share.credit -= time.monotonic() - started
             share.cost += self._turn_cost
+            elapsed = time.monotonic() - started
+            share.credit -= elapsed
+            passes.used(share, elapsed)
         if more and not self._closing():
             self._schedule()
         else:
@@ -343,6 +386,7 @@ class TurnTaker:
             if waiting and waiting[0] is not self:
                 waiting[0]._wake()
             if share.used_up() or (waiting and waiting[0] is not self):
+                passes.used(share, 0.0, put_off=True)
                 if self._queued_in is not share:
                     self._dequeue()
                     self._queued_in = share
