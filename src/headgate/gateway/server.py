@@ -531,7 +531,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
 
         While the gateway does not read a connection (its turns wait, its
         budget is spent), the end of the peer's bytes waits unread in the
-        socket behind what it sent before; this asks the kernel instead.
+        socket behind what it sent before; this asks the kernel instead. (A
+        FIN itself arrives only once what precedes it fits the socket's
+        window; a reset overtakes everything.)
         """
         transport = self.transport
         info = getattr(socket, "TCP_INFO", None)
