@@ -250,6 +250,69 @@ async def test_the_connections_of_one_cause_share_one_turn_a_pass() -> None:
     assert min(b.taken for b in many) > crowd_took / 8
 
 
+class _CountingPasses(Passes):
+    """Passes that count how often each cause asked for a turn."""
+
+    __slots__ = ("visits",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.visits: dict[int, int] = {}
+
+    def visit(self, share: TurnShare) -> None:
+        self.visits[id(share)] = self.visits.get(id(share), 0) + 1
+        super().visit(share)
+
+
+async def test_the_put_off_connections_of_a_cause_wait_unscheduled() -> None:
+    """Sixteen busy connections of one cause cost a pass about one callback, not sixteen.
+
+    Only the first of a cause's put-off connections asks for a turn in each
+    pass; the others wait unscheduled until they are next, and every one of
+    them still has its turns, also when the first one goes away.
+    """
+    passes = _CountingPasses()
+    crowd, alone = TurnShare(), TurnShare()
+    many = [_Backlog(passes, crowd, 64 << 20) for _ in range(16)]
+    one = _Backlog(passes, alone, 64 << 20)
+    await _run_passes([*many, one], 100)
+    assert passes.visits[id(crowd)] < 3 * 100, passes.visits[id(crowd)]
+    assert min(b.taken for b in many) > 0, "every connection of the cause has turns"
+    # The ones that go away (the first in the queue among them) hand on the turn.
+    for backlog in many[:14]:
+        backlog.taker.cancel()
+    before = [b.taken for b in many[14:]]
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert all(b.taken > t for b, t in zip(many[14:], before, strict=True))
+
+
+async def test_a_cause_that_wants_little_makes_nobody_wait() -> None:
+    """A Ping every pass from another cause is no reason to hold a busy cause back:
+    only causes that both use a fair part of the passes share them."""
+
+    async def busy_pair(with_pinger: bool) -> tuple[int, int]:
+        passes = Passes()
+        busy, light = TurnShare(), TurnShare()
+        heavy = [_Backlog(passes, busy, 64 << 20) for _ in range(2)]
+        pinger = _Backlog(passes, light, 0)
+        for backlog in heavy:
+            backlog.taker.received()
+        for _ in range(50):
+            if with_pinger:
+                pinger.pending += 12
+                pinger.taker.received()
+            await asyncio.sleep(0)
+        for backlog in heavy:
+            backlog.taker.cancel()
+        return sum(b.taken for b in heavy), pinger.taken
+
+    pinged, pings = await busy_pair(with_pinger=True)
+    unpinged, _ = await busy_pair(with_pinger=False)
+    assert pinged >= 0.9 * unpinged, (pinged, unpinged)
+    assert pings == 50 * 12, "and the light one has every turn it wants"
+
+
 async def test_a_cause_alone_takes_every_turn_its_connections_want() -> None:
     """Nobody else wants a turn: the four connections of one cause are not held back."""
     passes = Passes()

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import ssl
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -23,6 +25,8 @@ from headgate.client import Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
+from headgate.gateway.server import GIL_SWITCH_INTERVAL_S, READ_SECONDS, RING_INITIAL
+from headgate.gateway.turns import Passes, TurnShare
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
@@ -221,6 +225,70 @@ async def test_an_empty_frame_flood_by_a_read_only_token_is_charged(gateway: Gat
     decoded = conn.session.frames_received
     assert decoded < 5000, "the 200,000 frames wait in the socket, undecoded"
     assert share.charged >= (decoded - 1) * Cost.FRAME
+    peer.close()
+
+
+async def test_the_loops_time_reading_and_answering_a_peer_is_charged_to_its_cause(
+    gateway: Gateway,
+) -> None:
+    """Not only decoding and appends: the reads of a peer's bytes and the writes of
+    its answers take the loop's time too, and its cause pays (``turns``)."""
+    charged: dict[int, float] = {}
+
+    class Spy(Passes):
+        def spent(self, share: TurnShare, seconds: float) -> None:
+            charged[id(share)] = charged.get(id(share), 0.0) + seconds
+            super().spent(share, seconds)
+
+    gateway.passes = Spy()  # before the connection, which takes its turns in them
+    peer = await Raw().open(gateway.address, FLOOD, producer_id=5)
+    await peer.until(lambda: peer.count(m.Welcome) > 0)
+    for i in range(10):
+        peer.send(PING)  # one read each: the next goes once this one is answered
+        await peer.until(functools.partial(lambda n: peer.count(m.Pong) > n, i))
+    (conn,) = gateway.connections.values()
+    assert conn.share is not None
+    # Pings only: no batch was appended, so every second charged is a
+    # read's or a write's (at least the loop's own share of each read).
+    assert charged.get(id(conn.share.turn), 0.0) >= 10 * READ_SECONDS
+    peer.close()
+
+
+@pytest.mark.parametrize(("ending", "pings"), [("fin", 12_000), ("close", 20_000)])
+async def test_a_peer_gone_behind_its_backlog_is_not_decoded_on(
+    gateway: Gateway, ending: str, pings: int
+) -> None:
+    """A peer floods Pings beyond its budget, then ends its side (FIN, or a close
+    with answers unread: a reset). Its backlog waits unread in the ring and the
+    socket; the gateway ends the connection, not decoding on for minutes.
+
+    (A FIN comes only after the bytes before it: behind more than the
+    socket's window it cannot arrive until they are read. So the FIN case
+    sends what fits the ring and the socket; a reset overtakes everything.)
+    """
+    peer = await Raw().open(gateway.address, FLOOD, producer_id=4)
+    await peer.until(lambda: peer.count(m.Welcome) > 0)
+    peer.send(PING * pings)  # over 100 s of the token's budget
+    await peer.writer.drain()
+    await peer.read_for(0.3)
+    (conn,) = gateway.connections.values()
+    assert conn.ring.undecoded > 0, "a backlog waits"
+    # Its reads filled the ring, but were not handled at once (its budget
+    # held them): a flood is not served larger reads, only data is.
+    assert conn.ring.current.size == RING_INITIAL
+    if ending == "fin":
+        peer.writer.write_eof()
+    else:
+        peer.close()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 3.0
+    while gateway.connections and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    assert not gateway.connections, "the connection of the gone peer ended"
+    decoded = conn.session.frames_received
+    assert decoded < 2000, "most of the backlog was never decoded"
+    await asyncio.sleep(0.3)
+    assert conn.session.frames_received == decoded, "nothing decoded after the end"
     peer.close()
 
 
@@ -536,3 +604,11 @@ async def test_a_fetch_of_tiny_frames_is_served_at_the_readers_budget(tmp_path: 
         peer.close()
     finally:
         await gw.stop()
+
+
+async def test_the_gateway_hands_the_interpreter_lock_over_soon(gateway: Gateway) -> None:
+    """The group commit's thread waits for the interpreter lock between fsyncs: a
+    busy event loop must hand it over within half a millisecond, not Python's
+    default 5 ms (with 5 ms, a commit under a flood of tiny batches took up to
+    180 ms, and every producer's acks with it)."""
+    assert sys.getswitchinterval() == GIL_SWITCH_INTERVAL_S <= 0.0005

@@ -339,3 +339,23 @@ def test_a_discarded_ring_lets_its_memory_go() -> None:
     peer.handle_all()
     ring.discard()
     assert ring.current.size == 16 * 1024 and not ring.retired
+
+
+def test_reads_that_fill_the_room_grow_the_ring_to_its_read_limit_and_no_further() -> None:
+    """A connection gets one read per pass: when each read fills the room and is
+    handled at once, the peer sends faster than the ring carries it, and the
+    reader asks for more (``grow``); the ring doubles up to ``read_limit``,
+    then shrinks back once reads no longer need the room."""
+    ring = ReceiveRing(initial=128 * 1024, limit=4 << 20, min_read=16 * 1024, read_limit=512 * 1024)
+    assert len(ring.writable()) == 128 * 1024
+    assert len(ring.writable()) == 128 * 1024, "not asked: it stays"
+    sizes = [len(ring.writable(grow=True)) for _ in range(4)]
+    assert sizes == [256 * 1024, 512 * 1024, 512 * 1024, 512 * 1024]
+    peer = Peer(ring)
+    for n in range(140):  # small reads: the room is not needed any more (halves per 64)
+        peer.receive(frame(n, 100))
+        peer.handle_all()
+    assert ring.current.size == 128 * 1024
+    assert ReceiveRing(initial=128 * 1024, limit=256 * 1024, read_limit=1 << 30).read_limit == (
+        256 * 1024
+    )

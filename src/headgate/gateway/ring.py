@@ -203,14 +203,24 @@ class ReceiveRing:
         limit: the largest ring; at least ``initial``. It must hold the
             largest frame plus ``min_read``, or such a frame can never arrive.
         min_read: the least room offered to a read.
+        read_limit: the largest ring that reads alone may grow it to
+            (:meth:`writable`'s ``grow``); at most ``limit``.
     """
 
-    def __init__(self, *, initial: int = 128 * 1024, limit: int = 8 << 20, min_read: int = 4096):
+    def __init__(
+        self,
+        *,
+        initial: int = 128 * 1024,
+        limit: int = 8 << 20,
+        min_read: int = 4096,
+        read_limit: int = 0,
+    ):
         if not 0 < min_read <= initial <= limit:
             raise ValueError("need 0 < min_read <= initial <= limit")
         self.initial = initial
         self.limit = limit
         self.min_read = min_read
+        self.read_limit = min(max(read_limit, initial), limit)
         self.current = Ring(initial)
         self.retired: list[Ring] = []
         self.slab = HeaderSlab()
@@ -274,8 +284,15 @@ class ReceiveRing:
         fallback, _ = self._wanted(at_least=True)
         return self._place(fallback, None, move=False) is not None
 
-    def writable(self) -> memoryview:
+    def writable(self, *, grow: bool = False) -> memoryview:
         """Room to read into, right after the bytes received so far.
+
+        ``grow``: the reader asks for more room than the ring has (its last
+        read filled the room it had, and all of it was handled at once): the
+        ring doubles, up to ``read_limit``. A read is a connection's only one
+        in a pass of the event loop, so on a gateway whose passes are long
+        (other causes' turns) the room is what bounds a fast producer's rate.
+        It shrinks back when reads no longer need it.
 
         Raises:
             BufferError: no room and the ring is at its limit: some messages
@@ -284,6 +301,10 @@ class ReceiveRing:
         self.reclaim()
         self._maybe_shrink()
         r = self.current
+        if grow and r.size < self.read_limit:
+            self._replace(min(r.size * 2, self.read_limit))
+            self.grows += 1
+            r = self.current
         if 2 * max(self.expect, self.need) > r.size < self.limit:
             # Hold two of the largest frames, so that one can arrive while
             # the other waits for the writer, and few have to move.

@@ -54,7 +54,9 @@ import errno
 import itertools
 import logging
 import os
+import socket
 import ssl
+import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -147,11 +149,27 @@ EVENT_COSTS: dict[type, float] = {
 #: the event loop (with 4, a loop round trip took up to 100 ms; with 1 or 2,
 #: about 30 ms).
 RECOVERY_THREADS = 2
+#: The event loop's work for one read that the gateway cannot time (the
+#: selector's report, the transport's call into the connection): charged to
+#: the peer beside the read's own time (``GatewayConnection.charge_time``).
+READ_SECONDS = 5e-6
+#: How soon a thread waiting for the interpreter lock (the group commit's
+#: fsyncs, the term preparer) gets it from a busy event loop (Python's
+#: default: 5 ms). Set for the process when the gateway starts listening.
+GIL_SWITCH_INTERVAL_S = 0.0005
 #: Bytes of a connection's first receive ring.
 RING_INITIAL = 128 * 1024
 #: The least room a read is offered.
 RING_MIN_READ = 16 * 1024
+#: The largest ring a connection's reads alone may grow it to: while each read
+#: fills the room it is offered and is handled in the turn that follows (data,
+#: not a backlog), room for two turns' worth of bytes (``turns.TURN_BYTES``).
+RING_READ_LIMIT = 4 * RING_INITIAL
 
+
+#: TCP states (``tcpi_state`` of Linux's TCP_INFO) in which the peer has
+#: closed its end: CLOSE (reset), CLOSE_WAIT (FIN received), LAST_ACK.
+_TCP_PEER_CLOSED = frozenset({7, 8, 9})
 
 #: Where a closing connection reads what its peer still sends, to drop it.
 _DISCARD = memoryview(bytearray(RING_MIN_READ))
@@ -232,7 +250,12 @@ class GatewayConnection(asyncio.BufferedProtocol):
             initial=RING_INITIAL,
             limit=ring_limit(gateway.config.max_message_size),
             min_read=RING_MIN_READ,
+            read_limit=RING_READ_LIMIT,
         )
+        #: Whether the last read filled the room it was offered and was all
+        #: handled in the turn that followed: the next read is offered more.
+        self._read_more = False
+        self._offered = 0
         self.account = Account(
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
@@ -252,6 +275,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
             frame_timeout=config.frame_timeout_ms / 1000,
             now=time.monotonic(),
         )
+        #: When the read now under way began (``get_buffer``).
+        self._read_started = 0.0
         self._tls_pending = tls
         self._tls_task: asyncio.Task[None] | None = None
         self._turns = TurnTaker(
@@ -354,12 +379,19 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._closing:
             return _DISCARD  # lingering (close_with): what comes now is dropped
-        return self.ring.writable()
+        self._read_started = time.monotonic()
+        room = self.ring.writable(grow=self._read_more)
+        self._offered = len(room)
+        return room
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._closing:
             return
         self.ring.received(nbytes)
+        # The read (the ring's room, the socket's copy, the loop's call) is
+        # the peer's work too: a peer of many connections is read many
+        # times a pass, which its turns alone would not charge.
+        self.charge_time(self._read_started - READ_SECONDS)
         if self._tls_pending:
             # Decrypted bytes that came with the end of the TLS handshake,
             # before start_tls returned the transport to answer on: they wait
@@ -368,6 +400,15 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.last_received = time.monotonic()
         if not self._closing:
             self._turns.received()
+            # A read that filled its room and was handled at once (no backlog,
+            # no turn put off, nothing charged to the budget): the peer sends
+            # faster than one read a pass carries, and is served as fast.
+            self._read_more = (
+                nbytes == self._offered
+                and not self._spending
+                and not self._turns.waiting
+                and not self.ring.undecoded
+            )
         if not self._closing and not self.ring.can_read():
             # Full at its limit: read again once the writer has handled some.
             self.reads.set("ring", True)
@@ -482,6 +523,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """Close the connection with TIMEOUT if it is idle or a frame is overdue."""
         if self._closing or self._tls_pending or self.session.closed:
             return  # (the handshake timer covers TLS)
+        if self.reads.paused and self.ring.undecoded and self._peer_gone():
+            self._drop_gone_peer()
+            return
         # Time the gateway did not read the peer for reasons of its own (the
         # turns of other peers, the disk, a full ring) is not the peer's silence.
         self.deadlines.excuse(now, self.reads.paused and not self.pauses_own_reads(now))
@@ -489,11 +533,60 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if reason is not None:
             self.refuse(ProtocolError(reason, code=ErrorCode.TIMEOUT))
 
+    def _peer_gone(self) -> bool:
+        """Whether the peer has closed its end (FIN or reset) of a TCP connection.
+
+        While the gateway does not read a connection (its turns wait, its
+        budget is spent), the end of the peer's bytes waits unread in the
+        socket behind what it sent before; this asks the kernel instead. (A
+        FIN itself arrives only once what precedes it fits the socket's
+        window; a reset overtakes everything.)
+        """
+        transport = self.transport
+        info = getattr(socket, "TCP_INFO", None)
+        if transport is None or info is None:
+            return False
+        sock = transport.get_extra_info("socket")
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        try:
+            state = sock.getsockopt(socket.IPPROTO_TCP, info, 1)[0]
+        except OSError:
+            return True
+        return state in _TCP_PEER_CLOSED
+
+    def _drop_gone_peer(self) -> None:
+        """The peer closed while its bytes waited to be decoded: drop them, end the connection.
+
+        Nothing it sent is lost that was acknowledged: what was decoded is
+        stored (as at any end of a connection), and the rest is let go
+        undecoded, as if it had never arrived (a producer resends what was
+        not acknowledged); no work is spent on a peer that is gone.
+        """
+        log.info("%s closed with %d bytes not yet decoded: dropped", self.peer, self.ring.undecoded)
+        self.gateway.write_messages()
+        self._closing = True
+        self._leave()
+        transport = self.transport
+        if transport is not None:
+            transport.abort()
+
     def _after_turn(self) -> None:
         self._note_decoded()
         self.flush()
         if "ring" in self.reads.reasons and self.ring.can_read():
             self.reads.set("ring", False)
+
+    def charge_time(self, since: float) -> None:
+        """The event loop worked for this peer from ``since`` until now: its cause pays.
+
+        Time it spends in a turn is charged by the turn; this is for the
+        rest (reads, writes of acks and credit), so that the causes share
+        all of the loop's time, not only that of their decoding and appends.
+        """
+        share = self.share
+        if share is not None and not self._turns.busy:
+            self.gateway.passes.spent(share.turn, time.monotonic() - since)
 
     def _on_debt(self, over: bool) -> None:
         self.reads.set("debt", over)
@@ -584,6 +677,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 piece = view[:need]
                 events, consumed, need = session.receive_in_place(piece)
             for event in events:
+                if self._closing:
+                    break  # refused by an event before: nothing after it is acted on
                 if type(event) is BatchReceived and event.handle in self.writers:
                     message = ring.message(event.end, len(event.records))
                     message.origin = self
@@ -663,10 +758,12 @@ class GatewayConnection(asyncio.BufferedProtocol):
         ring space is the ring's own work, done here once per writer pass
         (so an idle connection does not hold a drained ring until it reads).
         """
+        started = time.monotonic()
         self.ring.reclaim()
-        self.flush()
         if "ring" in self.reads.reasons and self.ring.can_read():
             self.reads.set("ring", False)
+        self.charge_time(started)
+        self.flush()  # (charged on its own)
 
     def statistics(self) -> ConnectionStatistics:
         return ConnectionStatistics(
@@ -685,9 +782,11 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if self.transport is None or self._closing or self.transport.is_closing():
             # (The writer may still flush a connection whose peer has gone.)
             return
+        started = time.monotonic()
         out = self.session.data_to_send()
         if out:
             self.transport.write(out)
+            self.charge_time(started)
             if self.transport.get_write_buffer_size() > self.gateway.config.max_write_buffer:
                 # Reading stopped long ago (pause_writing); what the timers
                 # still produce must not pile up either.
@@ -1222,6 +1321,11 @@ class Gateway:
         """
         # Not at the first batch, on the event loop, while producers wait.
         load_accelerator()
+        # The group commit's thread needs the interpreter lock between its
+        # fsyncs; while the event loop is busy (a flood of tiny batches), it
+        # waited the default 5 ms at each turn, and a commit took 20-180 ms:
+        # every producer's acks waited for the busiest peer's traffic.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         data = Path(self.config.data_dir)
         # One gateway per data directory: a second one would open the same
         # logs. Taken before listening; held until stop(), or until this

@@ -32,8 +32,11 @@ log writer's appends of a cause's batches are taken from it too, so sixty
 connections writing tiny batches at full speed get what one gets, data
 within guarantees included. Once a cause has used its time, its
 connections wait for later passes. This holds only while more than one
-cause wants turns (:class:`Passes`): a gateway that serves one cause alone
-gives it every pass, as before.
+cause uses a fair part of the passes (:class:`Passes`): a gateway that
+serves one cause alone gives it every pass, as before, and a cause that
+wants little (a Ping, a keep-alive, a flood its budget holds) makes nobody
+wait. The loop's time reading a cause's connections and writing their
+answers is the cause's too (``GatewayConnection.charge_time``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,9 @@ TURN_COST = 2000.0
 #: uses less than this per pass (a producer of large batches, whose bytes per
 #: pass are bounded by one read) comes round again soon.
 QUANTUM_SECONDS = 0.0005
+#: The loop's time in a pass that makes a cause one of those that share it
+#: (:meth:`Passes.contended`): a quarter of its quantum.
+HEAVY_SECONDS = QUANTUM_SECONDS / 4
 #: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
 MAX_DEBT_PASSES = 32
 
@@ -79,7 +85,7 @@ class TurnShare:
     what the causes share.
     """
 
-    __slots__ = ("bytes", "cost", "credit", "pass_number", "waiting")
+    __slots__ = ("bytes", "cost", "credit", "heavy", "pass_number", "used", "used_pass", "waiting")
 
     def __init__(self) -> None:
         #: Seconds of the loop the cause may still use (negative: its debt).
@@ -89,6 +95,11 @@ class TurnShare:
         self.cost = 0.0
         #: The pass these figures are of (:attr:`Passes.number`).
         self.pass_number = -1
+        #: Seconds of the loop charged to the cause in pass ``used_pass``,
+        #: and whether that made it one of the pass's heavy causes.
+        self.used = 0.0
+        self.used_pass = -1
+        self.heavy = False
         #: The cause's connections that were put off, in order: the first
         #: has the cause's next turn, so every connection of it has turns.
         self.waiting: deque[TurnTaker] = deque()
@@ -105,13 +116,14 @@ class Passes:
     loop runs callbacks scheduled in one pass in the next one).
     """
 
-    __slots__ = ("_scheduled", "causes", "causes_before", "number")
+    __slots__ = ("_scheduled", "heavy", "heavy_before", "number")
 
     def __init__(self) -> None:
         self.number = 0
-        #: Causes that wanted a turn in this pass, and in the one before.
-        self.causes = 0
-        self.causes_before = 0
+        #: Causes that used a fair part of this pass (:data:`HEAVY_SECONDS`,
+        #: or a quarter of a turn's bytes or cost), and of the one before.
+        self.heavy = 0
+        self.heavy_before = 0
         self._scheduled = False
 
     def visit(self, share: TurnShare) -> None:
@@ -120,7 +132,6 @@ class Passes:
             share.pass_number = self.number
             share.bytes = 0
             share.cost = 0.0
-            self.causes += 1
             if self.contended():
                 share.credit = min(QUANTUM_SECONDS, share.credit + QUANTUM_SECONDS)
             else:
@@ -133,6 +144,29 @@ class Passes:
         # Bounded, so that a cause that was alone a moment ago and used the
         # whole loop does not wait for many passes once others come.
         share.credit = max(-MAX_DEBT_PASSES * QUANTUM_SECONDS, share.credit - seconds)
+        self.used(share, seconds)
+
+    def used(self, share: TurnShare, seconds: float, *, put_off: bool = False) -> None:
+        """The cause used ``seconds`` of this pass (a turn, appends, reads, writes).
+
+        ``put_off``: it was refused a turn (over its share, or in debt): it
+        wants the loop as much as one that used it.
+        """
+        if share.used_pass != self.number:
+            share.used_pass = self.number
+            share.used = 0.0
+            share.heavy = False
+        share.used += seconds
+        if not share.heavy and (
+            put_off
+            or share.used >= HEAVY_SECONDS
+            or (
+                share.pass_number == self.number
+                and (share.bytes >= TURN_BYTES // 4 or share.cost >= TURN_COST / 4)
+            )
+        ):
+            share.heavy = True
+            self.heavy += 1
 
     def _end_later(self) -> None:
         # Scheduled by every pass in which a turn is taken or put off, so a
@@ -143,12 +177,18 @@ class Passes:
 
     def _next(self) -> None:
         self.number += 1
-        self.causes_before, self.causes = self.causes, 0
+        self.heavy_before, self.heavy = self.heavy, 0
         self._scheduled = False
 
     def contended(self) -> bool:
-        """Whether other causes want turns too (now, or in the pass before)."""
-        return max(self.causes, self.causes_before) > 1
+        """Whether the loop is shared: more than one cause used a fair part of
+        this pass, or of the one before.
+
+        A cause that only wants a little (a Ping, a reader's keep-alive, a
+        flood its budget holds) takes its turns as they come and makes nobody
+        wait: only causes that both want the loop share it.
+        """
+        return max(self.heavy, self.heavy_before) > 1
 
 
 class TurnTaker:
@@ -175,6 +215,7 @@ class TurnTaker:
         "_done",
         "_handle",
         "_held_until",
+        "_parked",
         "_passes",
         "_queued_in",
         "_set_backlogged",
@@ -182,6 +223,7 @@ class TurnTaker:
         "_slice",
         "_step",
         "_turn_cost",
+        "busy",
         "last_hold",
     )
 
@@ -203,16 +245,22 @@ class TurnTaker:
         self._set_backlogged = set_backlogged
         self._closing = closing
         self._handle: asyncio.Handle | None = None
+        #: Put off behind another connection of its cause: no turn is
+        #: scheduled; the cause's queue wakes it when it is next (``_wake``).
+        self._parked = False
         self._slice = FIRST_SLICE
         self._held_until = 0.0
         #: When the budget last held this connection (monotonic seconds; 0: never).
         self.last_hold = 0.0
         self._turn_cost = 0.0
+        #: Whether a turn is being taken now: its time is charged to the
+        #: cause when it ends, output flushed in it included.
+        self.busy = False
 
     @property
     def waiting(self) -> bool:
-        """Whether a later turn is scheduled."""
-        return self._handle is not None
+        """Whether a later turn is scheduled, or the connection waits for its cause's."""
+        return self._handle is not None or self._parked
 
     def hold(self, seconds: float) -> None:
         """Decode nothing more for ``seconds`` (the connection's budget is spent)."""
@@ -226,7 +274,7 @@ class TurnTaker:
 
     def received(self) -> None:
         """New bytes wait: decode a turn's worth now, the rest later."""
-        if self._handle is not None:
+        if self._handle is not None or self._parked:
             return  # a turn is already due; it takes these too, in order
         if self._held_until > time.monotonic():
             self._schedule()
@@ -249,11 +297,42 @@ class TurnTaker:
         if share is not None:
             assert passes is not None
             if not self._may_turn(passes, share):
-                self._schedule()
+                if share.waiting[0] is self:
+                    self._schedule()  # next: it asks again in the next pass
+                else:
+                    # Behind another of its cause's connections: it waits
+                    # unscheduled (a pass's callbacks do not grow with the
+                    # connections of a cause that is over its share).
+                    self._parked = True
+                    self._set_backlogged(True)
                 return
-        started = now = time.monotonic()
-        fed = 0
+        started = time.monotonic()
         self._turn_cost = 0.0
+        self.busy = True
+        try:
+            more, fed = self._decode_turn(passes, share, started)
+            # The turn's output is written now: its cause pays for that too.
+            self._done()
+        finally:
+            self.busy = False
+        if share is not None:
+            assert passes is not None
+            share.bytes += fed
+            share.cost += self._turn_cost
+            elapsed = time.monotonic() - started
+            share.credit -= elapsed
+            passes.used(share, elapsed)
+        if more and not self._closing():
+            self._schedule()
+        else:
+            self._set_backlogged(False)
+
+    def _decode_turn(
+        self, passes: Passes | None, share: TurnShare | None, started: float
+    ) -> tuple[bool, int]:
+        """Decode slices until the turn is used up; (whether bytes wait for later, bytes fed)."""
+        now = started
+        fed = 0
         more = False
         while not self._closing():
             before = now
@@ -289,15 +368,7 @@ class TurnTaker:
             ):
                 more = True
                 break
-        if share is not None:
-            share.bytes += fed
-            share.credit -= now - started
-            share.cost += self._turn_cost
-        self._done()
-        if more and not self._closing():
-            self._schedule()
-        else:
-            self._set_backlogged(False)
+        return more, fed
 
     def _may_turn(self, passes: Passes, share: TurnShare) -> bool:
         """Whether this connection may take its cause's turn now; if not, it queues for it.
@@ -309,10 +380,13 @@ class TurnTaker:
         passes.visit(share)
         if passes.contended():
             waiting = share.waiting
-            while waiting and waiting[0] is not self and waiting[0]._handle is None:
+            while waiting and waiting[0] is not self and not waiting[0].waiting:
                 # Gone, or it had its bytes decoded meanwhile: not waiting.
                 waiting.popleft()._queued_in = None
+            if waiting and waiting[0] is not self:
+                waiting[0]._wake()
             if share.used_up() or (waiting and waiting[0] is not self):
+                passes.used(share, 0.0, put_off=True)
                 if self._queued_in is not share:
                     self._dequeue()
                     self._queued_in = share
@@ -327,11 +401,20 @@ class TurnTaker:
             self._queued_in = None
             if queue.waiting and queue.waiting[0] is self:
                 queue.waiting.popleft()
+                if queue.waiting:
+                    queue.waiting[0]._wake()  # the next of its cause
             else:
                 queue.waiting.remove(self)
 
+    def _wake(self) -> None:
+        """It is next of its cause's connections: it asks for its turn in the next pass."""
+        if self._parked:
+            self._parked = False
+            self._schedule()
+
     def cancel(self) -> None:
         """The connection is gone: no more turns."""
+        self._parked = False
         self._dequeue()
         if self._handle is not None:
             self._handle.cancel()
