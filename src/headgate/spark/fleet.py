@@ -1,7 +1,7 @@
 """The driver's side of reading a fleet: every partition on every gateway, as one set of logs.
 
-Building blocks for ``option("cluster", "cluster.toml")`` (not wired into the
-source yet): :class:`FleetLogs` is the planner's ``Logs`` interface over the
+What ``option("cluster", "cluster.toml")`` of the source reads with:
+:class:`FleetLogs` is the planner's ``Logs`` interface over the
 partitions of the selected partitioned streams, each read through its own
 gateway (:class:`~headgate.spark.remote.GatewayLogs`); offsets are keyed by
 the partition logs' names (``orders.p0``, ``orders.p1``, ...), so they come
@@ -27,12 +27,13 @@ if TYPE_CHECKING:
     from headgate.client.control import ReleaseClient
     from headgate.client.security import ClientSecurity
 
-__all__ = ["FleetLogs", "FleetReleases", "by_gateway"]
+__all__ = ["FleetLogs", "FleetReleases", "by_gateway", "security_for"]
 
 log = logging.getLogger("headgate.spark")
 
 
-def _security(cluster: Cluster, gateway: str, security: ClientSecurity | None) -> Any:
+def security_for(cluster: Cluster, gateway: str, security: ClientSecurity | None) -> ClientSecurity:
+    """The query's token with the cluster file's TLS settings of ``gateway``."""
     from headgate.client.fleet import gateway_security
     from headgate.client.security import ClientSecurity
 
@@ -56,7 +57,7 @@ class FleetLogs:
             gateway: GatewayLogs(
                 cluster.gateways[gateway].address,
                 StreamSelection(names=tuple(names)),
-                _security(cluster, gateway, security),
+                security_for(cluster, gateway, security),
             )
             for gateway, names in held.items()
         }
@@ -172,7 +173,7 @@ class FleetReleases:
                 options["consumer"] = self._consumer
             client = self._clients[found.gateway] = ReleaseClient(
                 self.cluster.gateways[found.gateway].address,
-                security=_security(self.cluster, found.gateway, self._security),
+                security=security_for(self.cluster, found.gateway, self._security),
                 **options,
             )
         client.release(stream, position)

@@ -1,0 +1,147 @@
+"""One Spark query over a fleet: ``option("cluster", ...)`` against three real gateways.
+
+Three ``headgate serve --cluster`` processes on 127.0.0.1 (the fleet of
+tests/client/test_fleet.py) hold the 6 partitions of ``orders``; a
+FleetProducer sends keyed records. The query, in the shared local session,
+reads every partition through its gateway: every acknowledged record comes
+back exactly once, and each key's records in the order they were sent. A
+SIGKILLed gateway holds back only its partitions; after its restart the
+query catches up, exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from headgate.client.fleet import FleetProducer
+from headgate.cluster import load_cluster, partition_name, partition_of
+from tests.client.test_fleet import GATEWAYS, Fleet, run
+
+pytestmark = pytest.mark.timeout(240)
+
+PARTITIONS = 6
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    fleet = Fleet(tmp_path)
+    try:
+        for name in GATEWAYS:
+            fleet.start(name)
+        yield fleet
+    finally:
+        fleet.stop_all()
+
+
+def produce(fleet: Fleet, values: list[bytes]) -> None:
+    """Send ``values`` keyed by what precedes their ``:``; returns once all are acknowledged."""
+
+    async def send() -> None:
+        async with FleetProducer(
+            cluster=fleet.cluster, linger_ms=1, max_batch_bytes=1024
+        ) as producer:
+            for value in values:
+                await producer.send("orders", value, key=value.split(b":")[0])
+
+    run(send())
+
+
+def keyed(keys: list[int], per_key: int, first: int = 0) -> list[bytes]:
+    return [b"k%02d:%05d" % (k, i) for i in range(first, first + per_key) for k in keys]
+
+
+def partition_of_key(key: int) -> int:
+    return partition_of(b"k%02d" % key, PARTITIONS)
+
+
+def fleet_query(
+    spark: SparkSession, fleet: Fleet, tmp_path: Path, name: str, **trigger: Any
+) -> Any:
+    return (
+        spark.readStream.format("headgate")
+        .option("cluster", str(fleet.cluster))
+        .option("streams", "orders")
+        .option("maxRecordsPerTrigger", 500)
+        .option("bytesPerPartition", 8192)
+        .load()
+        .writeStream.format("memory")
+        .queryName(name)
+        .option("checkpointLocation", str(tmp_path / f"checkpoint-{name}"))
+        .trigger(**trigger)
+        .start()
+    )
+
+
+def check_read(spark: SparkSession, name: str, sent: list[bytes]) -> None:
+    """Every sent value once, each in its key's partition, each key's values in send order."""
+    rows = spark.sql(
+        f"SELECT stream, position, index, value FROM {name} ORDER BY stream, position, index"
+    ).collect()
+    values = [bytes(r.value) for r in rows]
+    assert len(values) == len(sent) and sorted(values) == sorted(sent)
+    per_key: dict[bytes, list[bytes]] = defaultdict(list)
+    for row in rows:
+        key = bytes(row.value).split(b":")[0]
+        assert row.stream == partition_name("orders", partition_of(key, PARTITIONS))
+        per_key[key].append(bytes(row.value))
+    for key, got in per_key.items():
+        assert got == [v for v in sent if v.split(b":")[0] == key], key
+
+
+def test_one_query_reads_every_partition_of_three_gateways_once_in_key_order(
+    spark: SparkSession, fleet: Fleet, tmp_path: Path
+) -> None:
+    sent = keyed(list(range(24)), 60)  # 24 keys reach all 6 partitions
+    assert {partition_of_key(k) for k in range(24)} == set(range(PARTITIONS))
+    produce(fleet, sent)
+    query = fleet_query(spark, fleet, tmp_path, "fleet_once", availableNow=True)
+    assert query.awaitTermination(120)
+    check_read(spark, "fleet_once", sent)
+    progress = [p for p in query.recentProgress if p.numInputRows > 0]
+    assert len(progress) >= 2, "admission control must split the backlog"
+    end = progress[-1].sources[0].endOffset
+    assert list(json.loads(end)) == [f"orders.p{k}" for k in range(PARTITIONS)]
+
+
+def test_a_killed_gateway_holds_back_only_its_partitions_and_catches_up(
+    spark: SparkSession, fleet: Fleet, tmp_path: Path
+) -> None:
+    cluster = load_cluster(fleet.cluster).stream("orders")
+    down = {p.index for p in cluster.partitions if p.gateway == "gw2"}
+    keys = list(range(24))
+    elsewhere = [k for k in keys if partition_of_key(k) not in down]
+    assert down and len(elsewhere) < len(keys)
+    first = keyed(keys, 20)
+    produce(fleet, first)
+    name = "fleet_kill"
+    query = fleet_query(spark, fleet, tmp_path, name, processingTime="0.2 seconds")
+    try:
+        query.processAllAvailable()
+        assert spark.table(name).count() == len(first)
+        fleet.kill("gw2")
+        # Only the partitions of the gateways that are up get more records.
+        more = keyed(elsewhere, 20, first=20)
+        produce(fleet, more)
+        deadline = time.monotonic() + 60
+        while spark.table(name).count() < len(first) + len(more):
+            assert query.isActive and time.monotonic() < deadline, query.exception()
+            time.sleep(0.1)
+        fleet.start("gw2")
+        last = keyed(keys, 20, first=40)
+        produce(fleet, last)
+        total = len(first) + len(more) + len(last)
+        while spark.table(name).count() < total:
+            assert query.isActive and time.monotonic() < deadline, query.exception()
+            time.sleep(0.1)
+        query.processAllAvailable()
+    finally:
+        query.stop()
+    check_read(spark, name, first + more + last)
