@@ -18,11 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import SparkSession
 
 from headgate.client.fleet import FleetProducer
+from headgate.client.reader import Reader
 from headgate.cluster import load_cluster, partition_name, partition_of
+from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict
 from tests.client.test_fleet import GATEWAYS, Fleet, run
 
 pytestmark = pytest.mark.timeout(240)
@@ -151,3 +154,51 @@ def test_a_killed_gateway_holds_back_only_its_partitions_and_catches_up(
     finally:
         query.stop()
     check_read(spark, name, first + more + last)
+
+
+def test_the_pipeline_reads_a_fleet_and_releases_each_partition_to_its_gateway(
+    spark: SparkSession, fleet: Fleet, tmp_path: Path
+) -> None:
+    sent = keyed(list(range(16)), 20)
+    assert {partition_of_key(k) for k in range(16)} == set(range(PARTITIONS))
+    produce(fleet, sent)
+    config = pipeline_config_from_dict(
+        {
+            "cluster": str(fleet.cluster),
+            "data_dir": str(tmp_path / "pipeline"),
+            "streams": {"orders": {"format": "raw", "consumer": "archive"}},
+        }
+    )
+    pipeline = Pipeline(spark, config)
+    try:
+        pipeline.start(available_now=True)
+        pipeline.await_done(120)
+        releases = pipeline._gateway_releases
+        assert releases is not None and releases.close(10)
+        applied = releases.applied()
+    finally:
+        pipeline.stop()
+    rows = pq.read_table(tmp_path / "pipeline" / "parquet" / "orders").to_pylist()
+    assert sorted(r["value"] for r in rows) == sorted(sent)
+    rows.sort(key=lambda r: (r["stream"], r["position"], r["index"]))
+    for key in {v.split(b":")[0] for v in sent}:
+        got = [r["value"] for r in rows if r["value"].split(b":")[0] == key]
+        assert got == [v for v in sent if v.split(b":")[0] == key]
+
+    # Every partition's gateway got its release, for consumer archive.
+    async def released() -> dict[str, tuple[int, int]]:
+        found: dict[str, tuple[int, int]] = {}
+        for gateway in GATEWAYS:
+            async with Reader(fleet.address(gateway)) as reader:
+                for info in await reader.list_streams():
+                    found[info.stream] = (applied[info.stream], info.durable_position)
+        return found
+
+    positions: dict[str, tuple[int, int]] = {}
+
+    async def collect() -> None:
+        positions.update(await released())
+
+    run(collect())
+    assert sorted(positions) == [f"orders.p{k}" for k in range(PARTITIONS)]
+    assert all(done == end > 0 for done, end in positions.values()), positions

@@ -26,6 +26,7 @@ from headgate.spark.remote import GatewayLogs
 if TYPE_CHECKING:
     from headgate.client.control import ReleaseClient
     from headgate.client.security import ClientSecurity
+    from headgate.config import ConsumerSettings
 
 __all__ = ["FleetLogs", "FleetReleases", "by_gateway", "security_for"]
 
@@ -153,10 +154,13 @@ class FleetReleases:
         security: ClientSecurity | None = None,
         *,
         consumer: str | None = None,
+        declare: ConsumerSettings | None = None,
     ) -> None:
         self.cluster = cluster
         self._security = security
         self._consumer = consumer
+        #: How each gateway's client declares the consumer before its first Release.
+        self._declare = declare
         self._clients: dict[str, ReleaseClient] = {}
 
     def release(self, stream: str, position: int) -> None:
@@ -171,6 +175,8 @@ class FleetReleases:
             options: dict[str, Any] = {}
             if self._consumer is not None:
                 options["consumer"] = self._consumer
+            if self._declare is not None:
+                options["declare"] = self._declare
             client = self._clients[found.gateway] = ReleaseClient(
                 self.cluster.gateways[found.gateway].address,
                 security=security_for(self.cluster, found.gateway, self._security),
@@ -182,6 +188,13 @@ class FleetReleases:
         """Wait until every release sent so far reached its gateway (False: not in time)."""
         return all([client.flush(timeout) for client in self._clients.values()])
 
-    def close(self) -> None:
+    def applied(self) -> dict[str, int]:
+        """Per partition log, the newest position its gateway confirmed having applied."""
+        applied: dict[str, int] = {}
         for client in self._clients.values():
-            client.close()
+            applied.update(client.statistics().applied)
+        return applied
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Flush (up to ``timeout``) and close every client; True if nothing was left unsent."""
+        return all([client.close(timeout) for client in self._clients.values()])
