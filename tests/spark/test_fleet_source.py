@@ -103,23 +103,6 @@ def check_read(spark: SparkSession, name: str, sent: list[bytes]) -> None:
         assert got == [v for v in sent if v.split(b":")[0] == key], key
 
 
-def test_one_query_reads_every_partition_of_three_gateways_once_in_key_order(
-    spark: SparkSession, fleet: Fleet, tmp_path: Path
-) -> None:
-    sent = keyed(list(range(24)), 60)  # 24 keys reach all 6 partitions
-    assert {partition_of_key(k) for k in range(24)} == set(range(PARTITIONS))
-    produce(fleet, sent)
-    query = fleet_query(
-        spark, fleet, tmp_path, "fleet_once", {"availableNow": True}, maxRecordsPerTrigger=800
-    )
-    assert query.awaitTermination(120)
-    check_read(spark, "fleet_once", sent)
-    progress = [p for p in query.recentProgress if p.numInputRows > 0]
-    assert len(progress) == 2, "admission control must split the backlog"
-    end = progress[-1].sources[0].endOffset
-    assert list(json.loads(end)) == [f"orders.p{k}" for k in range(PARTITIONS)]
-
-
 def test_a_killed_gateway_holds_back_only_its_partitions_and_catches_up(
     spark: SparkSession, fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -156,17 +139,20 @@ def test_a_killed_gateway_holds_back_only_its_partitions_and_catches_up(
     check_read(spark, name, first + more + last)
 
 
-def test_the_pipeline_reads_a_fleet_and_releases_each_partition_to_its_gateway(
+def test_one_query_reads_every_partition_of_three_gateways_once_in_key_order(
     spark: SparkSession, fleet: Fleet, tmp_path: Path
 ) -> None:
-    sent = keyed(list(range(16)), 20)
-    assert {partition_of_key(k) for k in range(16)} == set(range(PARTITIONS))
+    """Through the pipeline (``cluster = ...``), which also releases each partition."""
+    sent = keyed(list(range(24)), 50)  # 24 keys reach all 6 partitions
+    assert {partition_of_key(k) for k in range(24)} == set(range(PARTITIONS))
     produce(fleet, sent)
     config = pipeline_config_from_dict(
         {
             "cluster": str(fleet.cluster),
             "data_dir": str(tmp_path / "pipeline"),
-            "streams": {"orders": {"format": "raw", "consumer": "archive"}},
+            "streams": {
+                "orders": {"format": "raw", "consumer": "archive", "max_records_per_trigger": 800}
+            },
         }
     )
     pipeline = Pipeline(spark, config)
@@ -176,8 +162,13 @@ def test_the_pipeline_reads_a_fleet_and_releases_each_partition_to_its_gateway(
         releases = pipeline._gateway_releases
         assert releases is not None and releases.close(10)
         applied = releases.applied()
+        progress = [p for p in pipeline.queries["orders"].recentProgress if p.numInputRows > 0]
     finally:
         pipeline.stop()
+    assert len(progress) == 2, "admission control must split the backlog"
+    # An offset is a position per partition log, in a fixed (sorted) key order.
+    end = json.loads(progress[-1].sources[0].endOffset)
+    assert list(end) == [f"orders.p{k}" for k in range(PARTITIONS)]
     rows = pq.read_table(tmp_path / "pipeline" / "parquet" / "orders").to_pylist()
     assert sorted(r["value"] for r in rows) == sorted(sent)
     rows.sort(key=lambda r: (r["stream"], r["position"], r["index"]))
@@ -185,20 +176,21 @@ def test_the_pipeline_reads_a_fleet_and_releases_each_partition_to_its_gateway(
         got = [r["value"] for r in rows if r["value"].split(b":")[0] == key]
         assert got == [v for v in sent if v.split(b":")[0] == key]
 
-    # Every partition's gateway got its release, for consumer archive.
-    async def released() -> dict[str, tuple[int, int]]:
-        found: dict[str, tuple[int, int]] = {}
+    # Each partition's gateway applied its release, as consumer archive, at its end.
+    positions: dict[str, tuple[int, int, dict[str, int]]] = {}
+
+    async def released() -> None:
         for gateway in GATEWAYS:
             async with Reader(fleet.address(gateway)) as reader:
                 for info in await reader.list_streams():
-                    found[info.stream] = (applied[info.stream], info.durable_position)
-        return found
+                    consumers = await reader.list_consumers(info.stream)
+                    positions[info.stream] = (
+                        applied[info.stream],
+                        info.durable_position,
+                        {c.consumer: c.position for c in consumers},
+                    )
 
-    positions: dict[str, tuple[int, int]] = {}
-
-    async def collect() -> None:
-        positions.update(await released())
-
-    run(collect())
+    run(released())
     assert sorted(positions) == [f"orders.p{k}" for k in range(PARTITIONS)]
-    assert all(done == end > 0 for done, end in positions.values()), positions
+    for done, end, consumers in positions.values():
+        assert done == end > 0 and consumers.get("archive") == end, positions
