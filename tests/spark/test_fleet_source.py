@@ -12,6 +12,7 @@ query catches up, exactly once.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -25,8 +26,10 @@ from pyspark.sql import SparkSession
 from headgate.client.fleet import FleetProducer
 from headgate.client.reader import Reader
 from headgate.cluster import load_cluster, partition_name, partition_of
+from headgate.config import ConfigError
 from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict
-from tests.client.test_fleet import GATEWAYS, Fleet, run
+from headgate.spark.source import SourceOptions
+from tests.client.test_fleet import GATEWAYS, Fleet, run, write_cluster
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -194,3 +197,36 @@ def test_one_query_reads_every_partition_of_three_gateways_once_in_key_order(
     assert sorted(positions) == [f"orders.p{k}" for k in range(PARTITIONS)]
     for done, end, consumers in positions.values():
         assert done == end > 0 and consumers.get("archive") == end, positions
+
+
+def test_cluster_mistakes_are_one_line_before_any_query(tmp_path: Path) -> None:
+    """The source's ``cluster`` option and the pipeline's ``cluster`` key, without Spark."""
+    ports = {name: 7000 + i for i, name in enumerate(GATEWAYS)}
+    cluster = str(write_cluster(tmp_path / "cluster.toml", ports))
+    options = SourceOptions.parse({"cluster": cluster, "streams": "orders"})
+    assert options.fleet_streams == ("orders",)
+    assert options.selection.names == tuple(f"orders.p{k}" for k in range(PARTITIONS))
+    assert SourceOptions.parse({"cluster": cluster}).fleet_streams == ("events", "orders")
+    assert SourceOptions.parse({"cluster": cluster, "streamPattern": "ev.*"}).fleet_streams == (
+        "events",
+    )
+    (tmp_path / "broken.toml").write_text("[gateways.gw1]\n", encoding="utf-8")
+    for raw, fragment in [
+        ({"cluster": cluster, "gateway": "h:1"}, "exactly one of option 'path'"),
+        ({"cluster": cluster, "streams": "ordres"}, "has no partitioned stream 'ordres'"),
+        ({"cluster": str(tmp_path / "nosuch.toml")}, "option 'cluster': cluster file"),
+        ({"cluster": str(tmp_path / "broken.toml")}, "option 'cluster': "),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(fragment)) as refused:
+            SourceOptions.parse(raw)
+        assert "\n" not in str(refused.value)
+    good = {"cluster": cluster, "streams": {"orders": {}}}
+    assert pipeline_config_from_dict(good).cluster == Path(cluster)
+    for raw, fragment in [
+        ({**good, "gateway": "h:1"}, "leave out gateway"),
+        ({**good, "streams": {"ordres": {}}}, "has no partitioned stream 'ordres'"),
+        ({**good, "cluster": str(tmp_path / "broken.toml")}, "pipeline: cluster: "),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)) as refused:
+            pipeline_config_from_dict(raw)
+        assert "\n" not in str(refused.value)
