@@ -220,13 +220,14 @@ def test_cluster_mistakes_are_one_line_before_any_query(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=re.escape(fragment)) as refused:
             SourceOptions.parse(raw)
         assert "\n" not in str(refused.value)
-    good = {"cluster": cluster, "streams": {"orders": {}}}
+    good: dict[str, Any] = {"cluster": cluster, "streams": {"orders": {}}}
     assert pipeline_config_from_dict(good).cluster == Path(cluster)
-    for raw, fragment in [
+    bad: list[tuple[dict[str, Any], str]] = [
         ({**good, "gateway": "h:1"}, "leave out gateway"),
         ({**good, "streams": {"ordres": {}}}, "has no partitioned stream 'ordres'"),
         ({**good, "cluster": str(tmp_path / "broken.toml")}, "pipeline: cluster: "),
-    ]:
+    ]
+    for raw, fragment in bad:
         with pytest.raises(ConfigError, match=re.escape(fragment)) as refused:
             pipeline_config_from_dict(raw)
         assert "\n" not in str(refused.value)

@@ -95,11 +95,11 @@ def run_pipeline(
     # A session that already runs in this process (a notebook, the tests) is
     # reused and left running; one started here is stopped here.
     check_definitions(config, write_new=False)  # Pipeline.start records them
-    if config.gateway is not None:
+    remote = config.gateway is not None or config.cluster is not None
+    if remote:
         # Each query's consumer must hold the log before its first batch;
         # a token that may not declare it fails here, in one line.
         declare_consumers(config)
-    remote = config.gateway is not None or config.cluster is not None
     client = GatewayReleases(config) if remote else None
     if client is not None:
         # Before Spark starts: the last release before a kill may be lost.

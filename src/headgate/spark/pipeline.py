@@ -1045,9 +1045,10 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
     its first Release starts at the oldest position the log still holds, and
     another consumer may have freed the log past where this one's first batch
     reads meanwhile. Returns each declared consumer's committed position, by
-    stream. A stream the gateway does not have yet is skipped (its release
-    client declares the consumer with its first Release); so is a gateway
-    that cannot be reached (logged: the same happens then).
+    stream (with a cluster: on every partition's gateway, by partition log).
+    A stream the gateway does not have yet is skipped (its release client
+    declares the consumer with its first Release); so is a gateway that
+    cannot be reached (logged: the same happens then).
 
     Raises:
         ConfigError: the token may not declare the consumer (it needs
@@ -1059,28 +1060,27 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
     from headgate.client.reader import Reader, ReaderError, ReaderRefused
     from headgate.protocol.errors import ErrorCode
 
-    if config.gateway is None:
-        return {}
-    gateway = config.gateway
+    targets = _consumer_targets(config)
     positions: dict[str, int] = {}
 
-    async def declare(spec: StreamPipeline) -> None:
+    async def declare(target: _ConsumerTarget) -> None:
+        spec = target.spec
         settings = consumer_settings(spec)
         async with Reader(
-            gateway,
-            security=config.security,
+            target.gateway,
+            security=target.security,
             client_name="headgate-pipeline",
             connect_timeout=timeout,
         ) as reader:
-            positions[spec.name] = await reader.declare_consumer(
-                spec.name,
+            positions[target.log] = await reader.declare_consumer(
+                target.log,
                 spec.consumer,
                 blocking=settings.blocking,
                 skip_data_loss=settings.on_data_loss == "skip",
             )
 
-    def run(spec: StreamPipeline) -> None:
-        coroutine = asyncio.wait_for(declare(spec), timeout * 2)
+    def run(target: _ConsumerTarget) -> None:
+        coroutine = asyncio.wait_for(declare(target), timeout * 2)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -1092,9 +1092,10 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
         with ThreadPoolExecutor(1) as pool:
             pool.submit(asyncio.run, coroutine).result()
 
-    for spec in config.streams:
+    for target in targets:
+        spec, gateway = target.spec, target.gateway
         try:
-            run(spec)
+            run(target)
         except ReaderRefused as exc:
             if exc.code in (ErrorCode.UNEXPECTED_FRAME, ErrorCode.RECOVERING) and (
                 "no stream called" in exc.text or exc.code is ErrorCode.RECOVERING
@@ -1102,15 +1103,15 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
                 log.info(
                     "stream %s: not on the gateway yet; its consumer is declared "
                     "with its first release",
-                    spec.name,
+                    target.log,
                 )
                 continue
             raise ConfigError(
                 f"{config.origin}: streams.{spec.name}: the gateway at {gateway} refused to "
-                f"declare consumer {spec.consumer!r} of stream {spec.name!r}: {exc.text}"
+                f"declare consumer {spec.consumer!r} of stream {target.log!r}: {exc.text}"
                 + (
                     f" (the token needs admin, or a consume pattern matching "
-                    f"{spec.name}/{spec.consumer}; or set consumer to one it may use)"
+                    f"{target.log}/{spec.consumer}; or set consumer to one it may use)"
                     if exc.code is ErrorCode.FORBIDDEN
                     else ""
                 )
@@ -1120,11 +1121,45 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
                 "cannot declare consumer %s of stream %s at the gateway %s now (%s); it is "
                 "declared with the first release",
                 spec.consumer,
-                spec.name,
+                target.log,
                 gateway,
                 exc,
             )
     return positions
+
+
+@dataclass(frozen=True, slots=True)
+class _ConsumerTarget:
+    """One stream log whose consumer the pipeline declares, and where it is."""
+
+    spec: StreamPipeline
+    #: The stream log: the stream itself, or (with a cluster) one partition's.
+    log: str
+    gateway: str
+    security: ClientSecurity
+
+
+def _consumer_targets(config: PipelineConfig) -> list[_ConsumerTarget]:
+    """Every stream log the pipeline's consumers are declared on: each stream on
+    the gateway, or each partition on the gateway that holds it."""
+    if config.cluster is not None:
+        from headgate.cluster import load_cluster
+        from headgate.spark.fleet import security_for
+
+        cluster = load_cluster(config.cluster)
+        return [
+            _ConsumerTarget(
+                spec,
+                partition.name,
+                cluster.gateways[partition.gateway].address,
+                security_for(cluster, partition.gateway, config.security),
+            )
+            for spec in config.streams
+            for partition in cluster.stream(spec.name).partitions
+        ]
+    if config.gateway is None:
+        return []
+    return [_ConsumerTarget(s, s.name, config.gateway, config.security) for s in config.streams]
 
 
 #: A key the pipeline leaves in the data source's shared environment once it is settled.
