@@ -60,7 +60,8 @@ def run_pipeline_file(
         config.security.token_bytes()  # an unset variable or unreadable file: say so now
     except SecurityError as exc:
         raise ConfigError(f"{config.origin}: {exc}") from None
-    if not config.read_through_gateway and not config.data_dir.is_dir():
+    reads_locally = not config.read_through_gateway and config.cluster is None
+    if reads_locally and not config.data_dir.is_dir():
         raise ConfigError(
             f"{config.origin}: data_dir {config.data_dir} does not exist; it must be the "
             "gateway's data directory (headgate serve --data-dir)"
@@ -94,11 +95,12 @@ def run_pipeline(
     # A session that already runs in this process (a notebook, the tests) is
     # reused and left running; one started here is stopped here.
     check_definitions(config, write_new=False)  # Pipeline.start records them
-    if config.gateway is not None:
+    remote = config.gateway is not None or config.cluster is not None
+    if remote:
         # Each query's consumer must hold the log before its first batch;
         # a token that may not declare it fails here, in one line.
         declare_consumers(config)
-    client = GatewayReleases(config) if config.gateway is not None else None
+    client = GatewayReleases(config) if remote else None
     if client is not None:
         # Before Spark starts: the last release before a kill may be lost.
         release_committed(config, client.release)
@@ -118,7 +120,13 @@ def run_pipeline(
         except Exception as exc:  # Spark refused a query: say why in one line
             echo(f"headgate pipeline: cannot start the queries: {error_text(exc)}")
             return 1
-        where = config.gateway if config.read_through_gateway else config.data_dir
+        where = (
+            f"the fleet of cluster file {config.cluster}"
+            if config.cluster is not None
+            else config.gateway
+            if config.read_through_gateway
+            else config.data_dir
+        )
         echo(
             f"reading {', '.join(s.name for s in config.streams)} from {where}"
             + ("" if client is None else f"; releases go to {client.address}")

@@ -1,7 +1,7 @@
 """The driver's side of reading a fleet: every partition on every gateway, as one set of logs.
 
-Building blocks for ``option("cluster", "cluster.toml")`` (not wired into the
-source yet): :class:`FleetLogs` is the planner's ``Logs`` interface over the
+What ``option("cluster", "cluster.toml")`` of the source reads with:
+:class:`FleetLogs` is the planner's ``Logs`` interface over the
 partitions of the selected partitioned streams, each read through its own
 gateway (:class:`~headgate.spark.remote.GatewayLogs`); offsets are keyed by
 the partition logs' names (``orders.p0``, ``orders.p1``, ...), so they come
@@ -26,13 +26,15 @@ from headgate.spark.remote import GatewayLogs
 if TYPE_CHECKING:
     from headgate.client.control import ReleaseClient
     from headgate.client.security import ClientSecurity
+    from headgate.config import ConsumerSettings
 
-__all__ = ["FleetLogs", "FleetReleases", "by_gateway"]
+__all__ = ["FleetLogs", "FleetReleases", "by_gateway", "security_for"]
 
 log = logging.getLogger("headgate.spark")
 
 
-def _security(cluster: Cluster, gateway: str, security: ClientSecurity | None) -> Any:
+def security_for(cluster: Cluster, gateway: str, security: ClientSecurity | None) -> ClientSecurity:
+    """The query's token with the cluster file's TLS settings of ``gateway``."""
     from headgate.client.fleet import gateway_security
     from headgate.client.security import ClientSecurity
 
@@ -56,7 +58,7 @@ class FleetLogs:
             gateway: GatewayLogs(
                 cluster.gateways[gateway].address,
                 StreamSelection(names=tuple(names)),
-                _security(cluster, gateway, security),
+                security_for(cluster, gateway, security),
             )
             for gateway, names in held.items()
         }
@@ -152,10 +154,13 @@ class FleetReleases:
         security: ClientSecurity | None = None,
         *,
         consumer: str | None = None,
+        declare: ConsumerSettings | None = None,
     ) -> None:
         self.cluster = cluster
         self._security = security
         self._consumer = consumer
+        #: How each gateway's client declares the consumer before its first Release.
+        self._declare = declare
         self._clients: dict[str, ReleaseClient] = {}
 
     def release(self, stream: str, position: int) -> None:
@@ -170,9 +175,11 @@ class FleetReleases:
             options: dict[str, Any] = {}
             if self._consumer is not None:
                 options["consumer"] = self._consumer
+            if self._declare is not None:
+                options["declare"] = self._declare
             client = self._clients[found.gateway] = ReleaseClient(
                 self.cluster.gateways[found.gateway].address,
-                security=_security(self.cluster, found.gateway, self._security),
+                security=security_for(self.cluster, found.gateway, self._security),
                 **options,
             )
         client.release(stream, position)
@@ -181,6 +188,13 @@ class FleetReleases:
         """Wait until every release sent so far reached its gateway (False: not in time)."""
         return all([client.flush(timeout) for client in self._clients.values()])
 
-    def close(self) -> None:
+    def applied(self) -> dict[str, int]:
+        """Per partition log, the newest position its gateway confirmed having applied."""
+        applied: dict[str, int] = {}
         for client in self._clients.values():
-            client.close()
+            applied.update(client.statistics().applied)
+        return applied
+
+    def close(self, timeout: float = 5.0) -> bool:
+        """Flush (up to ``timeout``) and close every client; True if nothing was left unsent."""
+        return all([client.close(timeout) for client in self._clients.values()])

@@ -22,6 +22,9 @@ shows every key)::
 
     data_dir = "./headgate-data"        # the gateway's data directory, read locally
     gateway = "127.0.0.1:7878"          # where releases go (or "unix:/run/headgate.sock")
+    # cluster = "cluster.toml"          # or: a fleet, instead of gateway (data_dir then
+                                        # only places the outputs); each [streams.NAME]
+                                        # is a partitioned stream of it
     token_env = "HEADGATE_TOKEN"        # a gateway with tokens: admin (releases), read
     tls_ca_file = "ca.pem"              # a TLS gateway, verified with this CA
     missing_streams = "wait"            # a stream not there yet: wait for it ("fail")
@@ -157,6 +160,7 @@ _TOP_KEYS = (
     "data_dir",
     "gateway",
     "read_through_gateway",
+    "cluster",
     "output_dir",
     "checkpoint_dir",
     "local_dir",
@@ -217,6 +221,9 @@ class PipelineConfig:
     read_through_gateway: bool = False
     #: The token's source and TLS settings for ``gateway`` (releases and reads).
     security: ClientSecurity = field(default_factory=ClientSecurity)
+    #: A fleet's cluster file (``cluster``): every stream is a partitioned
+    #: stream of it, read and released through each partition's gateway.
+    cluster: Path | None = None
     #: A stream that does not exist when its query starts: ``fail`` the query
     #: (a misspelt name), or ``wait`` for its first producer (the source's
     #: ``missingStreams`` option).
@@ -390,12 +397,32 @@ def _security_from_dict(raw: dict[str, Any], remote: bool, where: str) -> Client
             server_name=given.get("tls_server_name"),
         )
         security.ssl_context()
-        security.check_address(GatewayAddress.parse(raw["gateway"]))
+        if "gateway" in raw:
+            security.check_address(GatewayAddress.parse(raw["gateway"]))
     except SecurityError as exc:
         text = str(exc).replace("token_env and token_file", "token_env or token_file")
         text = text.replace("cert_file", "tls_cert_file")
         raise ConfigError(f"{where}: {text}") from None
     return security
+
+
+def _cluster_from_dict(raw: dict[str, Any], where: str) -> Path:
+    """The ``cluster`` key: a cluster file that loads, instead of ``gateway``
+    (``data_dir`` then only places the outputs and checkpoints)."""
+    from headgate.cluster import ClusterError, load_cluster
+
+    clashing = [k for k in ("gateway", "read_through_gateway") if k in raw]
+    if clashing:
+        raise ConfigError(
+            f"{where}: cluster reads and releases through the fleet's gateways; "
+            f"leave out {', '.join(clashing)}"
+        )
+    path = _path(raw["cluster"], f"{where}: cluster")
+    try:
+        load_cluster(path)
+    except ClusterError as exc:
+        raise ConfigError(f"{where}: cluster: {exc}") from None
+    return path
 
 
 def _option_text(value: object, what: str) -> str:
@@ -533,7 +560,10 @@ def pipeline_config_from_dict(
         raise ConfigError(f"{where}: read_through_gateway must be true or false")
     if through and gateway is None:
         raise ConfigError(f"{where}: read_through_gateway = true needs a gateway address")
-    security = _security_from_dict(raw, gateway is not None, where)
+    cluster = raw.get("cluster")
+    if cluster is not None:
+        cluster = _cluster_from_dict(raw, where)
+    security = _security_from_dict(raw, gateway is not None or cluster is not None, where)
     missing = raw.get("missing_streams", "fail")
     if missing not in MISSING_STREAMS:
         raise ConfigError(
@@ -551,6 +581,16 @@ def pipeline_config_from_dict(
     checkpoint_dir = _path(
         raw.get("checkpoint_dir", str(data_dir / "checkpoints")), f"{where}: checkpoint_dir"
     )
+    if cluster is not None:
+        from headgate.cluster import load_cluster
+
+        held = load_cluster(cluster).streams
+        for spec in streams:
+            if spec.name not in held:
+                raise ConfigError(
+                    f"{where}: streams.{spec.name}: the cluster file {cluster} has no "
+                    f"partitioned stream {spec.name!r} (it has: {', '.join(held) or 'none'})"
+                )
     local_dir = raw.get("local_dir")
     config = PipelineConfig(
         data_dir=data_dir,
@@ -563,6 +603,7 @@ def pipeline_config_from_dict(
         security=security,
         missing_streams=missing,
         origin=where,
+        cluster=cluster,
     )
     # The scratch space is emptied at every start: it must hold nothing else.
     scratch = config.spark_local_dir().resolve()
@@ -936,15 +977,19 @@ class GatewayReleases:
     def __init__(self, config: PipelineConfig) -> None:
         from headgate.client.control import ReleaseClient
 
-        if config.gateway is None:
-            raise ValueError("a pipeline without a gateway has nowhere to release")
         self._clients: dict[tuple[str, Any], Any] = {}
         self._client_of: dict[str, Any] = {}
+        if config.cluster is not None:
+            self._fleet(config, config.cluster)
+            return
+        gateway = config.gateway
+        if gateway is None:
+            raise ValueError("a pipeline without a gateway has nowhere to release")
         for spec in config.streams:
             key = (spec.consumer, consumer_settings(spec))
             if key not in self._clients:
                 self._clients[key] = ReleaseClient(
-                    config.gateway,
+                    gateway,
                     security=config.security,
                     consumer=spec.consumer,
                     declare=key[1],
@@ -953,15 +998,39 @@ class GatewayReleases:
         #: Where the releases go.
         self.address = next(iter(self._clients.values())).address
 
+    def _fleet(self, config: PipelineConfig, path: Path) -> None:
+        """One :class:`~headgate.spark.fleet.FleetReleases` per consumer; each
+        partition's release goes to its gateway."""
+        from headgate.cluster import load_cluster
+        from headgate.spark.fleet import FleetReleases
+
+        cluster = load_cluster(path)
+        for spec in config.streams:
+            key = (spec.consumer, consumer_settings(spec))
+            if key not in self._clients:
+                self._clients[key] = FleetReleases(
+                    cluster, config.security, consumer=spec.consumer, declare=key[1]
+                )
+            for partition in cluster.stream(spec.name).partitions:
+                self._client_of[partition.name] = self._clients[key]
+        self.address = f"the gateways of cluster file {path}"
+
     def release(self, stream: str, position: int) -> None:
-        """Commit ``stream`` up to ``position`` for the stream's consumer."""
+        """Commit ``stream`` (with a cluster: a partition's log) up to ``position``
+        for the stream's consumer."""
         self._client_of[stream].release(stream, position)
 
     def applied(self) -> dict[str, int]:
         """Per stream, the newest position the gateway confirmed having applied."""
         applied: dict[str, int] = {}
+        from headgate.spark.fleet import FleetReleases
+
         for client in self._clients.values():
-            applied.update(client.statistics().applied)
+            applied.update(
+                client.applied()
+                if isinstance(client, FleetReleases)
+                else client.statistics().applied
+            )
         return applied
 
     def close(self, timeout: float = 5.0) -> bool:
@@ -976,9 +1045,10 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
     its first Release starts at the oldest position the log still holds, and
     another consumer may have freed the log past where this one's first batch
     reads meanwhile. Returns each declared consumer's committed position, by
-    stream. A stream the gateway does not have yet is skipped (its release
-    client declares the consumer with its first Release); so is a gateway
-    that cannot be reached (logged: the same happens then).
+    stream (with a cluster: on every partition's gateway, by partition log).
+    A stream the gateway does not have yet is skipped (its release client
+    declares the consumer with its first Release); so is a gateway that
+    cannot be reached (logged: the same happens then).
 
     Raises:
         ConfigError: the token may not declare the consumer (it needs
@@ -990,28 +1060,27 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
     from headgate.client.reader import Reader, ReaderError, ReaderRefused
     from headgate.protocol.errors import ErrorCode
 
-    if config.gateway is None:
-        return {}
-    gateway = config.gateway
+    targets = _consumer_targets(config)
     positions: dict[str, int] = {}
 
-    async def declare(spec: StreamPipeline) -> None:
+    async def declare(target: _ConsumerTarget) -> None:
+        spec = target.spec
         settings = consumer_settings(spec)
         async with Reader(
-            gateway,
-            security=config.security,
+            target.gateway,
+            security=target.security,
             client_name="headgate-pipeline",
             connect_timeout=timeout,
         ) as reader:
-            positions[spec.name] = await reader.declare_consumer(
-                spec.name,
+            positions[target.log] = await reader.declare_consumer(
+                target.log,
                 spec.consumer,
                 blocking=settings.blocking,
                 skip_data_loss=settings.on_data_loss == "skip",
             )
 
-    def run(spec: StreamPipeline) -> None:
-        coroutine = asyncio.wait_for(declare(spec), timeout * 2)
+    def run(target: _ConsumerTarget) -> None:
+        coroutine = asyncio.wait_for(declare(target), timeout * 2)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -1023,9 +1092,10 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
         with ThreadPoolExecutor(1) as pool:
             pool.submit(asyncio.run, coroutine).result()
 
-    for spec in config.streams:
+    for target in targets:
+        spec, gateway = target.spec, target.gateway
         try:
-            run(spec)
+            run(target)
         except ReaderRefused as exc:
             if exc.code in (ErrorCode.UNEXPECTED_FRAME, ErrorCode.RECOVERING) and (
                 "no stream called" in exc.text or exc.code is ErrorCode.RECOVERING
@@ -1033,15 +1103,15 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
                 log.info(
                     "stream %s: not on the gateway yet; its consumer is declared "
                     "with its first release",
-                    spec.name,
+                    target.log,
                 )
                 continue
             raise ConfigError(
                 f"{config.origin}: streams.{spec.name}: the gateway at {gateway} refused to "
-                f"declare consumer {spec.consumer!r} of stream {spec.name!r}: {exc.text}"
+                f"declare consumer {spec.consumer!r} of stream {target.log!r}: {exc.text}"
                 + (
                     f" (the token needs admin, or a consume pattern matching "
-                    f"{spec.name}/{spec.consumer}; or set consumer to one it may use)"
+                    f"{target.log}/{spec.consumer}; or set consumer to one it may use)"
                     if exc.code is ErrorCode.FORBIDDEN
                     else ""
                 )
@@ -1051,11 +1121,45 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
                 "cannot declare consumer %s of stream %s at the gateway %s now (%s); it is "
                 "declared with the first release",
                 spec.consumer,
-                spec.name,
+                target.log,
                 gateway,
                 exc,
             )
     return positions
+
+
+@dataclass(frozen=True, slots=True)
+class _ConsumerTarget:
+    """One stream log whose consumer the pipeline declares, and where it is."""
+
+    spec: StreamPipeline
+    #: The stream log: the stream itself, or (with a cluster) one partition's.
+    log: str
+    gateway: str
+    security: ClientSecurity
+
+
+def _consumer_targets(config: PipelineConfig) -> list[_ConsumerTarget]:
+    """Every stream log the pipeline's consumers are declared on: each stream on
+    the gateway, or each partition on the gateway that holds it."""
+    if config.cluster is not None:
+        from headgate.cluster import load_cluster
+        from headgate.spark.fleet import security_for
+
+        cluster = load_cluster(config.cluster)
+        return [
+            _ConsumerTarget(
+                spec,
+                partition.name,
+                cluster.gateways[partition.gateway].address,
+                security_for(cluster, partition.gateway, config.security),
+            )
+            for spec in config.streams
+            for partition in cluster.stream(spec.name).partitions
+        ]
+    if config.gateway is None:
+        return []
+    return [_ConsumerTarget(s, s.name, config.gateway, config.security) for s in config.streams]
 
 
 #: A key the pipeline leaves in the data source's shared environment once it is settled.
@@ -1173,7 +1277,7 @@ class Pipeline:
         self.spark = spark
         self.config = config
         self._gateway_releases: GatewayReleases | None = None
-        if release is None and config.gateway is not None:
+        if release is None and (config.gateway is not None or config.cluster is not None):
             self._gateway_releases = GatewayReleases(config)
             release = self._gateway_releases.release
         self._release = release
@@ -1286,7 +1390,13 @@ class Pipeline:
             .option("consumer", stream.consumer)
             .option("failOnDataLoss", "true" if stream.fail_on_data_loss else "false")
         )
-        if self.config.read_through_gateway:
+        if self.config.cluster is not None:
+            from headgate.spark.source import security_options
+
+            reader = reader.option("cluster", str(self.config.cluster))
+            for key, value in security_options(self.config.security).items():
+                reader = reader.option(key, value)
+        elif self.config.read_through_gateway:
             from headgate.spark.source import security_options
 
             reader = reader.option("gateway", self.config.gateway)

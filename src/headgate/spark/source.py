@@ -24,6 +24,20 @@ Options:
     touches the data directory. With admission control the driver fetches the
     frames it admits (their headers decide) over the network too. See
     :mod:`headgate.spark.remote`.
+``cluster``
+    A cluster file (:mod:`headgate.cluster`): read the partitioned streams
+    of a fleet of gateways, every partition through the gateway that holds
+    it, in parallel (each Spark partition reads one gateway). ``streams`` /
+    ``streamPattern`` then select partitioned streams by their names in the
+    file (without either, every one), and a named stream the file lacks is
+    refused. Offsets, ``startingOffsets`` and the ``stream`` column use the
+    partitions' log names (``orders.p0``, ``orders.p1``, ...), so an offset
+    is a position per partition, keys sorted. A partition appears once its
+    first record is written. A gateway that does not answer holds back only
+    its partitions: they keep the position the query has read them to, the
+    others go on, and they catch up when it returns. The token options
+    apply to every gateway; TLS comes from the cluster file's settings of
+    each gateway (see :func:`headgate.client.fleet.gateway_security`).
 ``streams`` / ``streamPattern``
     A comma-separated list of stream names, or a regex a whole name must
     match. Without either, every stream. Streams that appear later are read
@@ -54,7 +68,9 @@ Options:
     query starts without a checkpoint.
 ``consumer``
     The gateway consumer this query reads for (PROTOCOL.md, "Consumers"):
-    ``headgate pipeline`` releases each batch it commits as that consumer.
+    ``headgate pipeline`` releases each batch it commits as that consumer
+    (with ``cluster``: :class:`headgate.spark.fleet.FleetReleases` sends each
+    partition's release to its gateway).
     The query's progress names it (see below).
 ``failOnDataLoss``
     ``true`` (default): a batch whose start the log no longer holds (freed
@@ -75,7 +91,7 @@ Options:
 ``bytesPerPartition``
     Log bytes per Spark partition (default 32 MiB), cut at frame boundaries.
 ``tokenEnv`` / ``tokenFile`` / ``token``
-    With ``gateway``: the token for a gateway with a tokens file (it needs
+    With ``gateway`` or ``cluster``: the token for a gateway with a tokens file (it needs
     the ``read`` right on the streams). ``tokenEnv`` names an environment
     variable and ``tokenFile`` a file that hold it; the driver and every
     executor read it there when they connect, so set the variable on both
@@ -120,7 +136,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.sql.datasource import (
     DataSource,
@@ -145,6 +161,7 @@ from pyspark.sql.types import (
 )
 
 from headgate.client.security import ClientSecurity, SecurityError
+from headgate.cluster import Cluster, ClusterError, load_cluster
 from headgate.log.address import AddressError, RecordAddress
 from headgate.protocol.messages import is_valid_name
 from headgate.spark.decode import SourceError, StreamSlice, arrow_schema, read_slice
@@ -162,6 +179,9 @@ from headgate.spark.planning import (
     plan_slices,
     sorted_offset,
 )
+
+if TYPE_CHECKING:
+    from headgate.spark.fleet import FleetLogs
 
 __all__ = [
     "PROGRESS_KEY",
@@ -261,6 +281,10 @@ class SourceOptions:
     consumer: str | None = None
     #: ``failOnDataLoss``.
     fail_on_data_loss: bool = True
+    #: The fleet (``cluster``), or None; then ``selection`` names partition logs.
+    cluster: Cluster | None = None
+    #: With ``cluster``: the partitioned streams the query reads.
+    fleet_streams: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, raw: Mapping[str, str]) -> SourceOptions:
@@ -274,10 +298,11 @@ class SourceOptions:
                 f"{', '.join(sorted(_KNOWN_OPTIONS.values(), key=str.lower))}"
             )
         data_dir, gateway = options.get("path"), options.get("gateway")
-        if (data_dir is None) == (gateway is None):
+        cluster_path = options.get("cluster")
+        if sum(o is not None for o in (data_dir, gateway, cluster_path)) != 1:
             raise ValueError(
-                "headgate: set exactly one of option 'path' (a gateway's data directory) "
-                "and option 'gateway' (host:port)"
+                "headgate: set exactly one of option 'path' (a gateway's data directory), "
+                "option 'gateway' (host:port) and option 'cluster' (a cluster file)"
             )
         if gateway is not None:
             host, _, port = gateway.strip().rpartition(":")
@@ -287,7 +312,7 @@ class SourceOptions:
                     f"got {gateway!r}"
                 )
             gateway = gateway.strip()
-        security = _security(options, gateway is not None)
+        security = _security(options, gateway is not None or cluster_path is not None)
         names, pattern = options.get("streams"), options.get("streampattern")
         if names is not None and pattern is not None:
             raise ValueError("headgate: set option 'streams' or 'streamPattern', not both")
@@ -333,6 +358,17 @@ class SourceOptions:
             else tuple(n.strip() for n in names.split(",") if n.strip()),
             pattern=pattern,
         )
+        cluster: Cluster | None = None
+        fleet_streams: tuple[str, ...] = ()
+        if cluster_path is not None:
+            cluster, fleet_streams = _fleet(cluster_path, selection)
+            # The partitions' logs: a partition appears with its first record.
+            selection = StreamSelection(
+                names=tuple(
+                    sorted(p.name for s in fleet_streams for p in cluster.stream(s).partitions)
+                )
+            )
+            missing = "wait"
         return cls(
             data_dir=data_dir,
             gateway=gateway,
@@ -358,7 +394,27 @@ class SourceOptions:
             starting_timestamp_us=_timestamp_us(options.get("startingtimestamp")),
             consumer=consumer,
             fail_on_data_loss=fail_text == "true",
+            cluster=cluster,
+            fleet_streams=fleet_streams,
         )
+
+
+def _fleet(path: str, selection: StreamSelection) -> tuple[Cluster, tuple[str, ...]]:
+    """The cluster file, and the partitioned streams of it that ``selection`` picks."""
+    try:
+        cluster = load_cluster(path.strip())
+    except ClusterError as error:
+        raise ValueError(f"headgate: option 'cluster': {error}") from None
+    if selection.names is not None:
+        unknown = [n for n in selection.names if n not in cluster.streams]
+        if unknown:
+            raise ValueError(
+                f"headgate: option 'streams': the cluster file {path} has no partitioned "
+                f"stream {', '.join(map(repr, unknown))} (it has: "
+                f"{', '.join(cluster.streams) or 'none'})"
+            )
+        return cluster, tuple(selection.names)
+    return cluster, tuple(s for s in cluster.streams if selection.matches(s))
 
 
 def _timestamp_us(text: str | None) -> int | None:
@@ -420,6 +476,7 @@ _KNOWN_OPTIONS = {
     for name in (
         "path",
         "gateway",
+        "cluster",
         "streams",
         "streamPattern",
         "startingOffsets",
@@ -455,13 +512,13 @@ def security_options(security: ClientSecurity) -> dict[str, str]:
 
 
 def _security(options: Mapping[str, str], remote: bool) -> ClientSecurity:
-    """The token and TLS options, checked (they make sense only with ``gateway``)."""
+    """The token and TLS options, checked (they make sense only with ``gateway`` or ``cluster``)."""
     given = {key: options[key] for key in _SECURITY_OPTIONS if key in options}
     if not given:
         return ClientSecurity()
     if not remote:
         names = ", ".join(repr(_SECURITY_OPTIONS[k]) for k in given)
-        raise ValueError(f"headgate: option {names} needs option 'gateway'")
+        raise ValueError(f"headgate: option {names} needs option 'gateway' (or 'cluster')")
     for key, value in given.items():
         if not value.strip():
             raise ValueError(f"headgate: option {_SECURITY_OPTIONS[key]!r} is empty")
@@ -536,7 +593,14 @@ class _Planner:
     def __init__(self, options: SourceOptions) -> None:
         self.options = options
         self.logs: Logs
-        if options.gateway is not None:
+        self.fleet: FleetLogs | None = None
+        if options.cluster is not None:
+            from headgate.spark.fleet import FleetLogs
+
+            self.logs = self.fleet = FleetLogs(
+                options.cluster, options.fleet_streams, options.security
+            )
+        elif options.gateway is not None:
             from headgate.spark.remote import GatewayLogs
 
             self.logs = GatewayLogs(options.gateway, options.selection, options.security)
@@ -610,7 +674,9 @@ class _Planner:
             earliest = self.logs.earliest(stream)
         except SourceError:
             if stream in start:  # gone: say how far the query had read it
-                self.logs.latest(stream, read_up_to=position)
+                held = self.logs.latest(stream, read_up_to=position)
+                if self.fleet is not None and held == position:
+                    return value  # its gateway is down: the partition waits where it is
             raise
         if position >= earliest:
             return value
@@ -698,6 +764,8 @@ class _Planner:
             if begin.index:
                 inside[stream] = begin
         planned = plan_slices(self.logs, ranges, self.options.bytes_per_partition)
+        if self.fleet is not None:
+            return self._fleet_partitions(self.fleet, planned, inside)
         return [
             HeadgatePartition(
                 tuple(_skipping(piece, inside) for piece in p),
@@ -706,6 +774,32 @@ class _Planner:
                 self.options.security if self.options.gateway is not None else None,
             )
             for p in planned
+        ]
+
+    def _fleet_partitions(
+        self,
+        fleet: FleetLogs,
+        planned: Sequence[Sequence[StreamSlice]],
+        inside: Mapping[str, RecordAddress],
+    ) -> list[HeadgatePartition]:
+        """One Spark partition per planned share and gateway, with that gateway's security."""
+        from headgate.spark.fleet import by_gateway, security_for
+
+        security = {
+            fleet.address(piece.stream): security_for(
+                fleet.cluster, fleet.partition(piece.stream).gateway, self.options.security
+            )
+            for pieces in planned
+            for piece in pieces
+        }
+        return [
+            HeadgatePartition(
+                tuple(_skipping(piece, inside) for piece in pieces),
+                None,
+                address,
+                security[address],
+            )
+            for address, pieces in by_gateway(fleet, planned)
         ]
 
     def close(self) -> None:
