@@ -146,11 +146,15 @@ def test_two_blocking_consumers_the_slow_one_throttles_and_the_log_is_freed_to_t
             # The slow one commits a little: the log is freed to it, not further.
             slow.poll(max_bytes=8 * KiB)
             assert 0 < slow.position < fast.position
+            # The log frees once the positions are stored (off the loop).
+            assert stream.log.release_position == 0
+            await gw.consumers_saved()
             assert stream.log.release_position == slow.position
             # Both keep reading: the producer finishes, both outputs are whole.
             while not task.done():
                 fast.poll()
                 slow.poll()
+                await gw.consumers_saved()
                 assert stream.log.release_position == min(fast.position, slow.position)
                 await asyncio.sleep(0.01)
             await task
@@ -195,6 +199,7 @@ def test_a_stalled_non_blocking_consumer_does_not_slow_producers_and_gets_its_ou
             main = Consumer(gw, tmp_path, "A", "main")
             await main.run_until(task)  # "live" never reads nor releases
             await task
+            await gw.consumers_saved()
             stream = gw.streams["A"]
             oldest = stream.log.release_position
             assert oldest > CAPACITY  # the log freed what "live" had not read
@@ -302,6 +307,7 @@ def test_a_refused_release_is_a_clear_error_and_moves_no_consumer(
             log = gw.streams["s"].log
             first = log.read(0, log.durable_position)[0]
             gw.release("s", first.end_position, "a")
+            await gw.consumers_saved()
             before = positions(gw, "s")
             on_disk = stored(tmp_path, "s")
             consumer, position, code = {
@@ -485,10 +491,13 @@ def test_a_sigkilled_gateway_keeps_every_consumers_position(tmp_path: Path) -> N
 
         run(fetch(), timeout=30)
         archive_at, live_at = ends[len(ends) // 3], ends[2 * len(ends) // 3]
-        for consumer, position in [("archive", archive_at), ("live", live_at)]:
+        for consumer, position in [("live", live_at), ("archive", archive_at)]:
             with ReleaseClient(address, consumer=consumer) as client:
                 client.release("s", position)
                 assert client.flush(10)
+        # Killed as soon as the log is freed to archive's position: the save
+        # that allowed it (holding live's position too) is on disk by then.
+        run(freed_to(address, "s", archive_at), timeout=10)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -509,6 +518,17 @@ def test_a_sigkilled_gateway_keeps_every_consumers_position(tmp_path: Path) -> N
             await gw.stop()
 
     run(reopened(), timeout=30)
+
+
+async def freed_to(address: tuple[str, int], stream: str, position: int) -> None:
+    """Wait (polled, 5 s at most) until the gateway has freed ``stream``'s log to ``position``."""
+    async with Reader(address) as reader:
+        for _ in range(500):
+            (info,) = [i for i in await reader.list_streams() if i.stream == stream]
+            if info.start_position >= position:
+                break
+            await asyncio.sleep(0.01)
+    assert info.start_position == position
 
 
 def test_an_old_data_directory_opens_with_its_release_position_as_the_default_consumer(
@@ -737,6 +757,7 @@ def test_a_consumer_reset_to_earliest_or_a_time_replays_the_original_records(
                 # Deleting the consumer that held the log frees it to the other one.
                 await reader.release("s", latest, "audit")
                 await reader.list_consumers("s")  # the Release is applied before this answer
+                await gw.consumers_saved()  # and frees the log once stored
                 assert gw.streams["s"].log.release_position == latest
                 await reader.reset_consumer("s", "archive", m.ResetTo.EARLIEST)
                 assert gw.streams["s"].log.release_position == latest  # nothing to go back to
@@ -921,6 +942,7 @@ def test_a_release_client_can_declare_its_consumer_before_releasing(tmp_path: Pa
                     return client.flush(10) and client.statistics().refusals == 0
 
             assert await asyncio.to_thread(release)
+            await gw.consumers_saved()
             # The first blocking consumer declared at run time takes over the
             # implicit one (nobody declared it): it alone holds the log now.
             assert positions(gw, "s") == {"archive": end}

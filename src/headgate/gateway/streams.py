@@ -84,6 +84,7 @@ from headgate.gateway.consumers import (
     ConsumerBook,
     ConsumerStatistics,
     IdleAction,
+    PendingSave,
     consumers_file,
     free_position,
 )
@@ -999,9 +1000,9 @@ class Stream:
                 w.session.send_global(
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
                 )
-        if self.consumers.unsaved:
-            self._save_consumers()
-        # Consumers may have committed past what was durable: free on as it is.
+        # Consumers may have committed past what was durable: free on as it
+        # is (a save of their positions goes on off the loop, see
+        # begin_consumer_save; a failed one is retried after each commit).
         self._free_to_floor()
 
     # -- release and credit --------------------------------------------------------
@@ -1017,7 +1018,10 @@ class Stream:
         freed as the log becomes durable), and the freed space is shared
         out. A position at or below the consumer's is a no-op (a Release
         sent twice). Nothing moves unless every check passes. Returns
-        whether the consumer moved (its file was written).
+        whether the consumer moved. Its position is stored by the next save
+        off the loop (:meth:`begin_consumer_save`, which the gateway starts),
+        and frees the log only once that save is on disk: the crash rule of
+        :mod:`headgate.gateway.consumers`.
 
         Raises:
             ProtocolError: an unknown consumer (UNKNOWN_CONSUMER); a position
@@ -1029,9 +1033,33 @@ class Stream:
             return False
         self._check_release(consumer, position)
         self.consumers.commit(target, position, now)
-        self._save_consumers()
-        self._free_to_floor()
         return True
+
+    def begin_consumer_save(self) -> PendingSave | None:
+        """The consumers' save to write off the loop now, or None (saved, or one in flight).
+
+        One save in flight per stream: Releases that arrive while it is
+        written go into the next one, so their writes coalesce. The caller
+        writes it with :meth:`ConsumerBook.write` (any thread) and then calls
+        :meth:`end_consumer_save` on the loop.
+        """
+        book = self.consumers
+        if book.saving or not book.unsaved:
+            return None
+        book.saving = True
+        return book.prepare_save()
+
+    def end_consumer_save(self, pending: PendingSave, error: OSError | None) -> None:
+        """A save from :meth:`begin_consumer_save` ended: free the log up to what it stored."""
+        book = self.consumers
+        book.saving = False
+        if error is not None:
+            book.save_failed()
+            self._report_consumer_save(error)
+            return
+        self._report_consumer_save(None)
+        book.saved_as(pending)
+        self._free_to_floor()
 
     def _check_release(self, consumer: str, position: int) -> None:
         """Raise unless ``position`` is a frame boundary a consumer can have read to."""
@@ -1067,18 +1095,24 @@ class Stream:
         try:
             self.consumers.save()
         except OSError as exc:
+            self._report_consumer_save(exc)
+        else:
+            self._report_consumer_save(None)
+
+    def _report_consumer_save(self, error: OSError | None) -> None:
+        """Log a failed save of the consumers once, until one succeeds again."""
+        if error is not None:
             if not self._consumers_unsaved_logged:
                 log.warning(
                     "stream %s: consumer positions not stored (the log frees nothing past "
                     "the stored ones until they are; tried again at each commit): %s",
                     self.name,
-                    exc,
+                    error,
                 )
                 self._consumers_unsaved_logged = True
-        else:
-            if self._consumers_unsaved_logged:
-                log.warning("stream %s: consumer positions stored again", self.name)
-                self._consumers_unsaved_logged = False
+        elif self._consumers_unsaved_logged:
+            log.warning("stream %s: consumer positions stored again", self.name)
+            self._consumers_unsaved_logged = False
 
     def _free_to_floor(self) -> None:
         """Free the log up to what every blocking consumer has stored, as far as it is durable.
@@ -1664,4 +1698,7 @@ class Stream:
             self._settle_durable()
             if self._durable_dedup_position != self._snapshot_position:
                 self._try_snapshot()
+        if self.consumers.unsaved:
+            # Releases since the last save (the gateway waited for any in flight).
+            self._save_consumers()
         self.log.close()
