@@ -43,6 +43,8 @@ class Served:
 
     def stats(self, stream: str) -> StreamStatistics:
         async def snapshot() -> StreamStatistics:
+            # After the releases so far are stored: the log frees only then.
+            await self.gateway.consumers_saved()
             return self.gateway.streams[stream].statistics()
 
         result: StreamStatistics = self.loop.run(snapshot(), 10)

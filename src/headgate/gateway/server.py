@@ -1717,7 +1717,7 @@ class Gateway:
             return False
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        moved = stream.release(position, consumer, now=time.monotonic())
+        moved = stream.release(position, consumer, now=time.monotonic(), store=False)
         if moved:
             stream.released_at_us = time.time_ns() // 1000
             self.save_consumers(stream)
@@ -1763,6 +1763,8 @@ class Gateway:
         if error is not None:
             self.mark_dirty(stream)  # the next group commit tries again
             return
+        # The next group commit deletes the terms this save freed.
+        self.mark_dirty(stream)
         self.rebalance(stream, time.monotonic())
         stream.flush_writers()
         self.save_consumers(stream)  # the Releases that came in meanwhile

@@ -1008,7 +1008,12 @@ class Stream:
     # -- release and credit --------------------------------------------------------
 
     def release(
-        self, position: int, consumer: str = m.DEFAULT_CONSUMER, *, now: float | None = None
+        self,
+        position: int,
+        consumer: str = m.DEFAULT_CONSUMER,
+        *,
+        now: float | None = None,
+        store: bool = True,
     ) -> bool:
         """Consumer ``consumer`` committed everything before ``position``: store it, free the log.
 
@@ -1018,10 +1023,11 @@ class Stream:
         freed as the log becomes durable), and the freed space is shared
         out. A position at or below the consumer's is a no-op (a Release
         sent twice). Nothing moves unless every check passes. Returns
-        whether the consumer moved. Its position is stored by the next save
-        off the loop (:meth:`begin_consumer_save`, which the gateway starts),
-        and frees the log only once that save is on disk: the crash rule of
-        :mod:`headgate.gateway.consumers`.
+        whether the consumer moved. The log frees only once the position is
+        on disk (the crash rule of :mod:`headgate.gateway.consumers`):
+        ``store`` stores it here and now; the gateway passes False and
+        stores it off the loop, coalesced with other Releases
+        (:meth:`begin_consumer_save`).
 
         Raises:
             ProtocolError: an unknown consumer (UNKNOWN_CONSUMER); a position
@@ -1033,6 +1039,9 @@ class Stream:
             return False
         self._check_release(consumer, position)
         self.consumers.commit(target, position, now)
+        if store:
+            self._save_consumers()
+            self._free_to_floor()
         return True
 
     def begin_consumer_save(self) -> PendingSave | None:
@@ -1173,14 +1182,17 @@ class Stream:
                 return True
         if position <= log_.release_position:
             return True
-        # Frames being reclaimed must stay recognisable as duplicates.
-        try:
-            self._write_snapshot()
-        except OSError as exc:
-            # A full disk: keep the space until the snapshot can be written
-            # (the next commit of this stream tries again).
-            log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
-            return False
+        # Frames being reclaimed must stay recognisable as duplicates: a
+        # snapshot on disk at or past ``position`` holds them already (it is
+        # written on the loop, so this spares most frees an fsync there).
+        if self._snapshot_position is None or self._snapshot_position < position:
+            try:
+                self._write_snapshot()
+            except OSError as exc:
+                # A full disk: keep the space until the snapshot can be written
+                # (the next commit of this stream tries again).
+                log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
+                return False
         if self.consumers.behind(position):
             # A non-blocking consumer loses these frames: count their records.
             try:
