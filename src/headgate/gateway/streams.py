@@ -1237,8 +1237,9 @@ class Stream:
         Raises:
             ProtocolError: it exists with other settings.
         """
+        known = set(self.consumers.consumers)
         consumer = self.consumers.declare(name, settings, self.log.release_position, origin=origin)
-        created = self.consumers.unsaved
+        created = name not in known
         if created:
             self._save_consumers()
             log.info(
@@ -1348,7 +1349,9 @@ class Stream:
                     consumer.position,
                     self.log.durable_position,
                 )
-        if self.consumers.unsaved:
+        if any(action.policy == "detach" for action in actions):
+            # Stored before it frees anything (Releases pending beside it go
+            # along; they alone are left to the gateway's save off the loop).
             self._save_consumers()
             self._free_to_floor()
         return actions
