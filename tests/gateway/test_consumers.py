@@ -598,8 +598,8 @@ def test_releases_coalesce_into_few_writes_and_a_slow_fsync_does_not_hold_the_lo
     import os
 
     from headgate.gateway import consumers as consumers_module
+    from headgate.gateway.dedup import write_json_durably as real_write
 
-    real_write = consumers_module.write_json_durably
     real_fsync = os.fsync
     writes: list[int] = []
     fsyncs: list[float] = []
@@ -656,7 +656,7 @@ def test_releases_coalesce_into_few_writes_and_a_slow_fsync_does_not_hold_the_lo
     run(scenario(), timeout=30)
 
 
-async def freed_to(address: tuple[str, int], stream: str, position: int) -> None:
+async def freed_to(address: str, stream: str, position: int) -> None:
     """Wait (polled, 5 s at most) until the gateway has freed ``stream``'s log to ``position``."""
     async with Reader(address) as reader:
         for _ in range(500):
