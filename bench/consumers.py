@@ -163,6 +163,7 @@ async def main_async(args: argparse.Namespace, address: str, pid: int, data: Pat
 
 
 def main() -> None:
+    global RELEASE_EVERY_S
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="300k records per case")
     parser.add_argument("--records", type=int, default=2_000_000)
@@ -170,7 +171,6 @@ def main() -> None:
         "--release-every-ms", type=float, default=RELEASE_EVERY_S * 1000, help="consumers' pace"
     )
     args = parser.parse_args()
-    global RELEASE_EVERY_S
     RELEASE_EVERY_S = args.release_every_ms / 1000
     if args.quick:
         args.records = 300_000
