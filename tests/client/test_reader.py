@@ -140,6 +140,7 @@ async def test_describe_streams_says_when_a_release_last_moved_each_stream(
         before = time.time_ns() // 1000
         await asyncio.to_thread(release_over_the_wire, first)
         after = time.time_ns() // 1000
+        await gw.consumers_saved()  # the log frees once the position is stored
         async with Reader(address(gw)) as reader:
             a, b = await reader.describe_streams()
         assert a.info.start_position == first
@@ -152,6 +153,7 @@ async def test_describe_streams_says_when_a_release_last_moved_each_stream(
         async with Reader(address(gw)) as reader:
             assert (await reader.describe_streams())[0].released_at_us == a.released_at_us
         gw.release("a", second)
+        await gw.consumers_saved()
         async with Reader(address(gw)) as reader:
             moved = (await reader.describe_streams())[0]
         assert moved.info.start_position == second

@@ -43,6 +43,8 @@ class Served:
 
     def stats(self, stream: str) -> GatewayStreamStatistics:
         async def snapshot() -> GatewayStreamStatistics:
+            # After the releases so far are stored: the log frees only then.
+            await self.gateway.consumers_saved()
             return self.gateway.streams[stream].statistics()
 
         result: GatewayStreamStatistics = self.loop.run(snapshot(), 10)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -146,11 +147,15 @@ def test_two_blocking_consumers_the_slow_one_throttles_and_the_log_is_freed_to_t
             # The slow one commits a little: the log is freed to it, not further.
             slow.poll(max_bytes=8 * KiB)
             assert 0 < slow.position < fast.position
+            # The log frees once the positions are stored (off the loop).
+            assert stream.log.release_position == 0
+            await gw.consumers_saved()
             assert stream.log.release_position == slow.position
             # Both keep reading: the producer finishes, both outputs are whole.
             while not task.done():
                 fast.poll()
                 slow.poll()
+                await gw.consumers_saved()
                 assert stream.log.release_position == min(fast.position, slow.position)
                 await asyncio.sleep(0.01)
             await task
@@ -195,6 +200,7 @@ def test_a_stalled_non_blocking_consumer_does_not_slow_producers_and_gets_its_ou
             main = Consumer(gw, tmp_path, "A", "main")
             await main.run_until(task)  # "live" never reads nor releases
             await task
+            await gw.consumers_saved()
             stream = gw.streams["A"]
             oldest = stream.log.release_position
             assert oldest > CAPACITY  # the log freed what "live" had not read
@@ -302,6 +308,7 @@ def test_a_refused_release_is_a_clear_error_and_moves_no_consumer(
             log = gw.streams["s"].log
             first = log.read(0, log.durable_position)[0]
             gw.release("s", first.end_position, "a")
+            await gw.consumers_saved()
             before = positions(gw, "s")
             on_disk = stored(tmp_path, "s")
             consumer, position, code = {
@@ -485,10 +492,13 @@ def test_a_sigkilled_gateway_keeps_every_consumers_position(tmp_path: Path) -> N
 
         run(fetch(), timeout=30)
         archive_at, live_at = ends[len(ends) // 3], ends[2 * len(ends) // 3]
-        for consumer, position in [("archive", archive_at), ("live", live_at)]:
+        for consumer, position in [("live", live_at), ("archive", archive_at)]:
             with ReleaseClient(address, consumer=consumer) as client:
                 client.release("s", position)
                 assert client.flush(10)
+        # Killed as soon as the log is freed to archive's position: the save
+        # that allowed it (holding live's position too) is on disk by then.
+        run(freed_to(address, "s", archive_at), timeout=10)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -509,6 +519,152 @@ def test_a_sigkilled_gateway_keeps_every_consumers_position(tmp_path: Path) -> N
             await gw.stop()
 
     run(reopened(), timeout=30)
+
+
+def test_releases_in_quick_succession_then_a_sigkill_keep_every_position_that_freed_space(
+    tmp_path: Path,
+) -> None:
+    """Releases are stored off the loop and coalesced: a kill loses none that freed the log."""
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        "[gateway]\nterm_length = 65536\nmax_message_size = 16384\n[streams.s.consumers.archive]\n"
+    )
+    data = tmp_path / "data"
+    proc, address = serve(data, "--config", str(config))
+    ends: list[int] = []
+    freed_seen: list[int] = [0]
+    try:
+
+        async def produce() -> None:
+            async with Producer(address, linger_ms=1, max_batch_bytes=512) as p:
+                for value in records("q" * 50, 3000):
+                    await p.send("s", value)
+                await p.flush("s")
+            async with Reader(address) as reader:
+                batches, _ = await reader.fetch_all("s", 0)
+            ends.extend(b.header.end_position for b in batches)
+
+        run(produce(), timeout=30)
+        assert len(ends) >= 200
+
+        async def release_then_kill() -> None:
+            async with Reader(address) as releaser, Reader(address) as watcher:
+                done = asyncio.Event()
+
+                async def watch() -> None:
+                    while not done.is_set():
+                        (info,) = [i for i in await watcher.list_streams() if i.stream == "s"]
+                        freed_seen[0] = max(freed_seen[0], info.start_position)
+                        await asyncio.sleep(0.001)
+
+                watching = asyncio.create_task(watch())
+                for i, end in enumerate(ends[:200]):
+                    await releaser.release("s", end, "archive")
+                    if i % 10 == 9:
+                        await asyncio.sleep(0.002)
+                await releaser.list_streams()  # every Release above is applied
+                done.set()
+                await watching
+                proc.send_signal(signal.SIGKILL)
+
+        run(release_then_kill(), timeout=30)
+        proc.wait(10)
+    finally:
+        stop(proc)
+    assert freed_seen[0] > 0, "the log was freed before the kill"
+
+    async def reopened() -> None:
+        cfg = load_gateway_config(config, listen=("127.0.0.1", 0), data_dir=data)
+        gw = Gateway(cfg)
+        await gw.start()
+        try:
+            stream = gw.stream("s")
+            at = positions(gw, "s")["archive"]
+            # Every position that freed space before the kill is stored, and
+            # the consumer never stands behind what the log holds.
+            assert at in ends[:200]
+            assert at >= freed_seen[0]
+            assert at >= stream.log.release_position
+        finally:
+            await gw.stop()
+
+    run(reopened(), timeout=30)
+
+
+def test_releases_coalesce_into_few_writes_and_a_slow_fsync_does_not_hold_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fsync takes 50 ms: Releases still answer at once and share a handful of writes."""
+    import os
+
+    from headgate.gateway import consumers as consumers_module
+    from headgate.gateway.dedup import write_json_durably as real_write
+
+    real_fsync = os.fsync
+    writes: list[int] = []
+    fsyncs: list[float] = []
+
+    on_loop: list[int] = []
+
+    def counted_write(path: Path, body: Any) -> None:
+        position = max(c["position"] for c in body["consumers"])
+        writes.append(position)
+        if threading.current_thread() is threading.main_thread():
+            on_loop.append(position)
+        real_write(path, body)
+
+    def slow_fsync(fd: int) -> None:
+        fsyncs.append(time.monotonic())
+        time.sleep(0.05)
+        real_fsync(fd)
+
+    settings = StreamSettings(consumers=consumers(a=BLOCKING, holder=BLOCKING))
+
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL, streams={"s": settings}) as gw:
+            async with Producer(gw.address, linger_ms=1, max_batch_bytes=512) as p:
+                for value in records("x" * 30, 2000):
+                    await p.send("s", value)
+                await p.flush("s")
+            log = gw.streams["s"].log
+            ends = [f.end_position for f in log.read(0, log.durable_position)]
+            assert len(ends) >= 60
+            async with Reader(gw.address) as reader:
+                await reader.list_streams()
+                monkeypatch.setattr(consumers_module, "write_json_durably", counted_write)
+                monkeypatch.setattr(os, "fsync", slow_fsync)
+                slowest = 0.0
+                for end in ends[:60]:
+                    await reader.release("s", end, "a")
+                    started = time.monotonic()
+                    await reader.list_streams()  # answered after the Release
+                    slowest = max(slowest, time.monotonic() - started)
+                await gw.consumers_saved()
+                monkeypatch.setattr(os, "fsync", real_fsync)
+            assert fsyncs, "the slow fsync was in the path"
+            # A write (two fsyncs: file and directory) takes 100 ms; on the
+            # loop it would hold every answer behind it that long.
+            assert slowest < 0.04, slowest
+            assert on_loop == []  # not even the housekeeping pass writes them there
+            # 60 Releases in well under a second: a few coalesced writes,
+            # the last one holding the last position.
+            assert 1 <= len(writes) <= 12, writes
+            assert writes[-1] == ends[59]
+            assert positions(gw, "s") == {"a": ends[59], "holder": 0}
+            assert stored(tmp_path, "s")["a"]["position"] == ends[59]
+
+    run(scenario(), timeout=30)
+
+
+async def freed_to(address: str, stream: str, position: int) -> None:
+    """Wait (polled, 5 s at most) until the gateway has freed ``stream``'s log to ``position``."""
+    async with Reader(address) as reader:
+        for _ in range(500):
+            (info,) = [i for i in await reader.list_streams() if i.stream == stream]
+            if info.start_position >= position:
+                break
+            await asyncio.sleep(0.01)
+    assert info.start_position == position
 
 
 def test_an_old_data_directory_opens_with_its_release_position_as_the_default_consumer(
@@ -737,6 +893,7 @@ def test_a_consumer_reset_to_earliest_or_a_time_replays_the_original_records(
                 # Deleting the consumer that held the log frees it to the other one.
                 await reader.release("s", latest, "audit")
                 await reader.list_consumers("s")  # the Release is applied before this answer
+                await gw.consumers_saved()  # and frees the log once stored
                 assert gw.streams["s"].log.release_position == latest
                 await reader.reset_consumer("s", "archive", m.ResetTo.EARLIEST)
                 assert gw.streams["s"].log.release_position == latest  # nothing to go back to
@@ -921,6 +1078,7 @@ def test_a_release_client_can_declare_its_consumer_before_releasing(tmp_path: Pa
                     return client.flush(10) and client.statistics().refusals == 0
 
             assert await asyncio.to_thread(release)
+            await gw.consumers_saved()
             # The first blocking consumer declared at run time takes over the
             # implicit one (nobody declared it): it alone holds the log now.
             assert positions(gw, "s") == {"archive": end}

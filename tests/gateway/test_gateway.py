@@ -324,6 +324,7 @@ async def earn(peer: RawPeer, handle: int, gw: Gateway, stream: str, least: floa
         sequence = await write_what_fits(peer, handle, sequence)
         await peer.until(lambda n=sequence: peer.acked(handle) == n)
         gw.release(stream, gw.streams[stream].log.durable_position)
+        await gw.consumers_saved()  # credit follows once the position is stored
         await peer.pump()
     assert held() >= least
     return sequence
@@ -353,6 +354,7 @@ async def test_two_writers_of_one_stream_share_its_capacity(gateway: Gateway) ->
         await first.until(lambda n=s1: first.acked(h1) == n)
         await second.until(lambda n=s2: second.acked(h2) == n)
         gateway.release("shared", stream.log.durable_position)
+        await gateway.consumers_saved()  # credit follows once the position is stored
         await first.pump()
         await second.pump()
     # While both write, each holds half. (Once quiet, each falls back to a first grant.)

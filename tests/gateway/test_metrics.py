@@ -81,6 +81,7 @@ async def test_the_endpoint_reports_streams_and_connections_and_follows_traffic(
 
         # Spark releases: the release position and the fill follow.
         gw.release("watched", int(row["stream_durable_position"]))
+        await gw.consumers_saved()  # the log frees once the position is stored
         released = await scrape(gw)
         assert released.streams["watched"]["stream_release_position"] == row["stream_tail_position"]
         assert released.streams["watched"]["stream_fill_ratio"] < row["stream_fill_ratio"]

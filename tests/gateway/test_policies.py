@@ -224,6 +224,7 @@ def test_xonxoff_pauses_the_connection_at_xoff_and_resumes_it_at_xon(tmp_path: P
             # Below xon: XON.
             below = min(e for e in ends if tail - e <= xon)
             gw.release("X", below)
+            await gw.consumers_saved()  # the log frees once the position is stored
             assert not conn.reading_paused
             assert flow.statistics().resumes == 1
 

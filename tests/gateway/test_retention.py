@@ -69,6 +69,7 @@ def test_released_data_stays_readable_inside_the_retention_and_a_reset_replays_i
             for name in ("s", "plain"):
                 archive = Consumer(gw, tmp_path, name, "archive")
                 archive.poll()  # reads everything and releases it
+                await gw.consumers_saved()  # the log frees once stored
                 archive.close()
             stream, end = gw.streams["s"], gw.streams["s"].log.durable_position
             assert end < RETAIN
@@ -113,6 +114,7 @@ def test_retained_bytes_never_reduce_the_producers_credit_and_stay_within_the_bu
                 await asyncio.sleep(0.005)
             await sender
             archive.poll()
+            await gw.consumers_saved()  # the log frees once stored
             assert stream is not None
             end = stream.log.durable_position
             assert stream.consumed_position == end
@@ -140,6 +142,7 @@ def test_a_restart_keeps_the_retained_data_and_the_consumed_position(tmp_path: P
             await produce(gw.address, original)
             archive = Consumer(gw, tmp_path, "s", "archive")
             archive.poll()
+            await gw.consumers_saved()  # the log frees once stored
             archive.close()
             return gw.streams["s"].log.durable_position
 
@@ -169,6 +172,7 @@ def test_retained_data_older_than_retain_seconds_is_freed(tmp_path: Path) -> Non
             await produce(gw.address, records("r", 500))
             archive = Consumer(gw, tmp_path, "s", "archive")
             archive.poll()
+            await gw.consumers_saved()  # the log frees once stored
             archive.close()
             stream = gw.streams["s"]
             assert stream.log.release_position == 0 < stream.consumed_position
@@ -204,6 +208,7 @@ def test_a_reload_that_drops_the_retention_frees_the_retained_data(tmp_path: Pat
             await produce(gw.address, records("r", 500))
             archive = Consumer(gw, tmp_path, "s", "archive")
             archive.poll()
+            await gw.consumers_saved()  # the log frees once stored
             archive.close()
             stream = gw.streams["s"]
             assert stream.log.capacity == CAPACITY + RETAIN

@@ -18,7 +18,13 @@ with the crash rule of every gateway state file
 old file or the new one. The log frees only up to what the file on disk
 allows (:attr:`Consumer.saved`), and the file is written before the log's
 release position moves, so after any crash every blocking consumer's
-stored position is at or after the log's release position. A data
+stored position is at or after the log's release position. A Release only
+marks the book unsaved; the gateway writes it off the event loop
+(:meth:`ConsumerBook.prepare_save` on the loop, :meth:`ConsumerBook.write`
+in a thread, :meth:`ConsumerBook.saved_as` back on the loop), one save in
+flight per stream: every Release that arrives while one is written goes
+into the next, so many Releases cost one write, and the freeing they allow
+waits for it. A data
 directory without the file (one from before consumers) gets one consumer,
 :data:`~headgate.protocol.messages.DEFAULT_CONSUMER`, at the log's release
 position: exactly the single consumer it had.
@@ -29,6 +35,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +52,7 @@ __all__ = [
     "ConsumerBook",
     "ConsumerStatistics",
     "IdleAction",
+    "PendingSave",
     "consumers_file",
     "free_position",
 ]
@@ -181,6 +189,18 @@ class IdleAction:
     idle_for: float
 
 
+@dataclass(frozen=True, slots=True)
+class PendingSave:
+    """One save of a consumers file, taken on the loop and written elsewhere."""
+
+    #: Its place in the book's saves: a later one supersedes it.
+    number: int
+    #: The file's content.
+    body: dict[str, Any]
+    #: Each consumer's committed position as it was taken.
+    positions: dict[str, int]
+
+
 class ConsumerBook:
     """The consumers of one stream, their rules, and their file. Create with :meth:`load`."""
 
@@ -190,6 +210,17 @@ class ConsumerBook:
         self.consumers = consumers
         #: Whether a position or setting in memory is not on disk yet.
         self.unsaved = False
+        #: Whether a save is being written off the loop (the gateway starts
+        #: the next one only after it, so Releases meanwhile coalesce).
+        self.saving = False
+        #: Files written so far (every save, wherever it ran).
+        self.writes = 0
+        self._taken = 0  # saves taken (numbers handed out)
+        self._written = 0  # the newest save on disk
+        self._applied = 0  # the newest save whose positions ``saved`` holds
+        #: Serialises writes of the file: a save on the loop (an admin
+        #: change) and one in the writer thread never write it at once.
+        self._write_lock = threading.Lock()
 
     @classmethod
     def load(
@@ -548,17 +579,63 @@ class ConsumerBook:
     # -- the file -----------------------------------------------------------------
 
     def save(self) -> None:
-        """Store every consumer's committed position and settings (raises OSError).
+        """Store every consumer's committed position and settings now (raises OSError).
 
-        Only once this returned may the log free up to the new positions.
+        On the calling thread (the loop, for the rare changes an answer
+        waits on: declare, reset, delete, detach). Only once this returned
+        may the log free up to the new positions.
         """
+        pending = self.prepare_save()
+        try:
+            self.write(pending)
+        except OSError:
+            self.unsaved = True
+            raise
+        self.saved_as(pending)
+
+    def prepare_save(self) -> PendingSave:
+        """Take a save of what is in memory now (on the loop); write it with :meth:`write`.
+
+        The book counts as saved from here; a failed write makes it unsaved
+        again (:meth:`save_failed`), a Release meanwhile too.
+        """
+        self._taken += 1
         records = [c.record() for c in self.consumers.values()]
-        write_json_durably(
-            self.path, {"version": _FILE_VERSION, "stream": self.stream, "consumers": records}
-        )
-        for consumer in self.consumers.values():
-            consumer.saved = consumer.position
         self.unsaved = False
+        return PendingSave(
+            self._taken,
+            {"version": _FILE_VERSION, "stream": self.stream, "consumers": records},
+            {c.name: c.position for c in self.consumers.values()},
+        )
+
+    def write(self, pending: PendingSave) -> None:
+        """Write ``pending`` durably; from any thread (raises OSError).
+
+        A save older than the one on disk is not written: the file only moves forward.
+        """
+        with self._write_lock:
+            if pending.number <= self._written:
+                return
+            write_json_durably(self.path, pending.body)
+            self._written = pending.number
+            self.writes += 1
+
+    def saved_as(self, pending: PendingSave) -> None:
+        """``pending`` is on disk (on the loop): the log may free up to its positions.
+
+        A save that completes after a newer one was applied changes nothing.
+        """
+        if pending.number <= self._applied:
+            return
+        self._applied = pending.number
+        for name, position in pending.positions.items():
+            consumer = self.consumers.get(name)
+            if consumer is not None:
+                consumer.saved = position
+
+    def save_failed(self) -> None:
+        """A write failed: what it held is unsaved again (the next save retries it)."""
+        self.unsaved = True
 
     def statistics(
         self, durable: int, ages: tuple[int, Callable[[int], int | None]] | None = None

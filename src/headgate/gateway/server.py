@@ -85,6 +85,7 @@ from headgate.gateway.budget import (
     address_key,
     token_key,
 )
+from headgate.gateway.consumers import PendingSave
 from headgate.gateway.fleet import FleetMembership, metadata_without_cluster
 from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
@@ -1021,7 +1022,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     )
                 gw.check_placement(name)
                 if gw.release(name, position, consumer):
-                    self.charge(Cost.CONSUMER_WRITE)
+                    self.charge(Cost.CONSUMER_RELEASE)
             case MessageReceived(message=m.ResetConsumer() | m.DeleteConsumer() as change):
                 assert self.rights is not None
                 if not self.rights.can_administer():
@@ -1231,6 +1232,11 @@ class Gateway:
             else self.config.group_commit_interval_ms / 1000,
             self.config.term_length,
         )
+        # Consumers files are written beside the log's fsync, not behind it.
+        self._consumer_executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="headgate-consumers"
+        )
+        self._consumer_saves: set[asyncio.Task[None]] = set()
         #: The streams found on disk at start that are not recovered yet.
         self.recovery = StreamRecovery()
         # Recovery runs in threads of its own: a group commit of the streams
@@ -1482,6 +1488,9 @@ class Gateway:
         for server in self._servers:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2.0)
+        # Saves in flight end first; Stream.close stores what came after.
+        await self.consumers_saved()
+        self._consumer_executor.shutdown(wait=True)
         for stream in self.streams.values():
             stream.close()
         self._executor.shutdown(wait=True)
@@ -1837,15 +1846,57 @@ class Gateway:
             return False
         if stream is None:
             raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        moved = stream.release(position, consumer, now=time.monotonic())
+        moved = stream.release(position, consumer, now=time.monotonic(), store=False)
         if moved:
             stream.released_at_us = time.time_ns() // 1000
+            self.save_consumers(stream)
         # The next group commit stores the release and deletes the terms it
         # frees, even if nothing is appended to this stream meanwhile.
         self.mark_dirty(stream)
         self.rebalance(stream, time.monotonic())
         stream.flush_writers()
         return moved
+
+    def save_consumers(self, stream: Stream) -> None:
+        """Store ``stream``'s consumer positions in a thread, unless saved or a save is in flight.
+
+        Releases that arrive while one save is written go into the next, so
+        many cost one write; the log frees what they allow once it is done
+        (``headgate.gateway.consumers``). A failed save is retried after the
+        next group commit.
+        """
+        pending = stream.begin_consumer_save()
+        if pending is None:
+            return
+        task = asyncio.get_running_loop().create_task(self._write_consumers(stream, pending))
+        self._consumer_saves.add(task)
+        task.add_done_callback(self._consumer_saves.discard)
+
+    async def consumers_saved(self) -> None:
+        """Wait until no save of consumer positions is in flight (what was released is stored).
+
+        Releases that keep arriving meanwhile extend the wait by one save each.
+        """
+        while self._consumer_saves:
+            await asyncio.gather(*list(self._consumer_saves), return_exceptions=True)
+
+    async def _write_consumers(self, stream: Stream, pending: PendingSave) -> None:
+        error: OSError | None = None
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self._consumer_executor, stream.consumers.write, pending
+            )
+        except OSError as exc:
+            error = exc
+        stream.end_consumer_save(pending, error)
+        if error is not None:
+            self.mark_dirty(stream)  # the next group commit tries again
+            return
+        # The next group commit deletes the terms this save freed.
+        self.mark_dirty(stream)
+        self.rebalance(stream, time.monotonic())
+        stream.flush_writers()
+        self.save_consumers(stream)  # the Releases that came in meanwhile
 
     def _consumers_stream(self, name: str) -> Stream:
         """The stream a consumer request names; refused if there is none, or not yet."""
@@ -2048,6 +2099,7 @@ class Gateway:
             else:
                 stream.on_durable()
                 self.durability.settle(stream.name, stream.log.durable_position)
+                self.save_consumers(stream)  # one that failed is retried
             now = time.monotonic()
             # A rebalance visits every writer of the stream: under the
             # credit policy, not after each of hundreds of commits a second

@@ -84,6 +84,7 @@ from headgate.gateway.consumers import (
     ConsumerBook,
     ConsumerStatistics,
     IdleAction,
+    PendingSave,
     consumers_file,
     free_position,
 )
@@ -1001,15 +1002,20 @@ class Stream:
                 w.session.send_global(
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
                 )
-        if self.consumers.unsaved:
-            self._save_consumers()
-        # Consumers may have committed past what was durable: free on as it is.
+        # Consumers may have committed past what was durable: free on as it
+        # is (a save of their positions goes on off the loop, see
+        # begin_consumer_save; a failed one is retried after each commit).
         self._free_to_floor()
 
     # -- release and credit --------------------------------------------------------
 
     def release(
-        self, position: int, consumer: str = m.DEFAULT_CONSUMER, *, now: float | None = None
+        self,
+        position: int,
+        consumer: str = m.DEFAULT_CONSUMER,
+        *,
+        now: float | None = None,
+        store: bool = True,
     ) -> bool:
         """Consumer ``consumer`` committed everything before ``position``: store it, free the log.
 
@@ -1019,7 +1025,11 @@ class Stream:
         freed as the log becomes durable), and the freed space is shared
         out. A position at or below the consumer's is a no-op (a Release
         sent twice). Nothing moves unless every check passes. Returns
-        whether the consumer moved (its file was written).
+        whether the consumer moved. The log frees only once the position is
+        on disk (the crash rule of :mod:`headgate.gateway.consumers`):
+        ``store`` stores it here and now; the gateway passes False and
+        stores it off the loop, coalesced with other Releases
+        (:meth:`begin_consumer_save`).
 
         Raises:
             ProtocolError: an unknown consumer (UNKNOWN_CONSUMER); a position
@@ -1031,9 +1041,36 @@ class Stream:
             return False
         self._check_release(consumer, position)
         self.consumers.commit(target, position, now)
-        self._save_consumers()
-        self._free_to_floor()
+        if store:
+            self._save_consumers()
+            self._free_to_floor()
         return True
+
+    def begin_consumer_save(self) -> PendingSave | None:
+        """The consumers' save to write off the loop now, or None (saved, or one in flight).
+
+        One save in flight per stream: Releases that arrive while it is
+        written go into the next one, so their writes coalesce. The caller
+        writes it with :meth:`ConsumerBook.write` (any thread) and then calls
+        :meth:`end_consumer_save` on the loop.
+        """
+        book = self.consumers
+        if book.saving or not book.unsaved:
+            return None
+        book.saving = True
+        return book.prepare_save()
+
+    def end_consumer_save(self, pending: PendingSave, error: OSError | None) -> None:
+        """A save from :meth:`begin_consumer_save` ended: free the log up to what it stored."""
+        book = self.consumers
+        book.saving = False
+        if error is not None:
+            book.save_failed()
+            self._report_consumer_save(error)
+            return
+        self._report_consumer_save(None)
+        book.saved_as(pending)
+        self._free_to_floor()
 
     def _check_release(self, consumer: str, position: int) -> None:
         """Raise unless ``position`` is a frame boundary a consumer can have read to."""
@@ -1069,18 +1106,24 @@ class Stream:
         try:
             self.consumers.save()
         except OSError as exc:
+            self._report_consumer_save(exc)
+        else:
+            self._report_consumer_save(None)
+
+    def _report_consumer_save(self, error: OSError | None) -> None:
+        """Log a failed save of the consumers once, until one succeeds again."""
+        if error is not None:
             if not self._consumers_unsaved_logged:
                 log.warning(
                     "stream %s: consumer positions not stored (the log frees nothing past "
                     "the stored ones until they are; tried again at each commit): %s",
                     self.name,
-                    exc,
+                    error,
                 )
                 self._consumers_unsaved_logged = True
-        else:
-            if self._consumers_unsaved_logged:
-                log.warning("stream %s: consumer positions stored again", self.name)
-                self._consumers_unsaved_logged = False
+        elif self._consumers_unsaved_logged:
+            log.warning("stream %s: consumer positions stored again", self.name)
+            self._consumers_unsaved_logged = False
 
     def _free_to_floor(self) -> None:
         """Free the log up to what every blocking consumer has stored, as far as it is durable.
@@ -1141,14 +1184,17 @@ class Stream:
                 return True
         if position <= log_.release_position:
             return True
-        # Frames being reclaimed must stay recognisable as duplicates.
-        try:
-            self._write_snapshot()
-        except OSError as exc:
-            # A full disk: keep the space until the snapshot can be written
-            # (the next commit of this stream tries again).
-            log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
-            return False
+        # Frames being reclaimed must stay recognisable as duplicates: a
+        # snapshot on disk at or past ``position`` holds them already (it is
+        # written on the loop, so this spares most frees an fsync there).
+        if self._snapshot_position is None or self._snapshot_position < position:
+            try:
+                self._write_snapshot()
+            except OSError as exc:
+                # A full disk: keep the space until the snapshot can be written
+                # (the next commit of this stream tries again).
+                log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
+                return False
         if self.consumers.behind(position):
             # A non-blocking consumer loses these frames: count their records.
             try:
@@ -1193,8 +1239,9 @@ class Stream:
         Raises:
             ProtocolError: it exists with other settings.
         """
+        known = set(self.consumers.consumers)
         consumer = self.consumers.declare(name, settings, self.log.release_position, origin=origin)
-        created = self.consumers.unsaved
+        created = name not in known
         if created:
             self._save_consumers()
             log.info(
@@ -1304,7 +1351,9 @@ class Stream:
                     consumer.position,
                     self.log.durable_position,
                 )
-        if self.consumers.unsaved:
+        if any(action.policy == "detach" for action in actions):
+            # Stored before it frees anything (Releases pending beside it go
+            # along; they alone are left to the gateway's save off the loop).
             self._save_consumers()
             self._free_to_floor()
         return actions
@@ -1666,4 +1715,7 @@ class Stream:
             self._settle_durable()
             if self._durable_dedup_position != self._snapshot_position:
                 self._try_snapshot()
+        if self.consumers.unsaved:
+            # Releases since the last save (the gateway waited for any in flight).
+            self._save_consumers()
         self.log.close()
