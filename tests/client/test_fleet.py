@@ -453,3 +453,21 @@ def test_a_gateways_tls_settings_in_the_cluster_file_apply_to_it_alone() -> None
     secured = gateway_security(base, tls)
     assert secured.token == b"t" and secured.uses_tls
     assert (secured.ca_file, secured.server_name) == ("fleet.pem", "gw2.x")
+
+
+def test_a_built_tls_context_serves_the_gateways_whose_entry_names_no_files() -> None:
+    import ssl
+
+    from headgate.client import ClientSecurity
+    from headgate.client.fleet import gateway_security
+    from headgate.cluster import ClusterGateway
+
+    context = ssl.create_default_context()
+    base = ClientSecurity(token=b"t", tls_context=context)
+    named = ClusterGateway(name="gw1", address="h:1", tls=True, tls_server_name="gw1.x")
+    kept = gateway_security(base, named)
+    assert kept.ssl_context() is context and kept.server_name == "gw1.x"
+    with_files = ClusterGateway(name="gw2", address="h:2", tls=True, tls_ca_file="fleet.pem")
+    replaced = gateway_security(base, with_files)
+    assert replaced.tls_context is None and replaced.ca_file == "fleet.pem"
+    assert replaced.token == b"t"
