@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -25,17 +24,10 @@ from headgate.client.fleet import FleetProducer, PartitionUnavailable
 from headgate.client.reader import Reader, ReaderRefused
 from headgate.cluster import ClusterError, load_cluster, partition_of
 from headgate.protocol.errors import ErrorCode
-from tests.client.test_producer import read_log, values_in_order
+from tests.helpers import free_port, read_log, values_in_order
 from tests.serving import HEADGATE, stop
 
 GATEWAYS = ("gw1", "gw2", "gw3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def write_cluster(path: Path, ports: dict[str, int], *, swap: bool = False) -> Path:

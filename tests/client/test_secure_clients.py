@@ -32,7 +32,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import decode_records
 from tests.gateway._certs import Authority, make_authority
-from tests.gateway.test_gateway import config
+from tests.helpers import config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -33,7 +33,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import Frame, IssueGuarantees, SendChannel, SendGlobal
 from tests.gateway._certs import Authority, make_authority
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import config, stored
+from tests.helpers import config, stored
 
 pytestmark = pytest.mark.timeout(60)
 

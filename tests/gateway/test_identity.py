@@ -30,7 +30,7 @@ from headgate.protocol.frames import SendChannel
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import RawPeer, config, stored
+from tests.helpers import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 

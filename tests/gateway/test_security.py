@@ -36,7 +36,7 @@ from headgate.protocol.frames import SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from tests.gateway._certs import Authority, make_authority
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import config, stored
+from tests.helpers import config, stored
 
 pytestmark = pytest.mark.timeout(60)
 
