@@ -23,7 +23,7 @@ import pytest
 from headgate import __version__
 from headgate.gateway import AddressInUse, Gateway
 from headgate.logformat import JsonLineFormatter, use_log_format
-from tests.gateway.test_gateway import config
+from tests.helpers import config
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -165,7 +165,7 @@ def test_each_stream_releases_as_a_consumer_named_after_the_file_unless_it_names
 def test_a_token_that_may_not_declare_the_consumer_is_an_error_before_spark_starts(
     tmp_path: Path,
 ) -> None:
-    from headgate.client import Producer
+    from headgate.client import ClientSecurity, Producer
     from headgate.config import GatewayConfig
     from headgate.demo import BackgroundLoop
     from headgate.gateway import Gateway
@@ -185,7 +185,7 @@ def test_a_token_that_may_not_declare_the_consumer_is_an_error_before_spark_star
         address = f"{host}:{port}"
 
         async def produce() -> None:
-            async with Producer(address, token=b"w" * 32) as producer:
+            async with Producer(address, security=ClientSecurity(token=b"w" * 32)) as producer:
                 await producer.send("s", b"one")
                 await producer.flush()
 

@@ -3,7 +3,6 @@ and JSON for scripts."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -12,52 +11,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from headgate.top import Snapshot, as_json, render, render_to_fit
+from headgate.top import as_json, render, render_to_fit
+from tests.helpers import busy_gateway, shown
 
 from .serving import serve_with_metrics
 
 HEADGATE = [sys.executable, "-m", "headgate.cli"]
-
-
-def busy_gateway() -> tuple[Snapshot, Snapshot]:
-    """Two scrapes a second apart, with wide numbers and a name too long for 80 columns."""
-    row = {
-        "stream_fill_ratio": 0.773,
-        "stream_capacity_bytes": 64.0 * 2**20,
-        "stream_tail_position": 123_456_789_012.0,
-        "stream_durable_position": 123_456_789_012.0,
-        "stream_release_position": 123_456_000_000.0,
-        "stream_guarantees_outstanding_bytes": 3.0 * 2**20,
-        "stream_writers": 3.0,
-        "stream_appended_records_total": 12_345_678.0,
-        "stream_dropped_batches_total": 12.0,
-        "stream_fsync_seconds_sum": 1.0,
-        "stream_fsync_seconds_count": 1000.0,
-    }
-    snap = Snapshot(at=2.0, gateway={"connections": 1.0})
-    snap.streams["ticks"] = row
-    snap.streams["a-stream-name-longer-than-the-column"] = dict(row)
-    snap.fsync_buckets["ticks"] = [(0.001, 500.0), (0.0025, 990.0), (float("inf"), 1000.0)]
-    snap.fsync_buckets["a-stream-name-longer-than-the-column"] = [(float("inf"), 10.0)]
-    snap.connections["12"] = {
-        "peer": "[2001:db8:1234:5678::1]:54321",
-        "producer": "6851760619763790384",
-        "connection_debt": 1234.0,
-        "connection_debt_threshold": 4096.0,
-        "connection_peak_debt": 4000.0,
-        "connection_reads_paused": 1.0,
-        "connection_read_pauses_total": 3.0,
-        "connection_ring_in_use_bytes": 65536.0,
-        "connection_ring_bytes": 1048576.0,
-    }
-    previous = Snapshot(at=1.0, streams={"ticks": {"stream_appended_records_total": 12_000_000.0}})
-    return snap, previous
-
-
-def shown(width: int, snap: Snapshot, previous: Snapshot) -> list[str]:
-    console = Console(width=width, record=True, file=io.StringIO())
-    console.print(render_to_fit(console, snap, previous))
-    return console.export_text().splitlines()
 
 
 def test_top_fits_80_columns_and_cuts_only_names() -> None:

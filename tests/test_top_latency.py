@@ -8,7 +8,7 @@ import math
 import pytest
 
 from headgate.top import Snapshot, ack_quantiles, as_json, parse
-from tests.test_top import busy_gateway, shown
+from tests.helpers import busy_gateway, shown
 
 INF = math.inf
 

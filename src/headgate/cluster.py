@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +56,7 @@ from headgate.config import ConfigError, format_address, parse_address
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.messages import MAX_NAME_BYTES, is_valid_name
+from headgate.tomlfile import expect_table, read_toml, refuse_unknown
 
 __all__ = [
     "MAX_GATEWAYS",
@@ -277,27 +277,13 @@ def cluster_from_metadata(answer: m.ClusterMetadata, *, where: str) -> Cluster:
 def load_cluster(path: str | Path) -> Cluster:
     """Read and check a cluster file; ClusterError says, in one line, what is wrong."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ClusterError(f"cluster file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ClusterError(f"{path} is a directory, not a cluster file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ClusterError(f"cannot read cluster file {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ClusterError(f"{path}: not valid TOML: {exc}") from None
+    raw = read_toml(path, "cluster", ClusterError)
     return cluster_from_tables(raw, where=str(path))
 
 
 def cluster_from_tables(raw: Mapping[str, Any], *, where: str) -> Cluster:
     """A :class:`Cluster` from the file's tables (also what a Metadata answer is turned into)."""
-    unknown = set(raw) - {"gateways", "streams"}
-    if unknown:
-        raise ClusterError(
-            f"{where}: unknown section(s) {', '.join(sorted(map(str, unknown)))} "
-            "(known: gateways, streams)"
-        )
+    refuse_unknown(raw, ("gateways", "streams"), where, ClusterError, noun="section")
     gateways_raw = raw.get("gateways")
     if not isinstance(gateways_raw, dict) or not gateways_raw:
         raise ClusterError(f"{where}: no gateways: add a [gateways.NAME] table with an address")
@@ -314,9 +300,9 @@ def cluster_from_tables(raw: Mapping[str, Any], *, where: str) -> Cluster:
             )
         addresses[gateway.address] = name
         gateways[name] = gateway
-    streams_raw = raw.get("streams", {})
-    if not isinstance(streams_raw, dict):
-        raise ClusterError(f"{where}: [streams] must be a table of tables")
+    streams_raw = expect_table(
+        raw.get("streams", {}), f"{where}: [streams]", ClusterError, "a table of tables"
+    )
     if len(streams_raw) > MAX_PARTITIONED_STREAMS:
         raise ClusterError(
             f"{where}: {len(streams_raw)} partitioned streams; at most {MAX_PARTITIONED_STREAMS}"
@@ -340,20 +326,14 @@ def _text(value: object, what: str) -> str:
     return value
 
 
-def _gateway(name: str, table: object, where: str) -> ClusterGateway:
+def _gateway(name: str, value: object, where: str) -> ClusterGateway:
     if not is_valid_name(name):
         raise ClusterError(
             f"{where}: {name!r} is not a gateway name (letters, digits, '.', '_' and '-', "
             "starting with a letter or digit)"
         )
-    if not isinstance(table, dict):
-        raise ClusterError(f"{where} must be a table with an address")
-    unknown = set(table) - _GATEWAY_KEYS
-    if unknown:
-        raise ClusterError(
-            f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))} "
-            f"(known: {', '.join(sorted(_GATEWAY_KEYS))})"
-        )
+    table = expect_table(value, where, ClusterError, "a table with an address")
+    refuse_unknown(table, _GATEWAY_KEYS, where, ClusterError)
     if "address" not in table:
         raise ClusterError(f'{where}: no address (address = "host:port")')
     text = _text(table["address"], f"{where}.address")
@@ -383,20 +363,14 @@ def _gateway(name: str, table: object, where: str) -> ClusterGateway:
     )
 
 
-def _stream(name: str, table: object, gateways: list[str], where: str) -> PartitionedStream:
+def _stream(name: str, value: object, gateways: list[str], where: str) -> PartitionedStream:
     if not is_valid_name(name):
         raise ClusterError(
             f"{where}: {name!r} is not a stream name (letters, digits, '.', '_' and '-', "
             "starting with a letter or digit)"
         )
-    if not isinstance(table, dict):
-        raise ClusterError(f"{where} must be a table with partitions = N")
-    unknown = set(table) - _STREAM_KEYS
-    if unknown:
-        raise ClusterError(
-            f"{where}: unknown key(s) {', '.join(sorted(map(str, unknown)))} "
-            "(known: assignment, partitions)"
-        )
+    table = expect_table(value, where, ClusterError, "a table with partitions = N")
+    refuse_unknown(table, _STREAM_KEYS, where, ClusterError)
     count = table.get("partitions")
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_PARTITIONS:
         raise ClusterError(

@@ -79,10 +79,11 @@ Example ``headgate.toml``::
 from __future__ import annotations
 
 import re
-import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from headgate.tomlfile import expect_table, read_toml, refuse_unknown
 
 # Consumer names follow the stream names' rule (protocol.messages.is_valid_name).
 _CONSUMER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
@@ -599,9 +600,7 @@ def _count(value: object, what: str) -> int:
 def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
     for key in set(table) & set(_REPLACED_KEYS):
         raise ConfigError(f"{where}.{key} is no longer a setting: use {_REPLACED_KEYS[key]}")
-    unknown = set(table) - _GATEWAY_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    refuse_unknown(table, _GATEWAY_KEYS, where, ConfigError)
     out: dict[str, Any] = {}
     for key, value in table.items():
         what = f"{where}.{key}"
@@ -677,9 +676,7 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
 
 
 def _stream_from_table(table: dict[str, Any], where: str) -> StreamSettings:
-    unknown = set(table) - _STREAM_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+    refuse_unknown(table, _STREAM_KEYS, where, ConfigError)
 
     def size(key: str) -> int | None:
         value = table.get(key)
@@ -708,9 +705,9 @@ def _stream_from_table(table: dict[str, Any], where: str) -> StreamSettings:
         raise ConfigError(
             f"{where}.idle_policy: expected one of {', '.join(IDLE_POLICIES)}, got {idle_policy!r}"
         )
-    consumers_raw = table.get("consumers", {})
-    if not isinstance(consumers_raw, dict):
-        raise ConfigError(f"{where}.consumers must be a table of tables")
+    consumers_raw = expect_table(
+        table.get("consumers", {}), f"{where}.consumers", ConfigError, "a table of tables"
+    )
     consumers = tuple(
         (name, _consumer_from_table(name, value, f"{where}.consumers.{name}"))
         for name, value in consumers_raw.items()
@@ -734,15 +731,12 @@ def _consumer_from_table(name: str, table: object, where: str) -> ConsumerSettin
         raise ConfigError(
             f"{where}: {name!r} is not a valid consumer name (letters, digits, '.', '_', '-')"
         )
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where} must be a table")
-    unknown = set(table) - _CONSUMER_KEYS
-    if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
-    blocking = table.get("blocking", True)
+    settings = expect_table(table, where, ConfigError)
+    refuse_unknown(settings, _CONSUMER_KEYS, where, ConfigError)
+    blocking = settings.get("blocking", True)
     if not isinstance(blocking, bool):
         raise ConfigError(f"{where}.blocking: expected true or false, got {blocking!r}")
-    on_data_loss = table.get("on_data_loss", "fail")
+    on_data_loss = settings.get("on_data_loss", "fail")
     if on_data_loss not in DATA_LOSS_OUTCOMES:
         raise ConfigError(
             f"{where}.on_data_loss: expected one of {', '.join(DATA_LOSS_OUTCOMES)}, "
@@ -759,30 +753,17 @@ def load_gateway_config(path: Path | None = None, **overrides: Any) -> GatewayCo
     """
     config = GatewayConfig()
     if path is not None:
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-        unknown = set(raw) - {"gateway", "streams"}
-        if unknown:
-            raise ConfigError(f"{path}: unknown section(s) {', '.join(sorted(unknown))}")
-        gateway = raw.get("gateway", {})
-        if not isinstance(gateway, dict):
-            raise ConfigError(f"{path}: [gateway] must be a table")
+        raw = read_toml(path, "config", ConfigError)
+        refuse_unknown(raw, ("gateway", "streams"), str(path), ConfigError, noun="section")
+        gateway = expect_table(raw.get("gateway", {}), f"{path}: [gateway]", ConfigError)
         config = replace(config, **_gateway_from_table(gateway, f"{path}: gateway"))
-        streams_raw = raw.get("streams", {})
-        if not isinstance(streams_raw, dict):
-            raise ConfigError(f"{path}: [streams] must be a table of tables")
+        streams_raw = expect_table(
+            raw.get("streams", {}), f"{path}: [streams]", ConfigError, "a table of tables"
+        )
         streams: dict[str, StreamSettings] = {}
         for name, table in streams_raw.items():
             where = f"{path}: streams.{name}"
-            if not isinstance(table, dict):
-                raise ConfigError(f"{where} must be a table")
-            streams[name] = _stream_from_table(table, where)
+            streams[name] = _stream_from_table(expect_table(table, where, ConfigError), where)
         config = replace(config, streams=streams)
     stream_policies = overrides.pop("stream_policies", None) or {}
     config = replace(config, **{k: v for k, v in overrides.items() if v is not None})

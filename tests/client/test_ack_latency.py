@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from headgate.client import Producer, SyncProducer
-from tests.client.test_producer import GatewayProcess, gateway, run
+from tests.helpers import GatewayProcess, gateway, run
 
 pytestmark = pytest.mark.timeout(30)
 

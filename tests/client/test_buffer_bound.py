@@ -19,15 +19,7 @@ import pytest
 
 from headgate.client import BufferFull, Producer, ProducerError, SyncProducer
 from headgate.config import StreamSettings
-from tests.client.test_producer import (
-    SMALL,
-    KiB,
-    Releaser,
-    gateway,
-    records,
-    run,
-    values_in_order,
-)
+from tests.helpers import SMALL, KiB, Releaser, gateway, records, run, values_in_order
 
 BOUND = 512 * KiB
 #: The largest batch the gateway of these tests takes (SMALL's max_message_size).

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -25,17 +24,10 @@ from headgate.client.fleet import FleetProducer, PartitionUnavailable
 from headgate.client.reader import Reader, ReaderRefused
 from headgate.cluster import ClusterError, load_cluster, partition_of
 from headgate.protocol.errors import ErrorCode
-from tests.client.test_producer import read_log, values_in_order
+from tests.helpers import free_port, read_log, values_in_order
 from tests.serving import HEADGATE, stop
 
 GATEWAYS = ("gw1", "gw2", "gw3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def write_cluster(path: Path, ports: dict[str, int], *, swap: bool = False) -> Path:
@@ -453,3 +445,21 @@ def test_a_gateways_tls_settings_in_the_cluster_file_apply_to_it_alone() -> None
     secured = gateway_security(base, tls)
     assert secured.token == b"t" and secured.uses_tls
     assert (secured.ca_file, secured.server_name) == ("fleet.pem", "gw2.x")
+
+
+def test_a_built_tls_context_serves_the_gateways_whose_entry_names_no_files() -> None:
+    import ssl
+
+    from headgate.client import ClientSecurity
+    from headgate.client.fleet import gateway_security
+    from headgate.cluster import ClusterGateway
+
+    context = ssl.create_default_context()
+    base = ClientSecurity(token=b"t", tls_context=context)
+    named = ClusterGateway(name="gw1", address="h:1", tls=True, tls_server_name="gw1.x")
+    kept = gateway_security(base, named)
+    assert kept.ssl_context() is context and kept.server_name == "gw1.x"
+    with_files = ClusterGateway(name="gw2", address="h:2", tls=True, tls_ca_file="fleet.pem")
+    replaced = gateway_security(base, with_files)
+    assert replaced.tls_context is None and replaced.ca_file == "fleet.pem"
+    assert replaced.token == b"t"

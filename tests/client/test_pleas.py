@@ -12,7 +12,7 @@ from headgate.client import Producer
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.gateway.streams import Stream, Writer
-from tests.client.test_producer import Releaser
+from tests.helpers import Releaser
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,16 +9,10 @@ Gateways run in-process unless the test kills one, which then runs as a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import select
-import signal
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
-from dataclasses import dataclass
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +23,8 @@ from headgate.client import Producer, ProducerError, StreamRefused, SyncProducer
 from headgate.config import GatewayConfig, StreamSettings
 from headgate.costs import batch_cost
 from headgate.gateway import Gateway
-from headgate.log import LogReader
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
-from headgate.protocol.records import decode_records
 from headgate.protocol.session import (
     BatchReceived,
     HelloReceived,
@@ -40,107 +32,19 @@ from headgate.protocol.session import (
     Session,
     StreamBound,
 )
-
-KiB = 1024
-MiB = 1024 * KiB
-# Small terms and messages make credit run out after a few hundred KiB.
-SMALL = {"term_length": 64 * KiB, "max_message_size": 16 * KiB}
-
-
-def run(coroutine: Coroutine[Any, Any, None], timeout: float = 9.0) -> None:
-    async def bounded() -> None:
-        async with asyncio.timeout(timeout):
-            await coroutine
-
-    asyncio.run(bounded())
-
-
-@contextlib.asynccontextmanager
-async def gateway(data_dir: Path, **settings: Any) -> AsyncIterator[Gateway]:
-    gw = Gateway(GatewayConfig(listen=("127.0.0.1", 0), data_dir=data_dir, **settings))
-    await gw.start()
-    try:
-        yield gw
-    finally:
-        await gw.stop()
-
-
-@dataclass
-class Frame:
-    producer_id: int
-    first_sequence: int
-    record_count: int
-    values: list[bytes]
-    keys: list[bytes | None] | None
-
-
-def read_log(data_dir: Path, stream: str) -> list[Frame]:
-    """Every frame the stream's log still holds, decoded."""
-    with LogReader.open(data_dir / "streams" / stream) as reader:
-        return [
-            Frame(f.producer_id, f.first_sequence, f.record_count, *_lists(f.payload))
-            for f in reader.read(reader.start_position())
-        ]
-
-
-def _lists(payload: memoryview) -> tuple[list[bytes], list[bytes | None] | None]:
-    return decode_records(payload).to_lists()
-
-
-def values_in_order(frames: list[Frame], producer_id: int, first: int = 0) -> list[bytes]:
-    """The producer's values, checking its sequence numbers run on without gap or repeat."""
-    out: list[bytes] = []
-    expected = first
-    for frame in frames:
-        if frame.producer_id != producer_id:
-            continue
-        assert frame.first_sequence == expected, (frame.first_sequence, expected)
-        assert frame.record_count == len(frame.values)
-        expected += frame.record_count
-        out.extend(frame.values)
-    return out
-
-
-class Releaser:
-    """What Spark does: read what is durable, keep it, release it."""
-
-    def __init__(self, gw: Gateway, data_dir: Path, stream: str) -> None:
-        self.gw = gw
-        self.directory = data_dir / "streams" / stream
-        self.stream = stream
-        self.reader: LogReader | None = None
-        self.position = 0
-        self.frames: list[Frame] = []
-
-    def poll(self) -> None:
-        if self.reader is None:
-            if not self.directory.exists():
-                return
-            self.reader = LogReader.open(self.directory)
-            self.position = self.reader.start_position()
-        end = self.reader.durable_position()
-        if end > self.position:
-            for f in self.reader.read(self.position, end):
-                self.frames.append(
-                    Frame(f.producer_id, f.first_sequence, f.record_count, *_lists(f.payload))
-                )
-            self.position = end
-            self.gw.release(self.stream, end)
-
-    async def run_until(self, done: asyncio.Future[Any] | asyncio.Task[Any]) -> None:
-        while not done.done():
-            self.poll()
-            await asyncio.sleep(0.01)
-        self.poll()
-
-    def close(self) -> None:
-        if self.reader is not None:
-            self.reader.close()
-
-
-def records(prefix: str, count: int, start: int = 0) -> list[bytes]:
-    return [f"{prefix}-{i:07d}".encode() for i in range(start, start + count)]
-
+from tests.helpers import (
+    SMALL,
+    GatewayProcess,
+    KiB,
+    MiB,
+    Releaser,
+    free_port,
+    gateway,
+    read_log,
+    records,
+    run,
+    values_in_order,
+)
 
 # --- delivery -------------------------------------------------------------------
 
@@ -324,56 +228,6 @@ def test_optimistic_policy_resends_dropped_batches_exactly_once(tmp_path: Path) 
 # --- failures ---------------------------------------------------------------------------
 
 
-class GatewayProcess:
-    """``headgate serve`` in a subprocess, so that it can be SIGKILLed."""
-
-    def __init__(self, data_dir: Path) -> None:
-        self.data_dir = data_dir
-        self.port = 0
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> tuple[str, int]:
-        command = [sys.executable, "-m", "headgate.cli", "serve"]
-        command += ["--listen", f"127.0.0.1:{self.port}", "--data-dir", str(self.data_dir)]
-        deadline = time.monotonic() + 5.0
-        while True:
-            self.proc = subprocess.Popen(
-                command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-            )
-            assert self.proc.stdout is not None
-            ready, _, _ = select.select([self.proc.stdout], [], [], 5.0)
-            line = self.proc.stdout.readline() if ready else ""
-            if line.startswith("listening on "):
-                self.port = int(line.rsplit(":", 1)[1])
-                return ("127.0.0.1", self.port)
-            # The old process's port may take a moment to be free again.
-            self.proc.kill()
-            self._reap()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"headgate serve did not start: {line!r}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self._reap()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self._reap()
-
-    def _reap(self) -> None:
-        if self.proc is not None:
-            self.proc.wait(5)
-            if self.proc.stdout is not None:
-                self.proc.stdout.close()
-
-
 def test_gateway_killed_mid_load_and_restarted_loses_and_repeats_nothing(
     tmp_path: Path,
 ) -> None:
@@ -477,15 +331,8 @@ def test_a_new_producer_with_the_same_id_continues_the_sequence(tmp_path: Path) 
     run(scenario())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def test_unreachable_gateway_makes_connect_raise_within_the_timeout() -> None:
-    port = _free_port()
+    port = free_port()
 
     async def scenario() -> None:
         p = Producer(("127.0.0.1", port), reconnect_timeout=1.0)

@@ -24,7 +24,7 @@ from headgate.gateway import Gateway
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.session import HelloReceived, Role, Session
-from tests.client.test_producer import MiB, read_log, run, values_in_order
+from tests.helpers import MiB, read_log, run, values_in_order
 
 # --- the schedule, with time as an argument ------------------------------------------
 

@@ -9,54 +9,13 @@ back, so that such batches are certain to exist when the producer gives up.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from pathlib import Path
 
 import pytest
 
 from headgate.client import PendingBatch, Producer, ProducerGaveUp
 from headgate.protocol.records import encode_records
-from tests.client.test_producer import KiB, gateway, read_log, records, run, values_in_order
-
-
-class AckHoldingProxy:
-    """Forwards a TCP connection both ways, until told to hold the gateway's replies."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.hold = False
-        self.server: asyncio.Server | None = None
-        self.writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> tuple[str, int]:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        port: int = self.server.sockets[0].getsockname()[1]
-        return ("127.0.0.1", port)
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-        self.writers += [writer, up_writer]
-
-        async def pipe(
-            src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, replies: bool
-        ) -> None:
-            with contextlib.suppress(OSError):
-                while data := await src.read(65536):
-                    if not (replies and self.hold):
-                        dst.write(data)
-                        await dst.drain()
-            dst.close()
-
-        await asyncio.gather(
-            pipe(reader, up_writer, replies=False), pipe(up_reader, writer, replies=True)
-        )
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        for writer in self.writers:
-            writer.transport.abort()
-        await self.server.wait_closed()
+from tests.helpers import AckHoldingProxy, KiB, gateway, read_log, records, run, values_in_order
 
 
 def test_a_producer_that_gave_up_resends_its_pending_batches_exactly_once(

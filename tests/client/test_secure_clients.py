@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import ssl
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,10 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
-from headgate.client import Producer, ReleaseClient
+from headgate.client import FleetProducer, Producer, ReleaseClient, SyncProducer
 from headgate.client.reader import MissedBatches, Reader, ReaderError, ReaderRefused, SyncReader
 from headgate.client.security import ClientSecurity, SecurityError
+from headgate.client.tls import client_context
 from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.gateway.auth import hash_token
@@ -30,7 +32,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import decode_records
 from tests.gateway._certs import Authority, make_authority
-from tests.gateway.test_gateway import config
+from tests.helpers import config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -145,6 +147,8 @@ def test_client_security_reads_the_token_from_its_source_and_never_shows_it(
         ({"token": b"x" * (m.MAX_TOKEN_BYTES + 1)}, "at most"),
         ({"key_file": "k.pem"}, "needs its certificate"),
         ({"token_env": ""}, "non-empty"),
+        ({"tls_context": ssl.create_default_context(), "ca_file": "ca.pem"}, "one way only"),
+        ({"tls_context": "ca.pem"}, "must be an ssl.SSLContext"),
     ],
 )
 def test_bad_client_security_settings_are_clear_errors(
@@ -152,6 +156,33 @@ def test_bad_client_security_settings_are_clear_errors(
 ) -> None:
     with pytest.raises(SecurityError, match=fragment):
         ClientSecurity(**settings)
+
+
+def test_client_security_takes_a_text_token_and_a_built_context() -> None:
+    assert ClientSecurity(token="abc") == ClientSecurity(token=b"abc")
+    assert ClientSecurity(token="abc").token_bytes() == b"abc"
+    context = ssl.create_default_context()
+    built = ClientSecurity(tls_context=context, server_name="gw")
+    assert built.uses_tls and built.ssl_context() is context
+    assert "SSLContext" not in repr(built)
+
+
+@pytest.mark.parametrize("removed", ["token", "ssl", "server_hostname"])
+def test_the_clients_take_tokens_and_tls_only_through_security(removed: str) -> None:
+    # One way to give them: the keywords that used to override security= are gone.
+    value: Any = ssl.create_default_context() if removed == "ssl" else "x"
+    makers: list[Callable[[], object]] = [
+        lambda: Producer("127.0.0.1:1", **{removed: value}),
+        lambda: SyncProducer("127.0.0.1:1", **{removed: value}),
+        lambda: Reader("127.0.0.1:1", **{removed: value}),
+        lambda: SyncReader("127.0.0.1:1", **{removed: value}),
+        lambda: FleetProducer(["127.0.0.1:1"], **{removed: value}),
+        lambda: Producer(["127.0.0.1:1"], **{removed: value}),
+        lambda: ReleaseClient("127.0.0.1:1", **{removed: value}),
+    ]
+    for make in makers:
+        with pytest.raises(TypeError, match=f"unexpected keyword argument '{removed}'"):
+            make()
 
 
 def test_tls_to_a_unix_socket_is_refused_plainly() -> None:
@@ -223,6 +254,24 @@ async def test_a_reader_with_a_bad_token_or_no_ca_is_refused_clearly(secured: Se
         await Reader(
             secured.address, security=ClientSecurity(token_env="HG_NO_SUCH_TOKEN")
         ).connect()
+
+
+async def test_the_clients_take_a_tls_context_the_application_built(
+    secured: Secured,
+) -> None:
+    security = ClientSecurity(
+        token=READER, tls_context=client_context(ca_file=secured.pki.ca), server_name="localhost"
+    )
+    async with Reader(secured.address, security=security) as reader:
+        assert "open-a" in [info.stream for info in await reader.list_streams()]
+    admin = ClientSecurity(token=ADMIN, tls_context=client_context(ca_file=secured.pki.ca))
+    async with Producer(secured.address, security=admin, reconnect_timeout=10) as producer:
+        await producer.send("ctx-made", b"over a built context")
+        await producer.flush()
+    assert secured.log("ctx-made").durable_position > 0
+    stranger = ClientSecurity(token=READER, tls_context=ssl.create_default_context())
+    with pytest.raises(ReaderError, match="TLS verification of the gateway failed"):
+        await Reader(secured.address, security=stranger).connect()
 
 
 def test_a_sync_reader_reconnects_after_sitting_idle(secured: Secured) -> None:

@@ -21,8 +21,7 @@ import pytest
 from headgate.client import Producer, ProducerGaveUp
 from headgate.client.spool import Spool, SpoolError
 from headgate.protocol.records import decode_records, encode_records
-from tests.client.test_producer import KiB, gateway, read_log, records, run, values_in_order
-from tests.client.test_resume import AckHoldingProxy
+from tests.helpers import AckHoldingProxy, KiB, gateway, read_log, records, run, values_in_order
 
 
 def spooled_values(directory: Path) -> list[bytes]:

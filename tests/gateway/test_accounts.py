@@ -16,7 +16,7 @@ from headgate.protocol.codec import encode_frame
 from headgate.protocol.frames import SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived
-from tests.gateway.test_gateway import RawPeer, config, stored
+from tests.helpers import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 

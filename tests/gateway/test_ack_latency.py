@@ -13,9 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from headgate.gateway import Gateway
 from headgate.gateway.statistics import ACK_LATENCY_BUCKETS, LatencyHistogram
 from headgate.protocol import messages as m
-from headgate.protocol.records import encode_records
 from headgate.top import ack_quantiles, as_json, fetch
-from tests.gateway.test_gateway import RawPeer, config
+from tests.helpers import RawPeer, config, send_batches
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -48,14 +47,6 @@ async def scrape_text(gateway: Gateway) -> str:
             return str(response.read().decode())
 
     return await asyncio.to_thread(get)
-
-
-async def send_batches(peer: RawPeer, handle: int, count: int) -> None:
-    for i in range(count):
-        await peer.until(lambda: peer.session.can_send_batch(handle, 40))
-        peer.session.send_batch(handle, 2 * i, encode_records([b"r" * 10, b"s" * 10]))
-        await peer.send()
-    await peer.until(lambda: peer.acked(handle) == 2 * count)
 
 
 async def test_each_acked_batch_is_one_observation_bounded_by_the_time_it_waited(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from headgate.client import Producer
+from headgate.client import ClientSecurity, Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
@@ -33,7 +33,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import Frame, IssueGuarantees, SendChannel, SendGlobal
 from tests.gateway._certs import Authority, make_authority
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import config, stored
+from tests.helpers import config, stored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -180,7 +180,9 @@ async def test_a_ping_and_listing_flood_leaves_another_token_its_own_budget(
     for peer in flooders:
         peer.send((PING + listing) * 3000)
     reads = [asyncio.create_task(peer.read_for(3.0)) for peer in flooders]
-    async with Producer(gateway.address, token=GOOD, reconnect_timeout=5) as producer:
+    async with Producer(
+        gateway.address, security=ClientSecurity(token=GOOD), reconnect_timeout=5
+    ) as producer:
         for i in range(2000):
             await producer.send("good-s", b"v%d" % i)
         await asyncio.wait_for(producer.flush(), 10)
@@ -352,7 +354,9 @@ async def test_connections_per_token_are_capped_and_other_tokens_still_connect(
         (error,) = third.errors()
         assert error.code == ErrorCode.RESOURCE_EXHAUSTED
         assert "token 'reader' holds its maximum of 2 connections" in error.text
-        async with Producer(gw.address, token=GOOD, reconnect_timeout=5) as producer:
+        async with Producer(
+            gw.address, security=ClientSecurity(token=GOOD), reconnect_timeout=5
+        ) as producer:
             await producer.send("good-s", b"in")
             await producer.flush()
         assert [vs for _, _, vs in stored(tmp_path / "data", "good-s")] == [[b"in"]]

@@ -11,8 +11,7 @@ import pytest
 from headgate.gateway import Gateway
 from headgate.gateway.commit_trace import TRACE_ENV
 from headgate.protocol import messages as m
-from tests.gateway.test_ack_latency import send_batches
-from tests.gateway.test_gateway import RawPeer, config
+from tests.helpers import RawPeer, config, send_batches
 
 pytestmark = pytest.mark.timeout(60)
 

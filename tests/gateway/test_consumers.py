@@ -37,65 +37,28 @@ from headgate.config import (
 from headgate.gateway import Gateway
 from headgate.gateway.consumers import ConsumerBook, consumers_file
 from headgate.gateway.metrics import GatewayCollector
-from headgate.log import LogReader
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
-from tests.client.test_producer import (
+from tests.gateway._tokens import Token, write_tokens
+from tests.helpers import (
+    BLOCKING,
     SMALL,
-    Frame,
-    Releaser,
-    _lists,
+    Consumer,
+    RawPeer,
+    consumers,
     gateway,
+    positions,
+    record_lists,
     records,
     run,
     values_in_order,
 )
-from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import RawPeer
 from tests.serving import serve, stop
 
 pytestmark = pytest.mark.timeout(90)
 
 KiB = 1024
 CAPACITY = 256 * KiB
-BLOCKING = ConsumerSettings()
-
-
-def consumers(**named: ConsumerSettings) -> tuple[tuple[str, ConsumerSettings], ...]:
-    return tuple(named.items())
-
-
-class Consumer(Releaser):
-    """One named consumer: reads the durable log from its own position, then releases it."""
-
-    def __init__(self, gw: Gateway, data_dir: Path, stream: str, name: str) -> None:
-        super().__init__(gw, data_dir, stream)
-        self.name = name
-
-    def poll(self, max_bytes: int | None = None) -> None:
-        if self.reader is None:
-            if not self.directory.exists():
-                return
-            self.reader = LogReader.open(self.directory)
-            self.position = self.reader.start_position()
-        end = self.reader.durable_position()
-        if end <= self.position:
-            return
-        frames = self.reader.read(self.position, end)
-        if max_bytes is not None:
-            frames = [f for f in frames if f.end_position - self.position <= max_bytes][:1] or [
-                frames[0]
-            ]
-        for f in frames:
-            self.frames.append(
-                Frame(f.producer_id, f.first_sequence, f.record_count, *_lists(f.payload))
-            )
-        self.position = frames[-1].end_position
-        self.gw.release(self.stream, self.position, self.name)
-
-
-def positions(gw: Gateway, stream: str) -> dict[str, int]:
-    return {n: c.position for n, c in gw.streams[stream].consumers.consumers.items()}
 
 
 def stored(data_dir: Path, stream: str) -> dict[str, dict[str, Any]]:
@@ -225,7 +188,7 @@ def test_a_stalled_non_blocking_consumer_does_not_slow_producers_and_gets_its_ou
                     assert reader.last_skipped_records == len(values)  # every one freed
                     assert batches[0].header.position == oldest
                     assert end == stream.log.durable_position
-                    got = [v for b in batches for v in _lists(memoryview(b.records))[0]]
+                    got = [v for b in batches for v in record_lists(memoryview(b.records))[0]]
                     assert got == extra
                     # Reading on from where it is now skips nothing more.
                     await reader.fetch_all("A", end, consumer="live")
@@ -883,11 +846,11 @@ def test_a_consumer_reset_to_earliest_or_a_time_replays_the_original_records(
                 assert await reader.reset_consumer("s", "archive", m.ResetTo.EARLIEST) == 0
                 assert positions(gw, "s")["archive"] == 0
                 replay, _ = await reader.fetch_all("s", 0, consumer="archive")
-                replayed = [v for b in replay for v in _lists(memoryview(b.records))[0]]
+                replayed = [v for b in replay for v in record_lists(memoryview(b.records))[0]]
                 assert replayed == original
                 at = await reader.reset_consumer("s", "archive", m.ResetTime(between))
                 tail, _ = await reader.fetch_all("s", at, consumer="archive")
-                assert [v for b in tail for v in _lists(memoryview(b.records))[0]] == second
+                assert [v for b in tail for v in record_lists(memoryview(b.records))[0]] == second
                 latest = await reader.reset_consumer("s", "archive", m.ResetTo.LATEST)
                 assert latest == gw.streams["s"].log.durable_position
                 # Deleting the consumer that held the log frees it to the other one.

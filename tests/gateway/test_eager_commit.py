@@ -14,8 +14,7 @@ from headgate.gateway import Gateway
 from headgate.log.errors import storage_error
 from headgate.protocol import messages as m
 from headgate.protocol.records import encode_records
-from tests.gateway.test_ack_latency import send_batches
-from tests.gateway.test_gateway import RawPeer, config
+from tests.helpers import RawPeer, config, send_batches
 
 pytestmark = pytest.mark.timeout(60)
 

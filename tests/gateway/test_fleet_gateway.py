@@ -13,8 +13,7 @@ from headgate.cluster import load_cluster
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.protocol.errors import ErrorCode
-from tests.client.test_fleet import free_port
-from tests.client.test_producer import gateway, run
+from tests.helpers import free_port, gateway, run
 
 CLUSTER = """
 [gateways.gw1]

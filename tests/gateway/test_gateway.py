@@ -8,123 +8,23 @@ library has its own tests (tests/client).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from headgate.config import GatewayConfig
-from headgate.costs import batch_cost
 from headgate.gateway import Gateway
-from headgate.log import LogReader
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import Absolve, Apologise, SendChannel, SendGlobal
-from headgate.protocol.records import decode_records, encode_records
+from headgate.protocol.records import encode_records
 from headgate.protocol.session import (
-    AckReceived,
-    Event,
     GuaranteesReceived,
-    MessageReceived,
-    Role,
-    Session,
-    WelcomeReceived,
 )
+from tests.helpers import RawPeer, config, earn, stored, write_what_fits
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def config(tmp_path: Path, **kw: object) -> GatewayConfig:
-    base: dict[str, object] = dict(
-        listen=("127.0.0.1", 0),
-        data_dir=tmp_path / "data",
-        stream_capacity=256 * 1024,
-        term_length=64 * 1024,
-        max_message_size=16 * 1024,
-        group_commit_interval_ms=1.0,
-    )
-    base.update(kw)
-    return GatewayConfig(**base)  # type: ignore[arg-type]
-
-
-class RawPeer:
-    """A producer session over a socket, pumped by hand."""
-
-    def __init__(self, producer_id: int = 1, secret: bytes = b"", token: bytes = b"") -> None:
-        self.session = Session(Role.PRODUCER, data_cost=batch_cost)
-        self.producer_id = producer_id
-        self.token = token
-        #: The secret that proves the producer id: given, or from Welcome.
-        self.secret = secret
-        self.events: list[Event] = []
-        self.reader: asyncio.StreamReader
-        self.writer: asyncio.StreamWriter
-        self.closed = False
-
-    async def connect(self, address: tuple[str, int]) -> None:
-        self.reader, self.writer = await asyncio.open_connection(*address)
-        self.session.send_global(
-            m.Hello(
-                producer_id=self.producer_id,
-                client_name="raw",
-                token=self.token,
-                secret=self.secret,
-            )
-        )
-        await self.send()
-        await self.until(lambda: self.session.opened)
-        for event in self.events:
-            if isinstance(event, WelcomeReceived) and event.welcome.producer_secret:
-                self.secret = event.welcome.producer_secret
-
-    async def send(self, raw: bytes = b"") -> None:
-        self.writer.write(self.session.data_to_send() + raw)
-        await self.writer.drain()
-
-    async def pump(self, timeout: float = 0.05) -> None:
-        try:
-            data = await asyncio.wait_for(self.reader.read(1 << 16), timeout)
-        except TimeoutError:
-            return
-        if not data:
-            self.closed = True
-            return
-        self.events += self.session.receive_data(data)
-        await self.send()
-
-    async def until(self, condition: object, timeout: float = 10.0) -> None:
-        assert callable(condition)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while not condition():
-            assert loop.time() < deadline, "timed out waiting"
-            assert not self.closed, f"connection closed; events: {self.events[-3:]}"
-            await self.pump()
-
-    def acked(self, handle: int) -> int:
-        acks = [e.ack for e in self.events if isinstance(e, AckReceived) and e.ack.handle == handle]
-        return acks[-1].next_sequence if acks else -1
-
-    def errors(self) -> list[m.Error]:
-        return [
-            e.message
-            for e in self.events
-            if isinstance(e, MessageReceived) and isinstance(e.message, m.Error)
-        ]
-
-    async def bind(self, stream: str) -> int:
-        handle = self.session.bind_stream(stream)
-        assert handle is not None
-        await self.send()
-        await self.until(lambda: self.acked(handle) >= 0)
-        return handle
-
-    async def close(self) -> None:
-        self.writer.close()
-        with contextlib.suppress(ConnectionError):
-            await self.writer.wait_closed()
 
 
 @pytest.fixture
@@ -133,19 +33,6 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     await gw.start()
     yield gw
     await gw.stop()
-
-
-def stored(data_dir: Path, stream: str) -> list[tuple[int, int, list[bytes]]]:
-    reader = LogReader.open(data_dir / "streams" / stream)
-    try:
-        frames = reader.read(reader.start_position(), reader.published_position())
-        out = []
-        for f in frames:
-            values, _ = decode_records(f.payload).to_lists()
-            out.append((f.producer_id, f.first_sequence, values))
-        return out
-    finally:
-        reader.close()
 
 
 async def test_batches_are_stored_acked_when_durable_and_credit_comes_from_log_space(
@@ -296,38 +183,6 @@ async def test_a_peer_that_sends_no_hello_is_told_so(gateway: Gateway) -> None:
     error = m.decode_global(frames[0].payload)
     assert isinstance(error, m.Error) and error.code is ErrorCode.BAD_HELLO
     writer.close()
-
-
-async def write_what_fits(peer: RawPeer, handle: int, sequence: int) -> int:
-    """Send 1 KiB batches while the peer's guarantees allow; the next sequence."""
-    block = encode_records([b"x" * 1000])
-    while peer.session.send_batch(handle, sequence, block):
-        sequence += 1
-    await peer.send()
-    return sequence
-
-
-async def earn(peer: RawPeer, handle: int, gw: Gateway, stream: str, least: float) -> int:
-    """Write what fits, the consumer releasing it, until ``peer`` holds ``least`` guarantees.
-
-    Credit follows use: a writer holds much of a stream only once it has
-    used much. Returns the next sequence.
-    """
-
-    def held() -> int:
-        return peer.session.outbound(m.data_channel(handle)).guarantees
-
-    sequence = max(0, peer.acked(handle))
-    for _ in range(200):
-        if held() >= least:
-            break
-        sequence = await write_what_fits(peer, handle, sequence)
-        await peer.until(lambda n=sequence: peer.acked(handle) == n)
-        gw.release(stream, gw.streams[stream].log.durable_position)
-        await gw.consumers_saved()  # credit follows once the position is stored
-        await peer.pump()
-    assert held() >= least
-    return sequence
 
 
 async def test_two_writers_of_one_stream_share_its_capacity(gateway: Gateway) -> None:

@@ -34,7 +34,7 @@ from headgate.protocol.frames import IssueGuarantees
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import BatchReceived, Role, Session, StreamBound
 from tests._small_disk import SmallDisk, small_disk
-from tests.client.test_producer import gateway, run
+from tests.helpers import gateway, run
 
 pytestmark = pytest.mark.timeout(120)
 

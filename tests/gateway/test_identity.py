@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from headgate.client import Producer, SessionRefused, StreamRefused
+from headgate.client import ClientSecurity, Producer, SessionRefused, StreamRefused
 from headgate.gateway import Gateway
 from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.log import LogError, StorageError
@@ -30,7 +30,7 @@ from headgate.protocol.frames import SendChannel
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import RawPeer, config, stored
+from tests.helpers import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,9 @@ async def spoof(
     gw: Gateway, data: Path, attack: str, *, victim_token: str | None, attacker: RawPeer
 ) -> None:
     """Victim writes 10, the attacker attacks, the victim writes 10 more; check the log."""
-    victim = Producer(gw.address, producer_id=VICTIM_ID, token=victim_token, linger_ms=1)
+    victim = Producer(
+        gw.address, producer_id=VICTIM_ID, security=ClientSecurity(token=victim_token), linger_ms=1
+    )
     async with victim:
         for value in victim_values(0, 10):
             await victim.send("s", value)
@@ -179,7 +181,10 @@ async def test_a_peer_that_only_reads_neither_claims_nor_is_refused_an_id(
     await still_open(reader)
     assert token_gateway.owners.owner(VICTIM_ID) is None
     async with Producer(
-        token_gateway.address, producer_id=VICTIM_ID, token=VICTIM_TOKEN, linger_ms=1
+        token_gateway.address,
+        producer_id=VICTIM_ID,
+        security=ClientSecurity(token=VICTIM_TOKEN),
+        linger_ms=1,
     ) as victim:
         await victim.send("s", b"mine")
         await victim.flush()

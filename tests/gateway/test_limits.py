@@ -26,7 +26,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import AnnounceDropping, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import WelcomeReceived
-from tests.gateway.test_gateway import RawPeer, config, stored
+from tests.helpers import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 

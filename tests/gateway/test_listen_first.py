@@ -30,9 +30,7 @@ from headgate.log.lock import DirectoryLock
 from headgate.log.metadata import META_FILE_NAME
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import decode_records
-from tests.client.test_producer import read_log, run, values_in_order
-from tests.gateway.test_gateway import RawPeer
-from tests.gateway.test_metrics import scrape
+from tests.helpers import RawPeer, read_log, run, scrape, values_in_order
 from tests.serving import serve, stop
 
 pytestmark = pytest.mark.timeout(60)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import http.server
 import socket
 import subprocess
@@ -19,20 +18,14 @@ from headgate.config import ConfigError, load_gateway_config
 from headgate.gateway import Gateway
 from headgate.protocol import messages as m
 from headgate.protocol.records import encode_records
-from headgate.top import MetricsUnavailable, Snapshot, fetch, parse, render
-from tests.gateway.test_gateway import RawPeer, config
+from headgate.top import MetricsUnavailable, fetch, parse, render
+from tests.helpers import RawPeer, config, scrape
 
 from ..serving import serve_with_metrics
 
 pytestmark = pytest.mark.timeout(60)
 
 HEADGATE = [sys.executable, "-m", "headgate.cli"]
-
-
-async def scrape(gateway: Gateway) -> Snapshot:
-    # The HTTP server's thread asks this loop for the snapshot: never block it.
-    assert gateway.metrics_address is not None
-    return await asyncio.to_thread(fetch, gateway.metrics_address)
 
 
 async def test_the_endpoint_reports_streams_and_connections_and_follows_traffic(

@@ -26,15 +26,7 @@ from headgate.gateway import Gateway
 from headgate.gateway.policies import WindowFlow
 from headgate.log import LogReader
 from headgate.protocol.session import GuaranteesReceived
-from tests.client.test_producer import (
-    SMALL,
-    Releaser,
-    gateway,
-    records,
-    run,
-    values_in_order,
-)
-from tests.gateway.test_gateway import RawPeer
+from tests.helpers import SMALL, RawPeer, Releaser, gateway, records, run, values_in_order
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.session import StreamBound, TailReceived
-from tests.gateway.test_gateway import RawPeer, config
+from tests.helpers import RawPeer, config
 
 pytestmark = pytest.mark.timeout(60)
 

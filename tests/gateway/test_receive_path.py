@@ -16,7 +16,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import Role, Session
-from tests.gateway.test_gateway import RawPeer, config, stored
+from tests.helpers import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 

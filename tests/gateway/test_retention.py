@@ -21,8 +21,16 @@ from headgate.client.reader import Reader
 from headgate.config import ConfigError, GatewayConfig, Retention, StreamSettings
 from headgate.gateway.consumers import free_position
 from headgate.protocol import messages as m
-from tests.client.test_producer import _lists, gateway, records, run
-from tests.gateway.test_consumers import BLOCKING, Consumer, consumers, positions
+from tests.helpers import (
+    BLOCKING,
+    Consumer,
+    consumers,
+    gateway,
+    positions,
+    record_lists,
+    records,
+    run,
+)
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -45,7 +53,7 @@ def retained(retain_seconds: float | None = None) -> StreamSettings:
 async def fetch_values(gw_address: tuple[str, int], start: int) -> list[bytes]:
     async with Reader(gw_address) as reader:
         batches, _ = await reader.fetch_all("s", start)
-    return [v for b in batches for v in _lists(memoryview(b.records))[0]]
+    return [v for b in batches for v in record_lists(memoryview(b.records))[0]]
 
 
 async def produce(address: tuple[str, int], values: list[bytes], stream: str = "s") -> None:
@@ -84,7 +92,9 @@ def test_released_data_stays_readable_inside_the_retention_and_a_reset_replays_i
             async with Reader(gw.address) as reader:
                 assert await reader.reset_consumer("s", "archive", m.ResetTo.EARLIEST) == 0
                 replay, _ = await reader.fetch_all("s", 0, consumer="archive")
-                assert [v for b in replay for v in _lists(memoryview(b.records))[0]] == original
+                assert [
+                    v for b in replay for v in record_lists(memoryview(b.records))[0]
+                ] == original
                 # A new consumer starts at the oldest retained position.
                 assert await reader.declare_consumer("s", "late", blocking=False) == 0
             assert positions(gw, "s") == {"archive": 0, "late": 0}

@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from headgate.cli import main
 from headgate.client import (
+    ClientSecurity,
     Producer,
     ProducerError,
     SessionRefused,
@@ -35,7 +36,7 @@ from headgate.protocol.frames import SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from tests.gateway._certs import Authority, make_authority
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import config, stored
+from tests.helpers import config, stored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -196,7 +197,9 @@ async def test_a_bad_hello_with_binds_and_batches_behind_it_gets_one_frame_and_s
 async def test_a_producer_with_a_wrong_token_gives_up_at_once_and_writes_nothing(
     auth_gateway: Gateway, tmp_path: Path
 ) -> None:
-    producer = Producer(auth_gateway.address, token="nope", reconnect_timeout=5)
+    producer = Producer(
+        auth_gateway.address, security=ClientSecurity(token="nope"), reconnect_timeout=5
+    )
     loop = asyncio.get_running_loop()
     started = loop.time()
     with pytest.raises(SessionRefused, match="UNAUTHENTICATED") as refused:
@@ -211,7 +214,9 @@ async def test_a_stream_without_the_write_right_is_refused_and_the_others_flow(
     auth_gateway: Gateway, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="headgate.gateway")
-    async with Producer(auth_gateway.address, token=WRITER, reconnect_timeout=5) as producer:
+    async with Producer(
+        auth_gateway.address, security=ClientSecurity(token=WRITER), reconnect_timeout=5
+    ) as producer:
         for i in range(50):
             await producer.send("ok-1", b"fine-%d" % i)
             await producer.send("secret", b"nope-%d" % i)
@@ -234,7 +239,9 @@ async def test_a_stream_without_the_write_right_is_refused_and_the_others_flow(
 async def test_a_token_with_only_read_rights_cannot_write(
     auth_gateway: Gateway, tmp_path: Path
 ) -> None:
-    async with Producer(auth_gateway.address, token=READER, reconnect_timeout=5) as producer:
+    async with Producer(
+        auth_gateway.address, security=ClientSecurity(token=READER), reconnect_timeout=5
+    ) as producer:
         await producer.send("events", b"x")
         with pytest.raises(StreamRefused, match="FORBIDDEN"):
             await producer.flush("events")
@@ -242,7 +249,9 @@ async def test_a_token_with_only_read_rights_cannot_write(
 
 
 async def test_release_needs_the_admin_right(auth_gateway: Gateway, tmp_path: Path) -> None:
-    async with Producer(auth_gateway.address, token=ADMIN, reconnect_timeout=5) as producer:
+    async with Producer(
+        auth_gateway.address, security=ClientSecurity(token=ADMIN), reconnect_timeout=5
+    ) as producer:
         await producer.send("events", b"x" * 100)
         await producer.flush()
     log = auth_gateway.streams["events"].log
@@ -266,7 +275,8 @@ async def test_release_needs_the_admin_right(auth_gateway: Gateway, tmp_path: Pa
         ]
         errors = [x.code for x in messages if isinstance(x, m.Error)]
         assert errors == ([] if code is None else [code])
-        # Refused: nothing released. Allowed: released.
+        # Refused: nothing released. Allowed: released, once the position is saved.
+        await auth_gateway.consumers_saved()
         assert log.release_position == (0 if code is not None else before)
 
 
@@ -292,7 +302,9 @@ async def test_a_producer_verifies_the_gateway_and_sends_over_tls(
     tls_gateway: Gateway, tmp_path: Path, authority: Authority
 ) -> None:
     context = client_context(ca_file=authority.ca)
-    async with Producer(tls_gateway.address, ssl=context, reconnect_timeout=5) as producer:
+    async with Producer(
+        tls_gateway.address, security=ClientSecurity(tls_context=context), reconnect_timeout=5
+    ) as producer:
         for i in range(200):
             await producer.send("events", b"tls-%d" % i)
         await producer.flush()
@@ -304,13 +316,19 @@ async def test_a_gateway_with_an_unknown_certificate_is_refused_by_the_producer(
     tls_gateway: Gateway, tmp_path: Path, stranger: Authority
 ) -> None:
     context = client_context(ca_file=stranger.ca)
-    producer = Producer(tls_gateway.address, ssl=context, reconnect_timeout=5)
+    producer = Producer(
+        tls_gateway.address, security=ClientSecurity(tls_context=context), reconnect_timeout=5
+    )
     with pytest.raises(ProducerError, match="failed TLS verification"):
         await producer.send("events", b"x")
         await producer.flush()
     await producer.abort()
     # The system trust store does not know a test CA either.
-    producer = Producer(tls_gateway.address, ssl=client_context(), reconnect_timeout=5)
+    producer = Producer(
+        tls_gateway.address,
+        security=ClientSecurity(tls_context=client_context()),
+        reconnect_timeout=5,
+    )
     with pytest.raises(ProducerError, match="failed TLS verification"):
         await producer.connect()
     await producer.abort()
@@ -353,7 +371,9 @@ async def test_mutual_tls_refuses_a_producer_without_a_good_client_certificate(
     try:
         for cert, key in ((None, None), (stranger.client_cert, stranger.client_key)):
             context = client_context(ca_file=authority.ca, cert_file=cert, key_file=key)
-            producer = Producer(gw.address, ssl=context, reconnect_timeout=1)
+            producer = Producer(
+                gw.address, security=ClientSecurity(tls_context=context), reconnect_timeout=1
+            )
             with pytest.raises(ProducerError):
                 await producer.send("events", b"x")
                 await producer.flush()
@@ -363,7 +383,9 @@ async def test_mutual_tls_refuses_a_producer_without_a_good_client_certificate(
         context = client_context(
             ca_file=authority.ca, cert_file=authority.client_cert, key_file=authority.client_key
         )
-        async with Producer(gw.address, ssl=context, reconnect_timeout=5) as producer:
+        async with Producer(
+            gw.address, security=ClientSecurity(tls_context=context), reconnect_timeout=5
+        ) as producer:
             await producer.send("events", b"mutual")
             await producer.flush()
         assert [vs for _, _, vs in stored(tmp_path / "data", "events")] == [[b"mutual"]]
@@ -430,7 +452,8 @@ async def test_the_blocking_producer_takes_a_token_and_tls(
     def produce() -> None:
         context = client_context(ca_file=authority.ca)
         with SyncProducer(
-            tls_gateway.address, token=WRITER, ssl=context, server_hostname="localhost"
+            tls_gateway.address,
+            security=ClientSecurity(token=WRITER, tls_context=context, server_name="localhost"),
         ) as producer:
             for i in range(10):
                 producer.send("events", b"sync-%d" % i)

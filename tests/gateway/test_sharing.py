@@ -34,7 +34,7 @@ from headgate.protocol.frames import Absolve, Apologise, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import MessageReceived, StreamBound, WelcomeReceived
 from tests.gateway._tokens import Token, write_tokens
-from tests.gateway.test_gateway import RawPeer, config, earn
+from tests.helpers import RawPeer, config, earn
 
 pytestmark = pytest.mark.timeout(60)
 

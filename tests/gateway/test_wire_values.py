@@ -40,7 +40,7 @@ from headgate.protocol.frames import (
     SendGlobal,
 )
 from headgate.protocol.records import encode_records
-from tests.gateway.test_gateway import RawPeer, config, stored
+from tests.helpers import RawPeer, config, stored
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -28,9 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from headgate.client import Producer, ProducerError
+from headgate.client import ClientSecurity, Producer, ProducerError
 from headgate.client.reader import Reader, ReaderError
-from headgate.client.tls import client_context
 from headgate.config import GatewayConfig
 from headgate.log import LogReader
 from headgate.protocol.errors import ErrorCode
@@ -225,11 +224,10 @@ class Arena:
             return False
         probe = Producer(
             self.address,
-            token=GOOD_TOKEN,
+            security=self.security(),
             producer_id=PROBE_PRODUCER,
             reconnect_timeout=5,
             client_name="probe",
-            ssl=self.ssl(),
         )
         try:
             async with asyncio.timeout(5), probe:
@@ -275,8 +273,9 @@ class Arena:
         assert self.proc is not None
         return cpu_seconds(self.proc.pid)
 
-    def ssl(self) -> Any:
-        return client_context(ca_file=self.ca) if self.tls else None
+    def security(self) -> ClientSecurity:
+        """The good clients' token, and the arena's CA when the gateway speaks TLS."""
+        return ClientSecurity(token=GOOD_TOKEN, ca_file=self.ca if self.tls else None)
 
     def target(self, victim_stream: str = "") -> Target:
         return Target(
@@ -394,11 +393,10 @@ async def good_run(
     loop = asyncio.get_running_loop()
     producer = Producer(
         arena.address,
-        token=GOOD_TOKEN,
+        security=arena.security(),
         producer_id=GOOD_PRODUCER,
         reconnect_timeout=seconds + 2,
         client_name="good",
-        ssl=arena.ssl(),
     )
     started = loop.time()
     i = first
@@ -476,7 +474,7 @@ class Ledger:
             self.problems.append(f"{run.acked - len(values)} acked records not stored")
         self.checked = end
         with contextlib.suppress(ReaderError, OSError):
-            async with Reader(arena.address, token=GOOD_TOKEN, ssl=arena.ssl()) as admin:
+            async with Reader(arena.address, security=arena.security()) as admin:
                 await admin.release(self.stream, end)
 
 

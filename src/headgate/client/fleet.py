@@ -37,7 +37,7 @@ from typing import Any
 
 from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError
-from headgate.client.producer import Producer
+from headgate.client.producer import Producer, ProducerOptions
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.security import ClientSecurity
 from headgate.cluster import (
@@ -180,12 +180,19 @@ async def fetch_cluster(
 
 
 def gateway_security(base: ClientSecurity, gateway: ClusterGateway) -> ClientSecurity:
-    """The client's token with the cluster file's TLS settings of ``gateway``."""
+    """The client's token with the cluster file's TLS settings of ``gateway``.
+
+    The cluster file's CA or certificate files for ``gateway`` replace the
+    client's own TLS settings, a ``tls_context`` included; without them the
+    client's settings verify that gateway.
+    """
     if not gateway.tls:
         return base
+    files_given = gateway.tls_ca_file is not None or gateway.tls_cert_file is not None
     return replace(
         base,
         tls=True,
+        tls_context=None if files_given else base.tls_context,
         ca_file=gateway.tls_ca_file or base.ca_file,
         cert_file=gateway.tls_cert_file or base.cert_file,
         key_file=gateway.tls_key_file if gateway.tls_cert_file else base.key_file,
@@ -227,6 +234,10 @@ class FleetProducer:
     ) -> None:
         if (bootstrap is None) == (cluster is None):
             raise ValueError("give either the bootstrap addresses or the cluster file")
+        unknown = sorted(set(options) - set(ProducerOptions.__optional_keys__))
+        if unknown:
+            # Found now, not when the first gateway's producer is made.
+            raise TypeError(f"FleetProducer() got an unexpected keyword argument {unknown[0]!r}")
         if "reconnect_timeout" in options:
             raise TypeError(
                 "a fleet producer reconnects to each gateway for ever; "

@@ -112,9 +112,6 @@ class ProducerOptions(TypedDict, total=False):
     max_buffered_bytes: int
     client_name: str
     reconnect_timeout: float | None
-    token: bytes | str | None
-    ssl: ssl_module.SSLContext | None
-    server_hostname: str | None
     security: ClientSecurity | None
     spool: str | os.PathLike[str] | None
     spool_max_bytes: int
@@ -565,15 +562,10 @@ class Producer:
             None: never give up (for a device whose gateway may be away for
             hours); the pauses still grow to 2 s, and each attempt is
             bounded by 10 s.
-        token: the authentication token for a gateway with a tokens file
-            (``headgate token`` makes one); sent in Hello.
-        ssl: a TLS context (see :func:`headgate.client.tls.client_context`,
-            which verifies the gateway by default); None for plain TCP.
-        server_hostname: the name the gateway's certificate must carry; the
-            host of ``address`` by default.
-        security: token and TLS settings as one :class:`ClientSecurity`
-            (what every client takes); ``token``, ``ssl`` and
-            ``server_hostname`` override it. Its token is read here.
+        security: the token (``headgate token`` makes one; sent in Hello)
+            and TLS settings, as one :class:`ClientSecurity`, the way every
+            client takes them; None: plain TCP without a token. Its token
+            is read, and its TLS files loaded, here.
         spool: a directory where every batch is written and fsynced, with
             its sequence, before it is sent, until the gateway acknowledges
             it (see :mod:`headgate.client.spool`). A producer created on a
@@ -622,9 +614,6 @@ class Producer:
         max_buffered_bytes: int = 64 * 1024 * 1024,
         client_name: str = "headgate-python",
         reconnect_timeout: float | None = 30.0,
-        token: bytes | str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
-        server_hostname: str | None = None,
         security: ClientSecurity | None = None,
         spool: str | os.PathLike[str] | None = None,
         spool_max_bytes: int = 256 * 1024 * 1024,
@@ -634,10 +623,7 @@ class Producer:
             # __new__ made a FleetProducer for a list or a cluster; only None is left.
             raise TypeError("a Producer needs the gateway's address (or cluster=...)")
         explicit_id = producer_id
-        if security is not None:
-            token = security.token_bytes() if token is None else token
-            ssl = security.ssl_context() if ssl is None else ssl
-            server_hostname = server_hostname or security.server_name
+        security = security or ClientSecurity()
         if policy not in ("wait", "optimistic", "window"):
             raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
         if producer_id is None:
@@ -674,11 +660,9 @@ class Producer:
         self._max_buffered = max_buffered_bytes
         self._client_name = client_name
         self._reconnect_timeout = reconnect_timeout
-        self._token = token.encode() if isinstance(token, str) else (token or b"")
-        if len(self._token) > m.MAX_TOKEN_BYTES:
-            raise ValueError(f"a token is at most {m.MAX_TOKEN_BYTES} bytes")
-        self._ssl = ssl
-        self._server_hostname = server_hostname
+        self._token = security.token_bytes()
+        self._ssl = security.ssl_context()
+        self._server_hostname = security.server_name
         self._streams: dict[str, _Stream] = {}
         self._dirty: deque[_Stream] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None

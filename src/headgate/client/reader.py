@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import ssl as ssl_module
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
@@ -175,13 +174,12 @@ class Reader:
             send ahead of what the application has taken.
         client_name: sent in Hello, for the gateway's logs.
         connect_timeout: seconds to open the connection and get Welcome.
-        security: token and TLS settings (:class:`ClientSecurity`); the
-            arguments below override it.
-        token: the token for a gateway with a tokens file; its ``read``
-            patterns decide what the reader may fetch, subscribe to and list,
-            ``admin`` whether it may release.
-        ssl: a TLS context (:func:`headgate.client.tls.client_context`).
-        server_hostname: the name the gateway's certificate must carry.
+        security: the token and TLS settings (:class:`ClientSecurity`), the
+            way every client takes them; None: plain TCP without a token.
+            On a gateway with a tokens file, the token's ``read`` patterns
+            decide what the reader may fetch, subscribe to and list,
+            ``admin`` whether it may release. Its token is read, and its TLS
+            files loaded, at each ``connect``.
 
     While connected, the reader Pings the gateway at a third of the idle
     timeout its Welcome announces, so a quiet reader is not closed as idle.
@@ -195,9 +193,6 @@ class Reader:
         client_name: str = "headgate-reader",
         connect_timeout: float = 10.0,
         security: ClientSecurity | None = None,
-        token: bytes | str | None = None,
-        ssl: ssl_module.SSLContext | None = None,
-        server_hostname: str | None = None,
     ) -> None:
         try:
             self.address = GatewayAddress.parse(address)
@@ -209,11 +204,6 @@ class Reader:
             self._security.check_address(self.address)
         except SecurityError as error:
             raise ReaderError(str(error)) from None
-        self._token = token.encode() if isinstance(token, str) else token
-        if self._token is not None and len(self._token) > m.MAX_TOKEN_BYTES:
-            raise ValueError(f"a token is at most {m.MAX_TOKEN_BYTES} bytes")
-        self._ssl = ssl
-        self._server_hostname = server_hostname
         if buffer_bytes < batch_cost(m.TAIL_HEADER_SIZE + 8):
             raise ValueError(f"buffer_bytes {buffer_bytes} is too small for any batch")
         self._buffer_bytes = buffer_bytes
@@ -256,8 +246,8 @@ class Reader:
         loop = asyncio.get_running_loop()
         self._welcome = loop.create_future()
         try:
-            token = self._security.token_bytes() if self._token is None else self._token
-            context = self._ssl if self._ssl is not None else self._security.ssl_context()
+            token = self._security.token_bytes()
+            context = self._security.ssl_context()
         except SecurityError as error:
             raise ReaderError(f"gateway {self._where}: {error}") from None
         self._session.send_global(
@@ -268,7 +258,7 @@ class Reader:
                 _, protocol = await self.address.connect(
                     lambda: _Protocol(self),
                     ssl=context,
-                    server_hostname=self._server_hostname or self._security.server_name,
+                    server_hostname=self._security.server_name,
                 )
                 self._protocol = protocol
                 self._write()
@@ -738,7 +728,7 @@ class SyncReader:
     It runs a private event loop only while one of its calls runs, in the
     calling thread; between calls, TCP holds what the gateway sent. Not for
     use from a thread whose event loop is running. It takes the options of
-    :class:`Reader` (``token``, ``security``, ...).
+    :class:`Reader` (``security``, ``buffer_bytes``, ...).
 
     Between calls nothing Pings the gateway, so a call that comes after more
     than half the gateway's idle timeout opens a new connection first (the

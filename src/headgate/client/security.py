@@ -4,7 +4,13 @@ Every client (the producer, the reader, the release client, ``headgate send``
 and ``headgate tail``, the Spark source, ``headgate pipeline``) takes one
 :class:`ClientSecurity`: a token for the gateway's tokens file and, for a TLS
 listener, how to verify the gateway (and, for mutual TLS, which certificate
-to show).
+to show). It is the only way to give a client a token or TLS settings.
+
+TLS is set up either from files (``ca_file``, ``cert_file``, ``key_file``),
+which the object can carry anywhere, pickled into a Spark plan included, or
+from an :class:`ssl.SSLContext` the application built itself
+(``tls_context``), for what files cannot say (a trust store in memory, a
+pinned cipher list); such an object stays in the process that made it.
 
 The token can be given as such, or by where to find it: ``token_env`` (an
 environment variable) or ``token_file`` (a file holding it). Those two are
@@ -38,12 +44,18 @@ class SecurityError(ValueError):
 class ClientSecurity:
     """A client's token and TLS settings. The default is plain TCP without a token.
 
-    Only one of ``token``, ``token_env`` and ``token_file`` may be set.
-    ``ca_file``, ``cert_file`` and ``server_name`` imply TLS.
+    Only one of ``token``, ``token_env`` and ``token_file`` may be set, and
+    only one of ``tls_context`` and the files (``ca_file``, ``cert_file``).
+    ``ca_file``, ``cert_file``, ``tls_context`` and ``server_name`` imply TLS.
+
+    Example::
+
+        ClientSecurity(token=os.environ["HEADGATE_TOKEN"], ca_file="ca.pem")
+        ClientSecurity(token_env="HEADGATE_TOKEN", tls_context=my_context, server_name="gw")
     """
 
-    #: The token itself (kept out of ``repr``).
-    token: bytes | None = field(default=None, repr=False)
+    #: The token itself, bytes or text (text is kept UTF-8 encoded; out of ``repr``).
+    token: bytes | str | None = field(default=None, repr=False)
     #: The environment variable holding the token, read at connection time.
     token_env: str | None = None
     #: A file holding the token (surrounding whitespace ignored), read at connection time.
@@ -58,8 +70,15 @@ class ClientSecurity:
     key_file: str | None = None
     #: The name the gateway's certificate must carry (default: the address's host).
     server_name: str | None = None
+    #: A TLS context built by the application, used as it is instead of the
+    #: files above (see :func:`headgate.client.tls.client_context`, which
+    #: verifies the gateway). It cannot be pickled.
+    tls_context: ssl_module.SSLContext | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.token, str):
+            # Frozen: the one place the token is normalised, so equal tokens compare equal.
+            object.__setattr__(self, "token", self.token.encode())
         given = [
             n for n in ("token", "token_env", "token_file") if getattr(self, n) not in (None, b"")
         ]
@@ -67,6 +86,14 @@ class ClientSecurity:
             raise SecurityError(f"give the token one way only, not {' and '.join(given)}")
         if self.token is not None and len(self.token) > MAX_TOKEN_BYTES:
             raise SecurityError(f"a token is at most {MAX_TOKEN_BYTES} bytes")
+        if self.tls_context is not None:
+            if not isinstance(self.tls_context, ssl_module.SSLContext):
+                raise SecurityError("tls_context must be an ssl.SSLContext")
+            files = [n for n in ("ca_file", "cert_file", "key_file") if getattr(self, n)]
+            if files:
+                raise SecurityError(
+                    f"give the TLS settings one way only, not tls_context and {' and '.join(files)}"
+                )
         if self.key_file is not None and self.cert_file is None:
             raise SecurityError("a client key needs its certificate (cert_file)")
         for name in ("token_env", "token_file", "ca_file", "cert_file", "key_file"):
@@ -82,6 +109,7 @@ class ClientSecurity:
             or self.ca_file is not None
             or self.cert_file is not None
             or self.server_name is not None
+            or self.tls_context is not None
         )
 
     def token_bytes(self) -> bytes:
@@ -91,7 +119,7 @@ class ClientSecurity:
             SecurityError: the variable is unset or the file unreadable.
         """
         if self.token is not None:
-            return self.token
+            return self.token.encode() if isinstance(self.token, str) else self.token
         if self.token_env is not None:
             value = os.environ.get(self.token_env)
             if not value:
@@ -116,11 +144,13 @@ class ClientSecurity:
         return token
 
     def ssl_context(self) -> ssl_module.SSLContext | None:
-        """A context that verifies the gateway, or None for plain TCP.
+        """``tls_context``, else a context that verifies the gateway, or None for plain TCP.
 
         Raises:
             SecurityError: a certificate or key file cannot be loaded.
         """
+        if self.tls_context is not None:
+            return self.tls_context
         if not self.uses_tls:
             return None
         try:

@@ -32,12 +32,12 @@ import hashlib
 import hmac
 import re
 import secrets
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headgate.config import ConfigError
+from headgate.tomlfile import expect_table, read_toml, refuse_unknown
 
 __all__ = [
     "ALL_RIGHTS",
@@ -166,17 +166,8 @@ def _consume_patterns(value: Any, what: str) -> tuple[str, ...]:
 
 def load_tokens(path: Path) -> TokenTable:
     """Read a tokens file; errors name the file, the entry and the key."""
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"tokens file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"cannot read tokens file {path}: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    unknown = set(raw) - {"token"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}; use [[token]]")
+    raw = read_toml(path, "tokens", ConfigError)
+    refuse_unknown(raw, ("token",), str(path), ConfigError, hint="; use [[token]]")
     tables = raw.get("token", [])
     if not isinstance(tables, list):
         raise ConfigError(f"{path}: token must be an array of tables ([[token]])")
@@ -184,11 +175,8 @@ def load_tokens(path: Path) -> TokenTable:
     seen: set[str] = set()
     for index, table in enumerate(tables):
         where = f"{path}: token #{index + 1}"
-        if not isinstance(table, dict):
-            raise ConfigError(f"{where} must be a table")
-        unknown = set(table) - _KEYS
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))}")
+        table = expect_table(table, where, ConfigError)
+        refuse_unknown(table, _KEYS, where, ConfigError)
         name = table.get("name", f"token-{index + 1}")
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}.name: expected a non-empty string")

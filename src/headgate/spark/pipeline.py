@@ -70,7 +70,6 @@ import re
 import shutil
 import sys
 import threading
-import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,6 +80,7 @@ from headgate.config import ConfigError, parse_size
 from headgate.log.address import AddressError
 from headgate.protocol.messages import DEFAULT_CONSUMER, is_valid_name
 from headgate.spark.planning import MISSING_STREAMS, offset_address
+from headgate.tomlfile import expect_table, read_toml, refuse_unknown
 
 Release = Callable[[str, int], None]
 
@@ -348,16 +348,7 @@ def load_pipeline_config(path: Path) -> PipelineConfig:
     A stream without ``consumer`` releases as the consumer named after the
     file (its name without the suffix): see the module docstring.
     """
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"pipeline file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"{path} is a directory, not a pipeline file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read: {exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    raw = read_toml(path, "pipeline", ConfigError)
     return pipeline_config_from_dict(raw, where=str(path), default_consumer=path.stem)
 
 
@@ -434,21 +425,16 @@ def _option_text(value: object, what: str) -> str:
 
 
 def _stream_from_table(
-    name: str, table: object, at: str, default_consumer: str | None
+    name: str, entry: object, at: str, default_consumer: str | None
 ) -> StreamPipeline:
     if not is_valid_name(name):
         raise ConfigError(
             f"{at}: {name!r} is not a stream name (letters, digits, '.', '_' and '-', "
             "starting with a letter or digit)"
         )
-    if not isinstance(table, dict):
-        raise ConfigError(f"{at} must be a table ([streams.{name}])")
-    known = {f for f in StreamPipeline.__dataclass_fields__ if f != "name"}
-    bad = set(table) - known
-    if bad:
-        raise ConfigError(
-            f"{at}: unknown key(s) {', '.join(sorted(bad))} (known: {', '.join(sorted(known))})"
-        )
+    table = expect_table(entry, at, ConfigError, f"a table ([streams.{name}])")
+    known = frozenset(f for f in StreamPipeline.__dataclass_fields__ if f != "name")
+    refuse_unknown(table, known, at, ConfigError)
     fmt = table.get("format", "raw")
     if fmt not in FORMATS:
         raise ConfigError(f"{at}.format must be one of {', '.join(FORMATS)}, got {fmt!r}")
@@ -544,11 +530,7 @@ def pipeline_config_from_dict(
         fallback = default_consumer
     from headgate.client.address import GatewayAddress
 
-    unknown = set(raw) - set(_TOP_KEYS)
-    if unknown:
-        raise ConfigError(
-            f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(_TOP_KEYS)})"
-        )
+    refuse_unknown(raw, _TOP_KEYS, where, ConfigError)
     data_dir = _path(raw.get("data_dir", "headgate-data"), f"{where}: data_dir")
     gateway = raw.get("gateway")
     if gateway is not None:
