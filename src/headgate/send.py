@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import json
+import os
 import signal
 import threading
 import time
@@ -168,6 +170,15 @@ class _RateColumn(ProgressColumn):
         return Text(f"{task.speed or 0:,.0f} records/s")
 
 
+def _unlocked_read(source: BinaryIO) -> Any:
+    """A ``read(n)`` of ``source`` that takes no lock of Python's (see :func:`_chunks`)."""
+    try:
+        fd = source.fileno()
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        return getattr(source, "read1", source.read)  # in memory: nothing to abort on
+    return lambda size: os.read(fd, size)
+
+
 async def _chunks(source: BinaryIO) -> AsyncIterator[bytes]:
     """The bytes of ``source`` as they come, read in a daemon thread.
 
@@ -175,12 +186,17 @@ async def _chunks(source: BinaryIO) -> AsyncIterator[bytes]:
     It hands them over with ``call_soon_threadsafe``, which leaves nothing
     pending in the loop when the send ends early; and it is a daemon, so
     that a read still waiting on a terminal or a pipe then never keeps the
-    process alive.
+    process alive. A source with a file descriptor (stdin, a file) is read
+    with ``os.read`` on it, not through its buffered reader: a daemon thread
+    blocked inside a buffered read holds that reader's lock, and the
+    interpreter, flushing the standard streams as it exits (after Ctrl-C, say),
+    then aborts with "could not acquire lock ... at interpreter shutdown".
+    Nothing else reads the source, so its buffer is empty when this starts.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[bytes | BaseException] = asyncio.Queue()
     room = threading.Semaphore(_CHUNKS_AHEAD)
-    read = getattr(source, "read1", source.read)
+    read = _unlocked_read(source)
 
     def pump() -> None:
         item: bytes | BaseException = b"x"
