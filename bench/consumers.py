@@ -31,43 +31,26 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from headgate.client import Producer
-from headgate.client.reader import Reader
-from headgate.log import LogReader
+BENCH = Path(__file__).resolve().parent
+if str(BENCH) not in sys.path:
+    sys.path.append(str(BENCH))  # tail.py: how the benchmarks sample a gateway's own memory
+
+from headgate.client import Producer  # noqa: E402
+from headgate.client.reader import Reader  # noqa: E402
+from headgate.log import LogReader  # noqa: E402
+from tail import RssSampler, rss_kib  # noqa: E402
 
 RECORD = b"x" * 100
 CHUNK = 10_000
 CASES = (1, 2, 4)
 RELEASE_EVERY_S = 0.02
-
-
-def rss_kib(pid: int) -> int:
-    """Anonymous RSS: the gateway's own memory, without the mapped log's page cache."""
-    text = Path(f"/proc/{pid}/status").read_text()
-    match = re.search(r"RssAnon:\s+(\d+) kB", text)
-    return int(match.group(1)) if match else 0
-
-
-class RssSampler(threading.Thread):
-    def __init__(self, pid: int) -> None:
-        super().__init__(daemon=True)
-        self.pid = pid
-        self.peak = 0
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.peak = max(self.peak, rss_kib(self.pid))
-            time.sleep(0.05)
 
 
 def gateway_toml(data: Path) -> str:
