@@ -62,7 +62,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -86,7 +85,7 @@ from ingest import (  # noqa: E402
     _headgate_command,
     _load,
     _machine,
-    _stop_process,
+    stop_workers,
 )
 
 #: The partitioned stream every case writes.
@@ -309,21 +308,7 @@ def per_million(cpu: float, records: int) -> float:
 
 
 def _stop_producers(procs: list[BaseProcess], pipes: list[Connection]) -> None:
-    for pipe in pipes:
-        with contextlib.suppress(OSError):
-            pipe.send(("exit", None))
-    for proc in procs:
-        proc.join(5.0)
-        if proc.is_alive() and proc.pid is not None:
-
-            def wait(timeout: float, proc: BaseProcess = proc) -> None:
-                proc.join(timeout)
-                if proc.is_alive():
-                    raise subprocess.TimeoutExpired("producer", timeout)
-
-            _stop_process(proc.pid, wait, "producer")
-    for pipe in pipes:
-        pipe.close()
+    stop_workers(procs, pipes, 5.0, "producer")
 
 
 def run_case(args: argparse.Namespace, root: Path, gateways: int, label: str) -> Case:

@@ -772,6 +772,29 @@ class Sampler(threading.Thread):
                 return
 
 
+def stop_workers(procs: list[Any], pipes: list[Any], grace: float, what: str) -> None:
+    """Ask worker processes to exit over their pipes, wait ``grace`` seconds, then end them.
+
+    A worker still alive after ``grace`` is ended by its pid (``_stop_process``:
+    SIGTERM, then SIGKILL); the pipes are closed.
+    """
+    for pipe in pipes:
+        with contextlib.suppress(OSError):
+            pipe.send(("exit", None))
+    for proc in procs:
+        proc.join(grace)
+        if proc.is_alive() and proc.pid is not None:
+
+            def wait(timeout: float, proc: Any = proc) -> None:
+                proc.join(timeout)
+                if proc.is_alive():
+                    raise subprocess.TimeoutExpired(what, timeout)
+
+            _stop_process(proc.pid, wait, what)
+    for pipe in pipes:
+        pipe.close()
+
+
 class Workers:
     """Worker processes (spawn) that run RunSpecs on command."""
 
@@ -792,21 +815,7 @@ class Workers:
             self.pipes.append(ours)
 
     def stop(self) -> None:
-        for pipe in self.pipes:
-            with contextlib.suppress(OSError):
-                pipe.send(("exit", None))
-        for proc in self.procs:
-            proc.join(2.0)
-            if proc.is_alive() and proc.pid is not None:
-
-                def wait(timeout: float, proc: Any = proc) -> None:
-                    proc.join(timeout)
-                    if proc.is_alive():
-                        raise subprocess.TimeoutExpired("worker", timeout)
-
-                _stop_process(proc.pid, wait, "worker")
-        for pipe in self.pipes:
-            pipe.close()
+        stop_workers(self.procs, self.pipes, 2.0, "worker")
         self.procs.clear()
         self.pipes.clear()
 
