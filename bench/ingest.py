@@ -101,6 +101,8 @@ CHUNK = 10_000
 FRAME_LIMIT = 256 * 1024
 COMMIT_INTERVAL_S = 0.002
 BURST_INTERVAL_S = 0.001
+#: How often a latency run releases what is durable (a pipeline's trigger).
+RELEASE_EVERY_S = 0.25
 STREAM_CAPACITY = "512MiB"
 #: The gateway's default term length (16 MiB); --term-length changes it. Ack
 #: latency grows with the term: at 64 MiB the p99 was 40 to 100 ms here,
@@ -128,6 +130,7 @@ _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 SendOne = Callable[[str, bytes], Awaitable[None]]
 SendMany = Callable[[str, Any], Awaitable[object]]
 Flush = Callable[[], Coroutine[Any, Any, None]]
+Release = Callable[[], Awaitable[None]]
 
 
 # --- the baseline receiver (runs in its own process) ---------------------------------
@@ -383,6 +386,11 @@ class RunSpec:
     profile: bool = False
     #: Count this process's allocator calls over the run (bench/alloccount.py).
     count_allocations: bool = False
+    #: Paced runs: release what is durable every RELEASE_EVERY_S, as a pipeline
+    #: that keeps up does, so that the run is not capped by the stream's capacity.
+    release: bool = False
+    #: The gateway's data directory (where a releasing run reads the durable end).
+    data_dir: str = ""
 
 
 @dataclass
@@ -436,9 +444,10 @@ async def _timed(flush: Coroutine[Any, Any, None], began: float, out: list[float
 
 
 async def _drive_paced(
-    send: SendOne, flush: Flush, spec: RunSpec, pool: list[bytes]
+    send: SendOne, flush: Flush, spec: RunSpec, pool: list[bytes], release: Release | None
 ) -> tuple[int, float, float, list[float]]:
-    """Send ``spec.rate`` records/s in bursts every BURST_INTERVAL_S, each closed by flush."""
+    """Send ``spec.rate`` records/s in bursts every BURST_INTERVAL_S, each closed by flush;
+    call ``release`` every RELEASE_EVERY_S (between bursts, on the same loop)."""
     latencies: list[float] = []
     pending: list[asyncio.Task[None]] = []
     stream, rate = spec.stream, spec.rate
@@ -447,10 +456,14 @@ async def _drive_paced(
     deadline = start + spec.duration
     sent = 0
     index = 0
+    next_release = start + RELEASE_EVERY_S
     for tick in range(1, int(spec.duration / BURST_INTERVAL_S) + 2):
         now = time.monotonic()
         if now >= deadline or sent >= spec.max_records:
             break
+        if release is not None and now >= next_release:
+            next_release += RELEASE_EVERY_S
+            await release()
         due = min(int(rate * (now - start)) - sent, most)
         if due > 0:
             for _ in range(due):
@@ -470,8 +483,11 @@ async def _drive(
     send_many: SendMany,
     flush: Flush,
     flush_stream: Flush,
+    release: Release | None = None,
 ) -> RunResult:
-    limit = min(spec.max_records, PAYLOAD_CAP // spec.size // CHUNK * CHUNK)
+    limit = spec.max_records
+    if not spec.release:  # nothing is freed: the run must fit in the stream's capacity
+        limit = min(limit, PAYLOAD_CAP // spec.size // CHUNK * CHUNK)
     result = RunResult()
     if spec.mode == "send":
         result.records, result.start, result.end = await _drive_each(
@@ -489,7 +505,7 @@ async def _drive(
     else:
         paced = replace(spec, max_records=limit)
         result.records, result.start, result.end, result.latencies = await _drive_paced(
-            send, flush_stream, paced, pool
+            send, flush_stream, paced, pool, release
         )
     return result
 
@@ -543,11 +559,49 @@ async def _counted(run: Coroutine[Any, Any, RunResult]) -> RunResult:
     return result
 
 
+class _DurableReleaser:
+    """Releases a stream up to its durable end, as a local pipeline that keeps up would.
+
+    The durable end is read from the stream's log in the gateway's data
+    directory (as the Spark source's path mode reads it), and released over
+    its own connection (ReleaseClient's thread), so that the producer's loop
+    only looks at the log's metadata.
+    """
+
+    def __init__(self, address: tuple[str, int], directory: Path, stream: str) -> None:
+        from headgate.client.control import ReleaseClient
+
+        self._directory = directory
+        self._stream = stream
+        self._log: Any = None
+        self._released = 0
+        self.client = ReleaseClient(address, client_name="bench-ingest-release")
+
+    async def __call__(self) -> None:
+        from headgate.log import LogReader
+
+        if self._log is None:
+            self._log = LogReader.open(self._directory)
+        durable = int(self._log.durable_position())
+        if durable > self._released:
+            self.client.release(self._stream, durable)
+            self._released = durable
+
+    def close(self) -> None:
+        self.client.close(2.0)
+        if self._log is not None:
+            self._log.close()
+
+
 async def _run_headgate(spec: RunSpec, conn: Connection, pool: list[bytes]) -> RunResult:
     from headgate.client import Producer
 
     producer = Producer(("127.0.0.1", spec.port), client_name="bench-ingest")
     stream = spec.stream
+    releaser = None
+    if spec.release:
+        directory = Path(spec.data_dir) / "streams" / stream
+        releaser = _DurableReleaser(("127.0.0.1", spec.port), directory, stream)
     try:
         async with asyncio.timeout(START_TIMEOUT_S):
             await producer.connect()
@@ -564,6 +618,7 @@ async def _run_headgate(spec: RunSpec, conn: Connection, pool: list[bytes]) -> R
                     producer.send_many,
                     producer.flush,
                     lambda: producer.flush(stream),
+                    releaser,
                 ),
             )
         stats = producer.statistics().streams[stream]
@@ -576,6 +631,8 @@ async def _run_headgate(spec: RunSpec, conn: Connection, pool: list[bytes]) -> R
         return result
     finally:
         await producer.abort()
+        if releaser is not None:
+            releaser.close()
 
 
 async def _run_baseline(spec: RunSpec, conn: Connection, pool: list[bytes]) -> RunResult:
@@ -1102,7 +1159,7 @@ def benchmark(args: argparse.Namespace) -> int:
         args.no_nats = args.no_allocations = True
     rounds = 1 if quick else 2
     duration = 0.6 if quick else 2.5
-    latency_duration = 1.5 if quick else 4.0
+    latency_duration = args.latency_seconds or (1.5 if quick else 4.0)
     load_start = _load()
     started = time.monotonic()
     base = Path(tempfile.mkdtemp(prefix="headgate-bench-ingest-"))
@@ -1163,6 +1220,8 @@ def benchmark(args: argparse.Namespace) -> int:
                     max_records=10**9,
                     rate=extra.get("rate", 0.0),
                     profile=extra.get("profile", False),
+                    release=extra.get("release", False),
+                    data_dir=str(base / "gateway"),
                 )
                 for i in range(procs)
             ]
@@ -1194,7 +1253,15 @@ def benchmark(args: argparse.Namespace) -> int:
                     # its row 6 does (row 1 keeps thousands), so half of row 6's rate.
                     own = (NATS, "ack-each") if system == NATS else ("headgate", "send")
                     rate = figures[(*own, size, 1)].rate * load
-                    run = specs(system, "paced", size, 1, duration=latency_duration, rate=rate)
+                    run = specs(
+                        system,
+                        "paced",
+                        size,
+                        1,
+                        duration=latency_duration,
+                        rate=rate,
+                        release=args.latency_release and system != NATS,
+                    )
                     lat_key = (system, size) if load == HALF_LOAD else (system, size, load)
                     latencies[lat_key] = _latency(workers.run(run)[0], rate)
                     print(
@@ -1466,6 +1533,20 @@ def main() -> int:
         help="run JetStream with its default sync (fsync every 2 min), not sync_interval: always",
     )
     parser.add_argument("--no-nats", action="store_true", help="skip the NATS JetStream peer")
+    parser.add_argument(
+        "--latency-seconds",
+        type=float,
+        help="how long each latency run (rows 4 and 4.9) lasts (default 4, --quick 1.5)",
+    )
+    parser.add_argument(
+        "--latency-release",
+        action="store_true",
+        help=(
+            "latency runs release what is durable every "
+            f"{RELEASE_EVERY_S * 1000:g} ms (as a pipeline that keeps up), so that they are "
+            "not capped at 384 MiB; the baseline's are not capped either"
+        ),
+    )
     parser.add_argument(
         "--group-commit-mode",
         choices=("interval", "eager"),
