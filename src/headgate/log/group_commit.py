@@ -92,7 +92,7 @@ class GroupCommit:
         table = self._table
         shift = table.shift
         with table.lock:
-            target = self._appender.tail
+            target = self._appender.tail_position
             durable = self.durable
             directory_dirty = table.directory_dirty
             table.directory_dirty = False
@@ -123,7 +123,7 @@ class GroupCommit:
                 ) from exc
             self._redirty_from = None
         with table.lock:
-            release = self._appender.release
+            release = self._appender.release_position
             if target > self.durable:
                 self.durable = target
                 self._meta.store_positions(target, release)

@@ -7,11 +7,12 @@ milliseconds; Spark executors in other processes read the same files through
 :class:`~headgate.log.reader.LogReader`.
 
 ``StreamLog`` opens, recovers, releases, reads back and closes; each of its
-other jobs has a room of its own, and it holds one of each:
+other jobs has a room of its own:
 
 * :class:`~headgate.log.appender.Appender`: the tail, the space books and
   the one write loop behind :meth:`append` and :meth:`append_many`. Appends
-  take no lock.
+  take no lock. A ``StreamLog`` is an ``Appender`` (its ``append`` is the
+  appender's own, with no call in between), and holds the other two:
 * :class:`~headgate.log.group_commit.GroupCommit`: the durable position and
   the commit that moves it (fsyncs with no lock held, so appends never wait
   for the disk; what is locked is in its module).
@@ -27,17 +28,15 @@ used from any thread.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Final
 
-from headgate.log.appender import Appender, FrameSpec
+from headgate.log.appender import Appender, check_capacity
 from headgate.log.errors import LogCorruptError, LogError, storage_error
 from headgate.log.frame import (
-    FRAME_ALIGNMENT,
     HEADER_LENGTH,
-    AppendResult,
     FrameHeader,
     LogFrame,
 )
@@ -69,7 +68,7 @@ DEFAULT_TERMS_PER_CAPACITY: Final = 4
 LOCK_FILE_NAME: Final = "writer.lock"
 
 
-class StreamLog:
+class StreamLog(Appender):
     """The single writer of one stream's log: append, group commit, release, read back.
 
     Open one with :meth:`open`. Appends write to the term files' page cache
@@ -93,18 +92,14 @@ class StreamLog:
         self._directory = directory
         self._lock_fd = lock_fd
         self._meta = meta
-        self._term_length = settings.term_length
         self._recovery: RecoveryReport | None = None
-        self._table = table = TermTable(directory, settings.term_length, terms)
+        table = TermTable(directory, settings.term_length, terms)
         self._scanner = FrameScanner(directory, settings.term_length, terms.get)
         self._preparer = TermPreparer(directory, settings.term_length, table.install_prepared)
-        self._appender = appender = Appender(
+        super().__init__(
             table, meta, self._preparer, tail=tail, release=release, capacity=settings.capacity
         )
-        self._commit = GroupCommit(table, meta, appender, durable=tail)
-        # Bound once: append costs one call more than the appender's own.
-        self._append = appender.append
-        self._write = appender.write
+        self._commit = GroupCommit(table, meta, self, durable=tail)
 
     # --- opening and closing ------------------------------------------------
 
@@ -172,7 +167,7 @@ class StreamLog:
                 raise LogError(f"no stream log at {path}")
             length = DEFAULT_TERM_LENGTH if term_length is None else term_length
             size = DEFAULT_TERMS_PER_CAPACITY * length if capacity is None else capacity
-            _check_capacity(size)
+            check_capacity(size)
             meta = MetadataPage.create(path, Settings(length, size), HEADER_LENGTH)
             try:
                 # Written ahead like every later term, so that the first
@@ -196,7 +191,7 @@ class StreamLog:
             stored = meta.settings
             try:
                 _check_term_length(stored.term_length)
-                _check_capacity(stored.capacity)
+                check_capacity(stored.capacity)
             except LogError as exc:
                 raise LogCorruptError(
                     meta.path, 16, f"stored settings are invalid: {exc}"
@@ -225,7 +220,7 @@ class StreamLog:
             finally:
                 with table.lock:
                     table.closed = True
-                    self._appender.stop()
+                    self._stop()
                     self._commit.wake_waiters()
                     for term in table.files.values():
                         term.close()
@@ -264,125 +259,18 @@ class StreamLog:
         return self._recovery
 
     @property
-    def capacity(self) -> int:
-        """Most bytes the log holds between the release position and the tail."""
-        return self._appender.capacity
-
-    @property
-    def max_payload(self) -> int:
-        """Largest payload an append can ever take: a whole term, or the capacity, less a header."""
-        return self._appender.max_payload
-
-    @property
-    def tail_position(self) -> int:
-        """Where the next frame goes (or the padding before it)."""
-        return self._appender.tail
-
-    @property
     def published_position(self) -> int:
         """What readers in other processes may read: every frame before it is committed.
 
         The writer publishes after every append, so this equals the tail; it is
         a separate name because readers see it through the metadata page.
         """
-        return self._appender.tail
+        return self._tail
 
     @property
     def durable_position(self) -> int:
         """Every frame before this position is on the device (fsynced)."""
         return self._commit.durable
-
-    @property
-    def release_position(self) -> int:
-        """The consumer is done with everything before this position."""
-        return self._appender.release
-
-    @property
-    def free_capacity(self) -> int:
-        """``capacity - (tail_position - release_position)``: padding counts as used.
-
-        Never negative: after :meth:`set_capacity` lowers the capacity below
-        what is already unreleased, the log is simply full until releases
-        catch up.
-        """
-        return self._appender.free_capacity
-
-    def set_capacity(self, capacity: int) -> None:
-        """Change the capacity while the log is open (the operator resized the stream).
-
-        Frames already appended stay; a lower capacity only refuses appends
-        until releases bring the unreleased bytes under it. The capacity
-        stored at creation is not rewritten: whoever opens the log states
-        the capacity it wants (the gateway takes it from its configuration).
-        """
-        self._check_open()
-        _check_capacity(capacity)
-        self._appender.set_capacity(capacity)
-
-    def append_cost(self, payload_length: int) -> int:
-        """How far an append of ``payload_length`` bytes would move the tail right now.
-
-        ``frame_cost(payload_length)``, plus the rest of the term if the frame
-        does not fit in it (padding), plus the last few bytes of a term if the
-        frame would leave less than a header there (implicit padding).
-        """
-        return self._appender.append_cost(payload_length)
-
-    # --- appending ------------------------------------------------------------
-
-    def append(
-        self,
-        payload: bytes | bytearray | memoryview,
-        *,
-        producer_id: int,
-        first_sequence: int,
-        record_count: int,
-        timestamp_us: int,
-    ) -> AppendResult:
-        """Append one batch as one frame; return where it went. Never waits for the disk.
-
-        Args:
-            payload: The batch bytes (a memoryview must be of bytes).
-            producer_id: Unsigned 64-bit id of the producer.
-            first_sequence: Unsigned 64-bit sequence number of the first record.
-            record_count: Unsigned 32-bit count of records in the batch.
-            timestamp_us: Signed 64-bit time of acceptance, microseconds.
-
-        Raises :class:`LogFullError` if :meth:`append_cost` exceeds
-        :attr:`free_capacity`, or if the payload exceeds :attr:`max_payload`.
-        When the frame does not fit in the rest of the term but padding does,
-        the padding is written even if the frame then does not fit, so that
-        the frame fits once the consumer releases up to the new term.
-        """
-        return self._append(payload, producer_id, first_sequence, record_count, timestamp_us)
-
-    def append_many(self, frames: Iterable[FrameSpec], ends: list[int] | None = None) -> int:
-        """Append several batches, one frame each, in order, and publish once; return the tail.
-
-        Each item is ``(payload, producer_id, first_sequence, record_count,
-        timestamp_us)``, with the meaning of :meth:`append`'s arguments. The
-        frames become visible to readers in other processes together, when
-        the published position moves past the last one; a group commit
-        covers them once it has started after this call returned.
-
-        For several batches of one stream at hand at once: per frame it
-        costs the header, the copy and the checksum, but not a method call,
-        an :class:`AppendResult` or a store of the published position. Each
-        frame's position is the previous one's end (or the start of the next
-        term, after padding).
-
-        If one frame fails (:class:`LogFullError`, a header field out of
-        range, or :class:`StorageFull`), the frames before it stay appended
-        and published, and the error propagates: :attr:`tail_position` then
-        says how far the call got.
-
-        With ``ends``, each appended frame's end position is appended to that
-        list as it commits (its start is the previous end, or the start of a
-        term after padding), so that a caller keeping per-batch books knows
-        each frame's place, and which frames went in before an error.
-        """
-        self._write(frames, ends)
-        return self._appender.tail
 
     # --- durability -------------------------------------------------------------
 
@@ -405,17 +293,6 @@ class StreamLog:
         """
         self._commit.delete_in_background()
 
-    def ensure_next_term(self) -> None:
-        """Create the term after the active one now, if it does not exist yet.
-
-        An append that rotates needs it; creating it is what fails on a full
-        file system (:class:`StorageFull`). After such a failure, calling this
-        until it succeeds is how a caller learns that space has returned,
-        without attempting an append. Owner thread only.
-        """
-        self._table.check_open()
-        self._appender.ensure_next_term()
-
     def wait_durable(self, position: int, timeout: float | None = None) -> bool:
         """Block until ``position`` is durable; ``False`` on timeout or close.
 
@@ -435,20 +312,20 @@ class StreamLog:
         position is on disk.
         """
         self._check_open()
-        release, durable = self._appender.release, self._commit.durable
+        release, durable = self._release, self._commit.durable
         if not release <= position <= durable:
             raise LogError(
                 f"cannot release to {position}: it must lie between the release position "
                 f"{release} and the durable position {durable}"
             )
-        if position != self._appender.tail and term_offset_of(position, self._term_length) != 0:
+        if position != self._tail and term_offset_of(position, self._term_length) != 0:
             problem = self._scanner.check_frame(position)
             if problem is not None:
                 raise LogError(
                     f"cannot release to {position}: not a frame boundary ({problem.reason})"
                 )
         with self._table.lock:
-            self._appender.move_release(position)
+            self._move_release(position)
             self._commit.store_release(position)
 
     def boundary_problem(self, position: int) -> str | None:
@@ -459,10 +336,10 @@ class StreamLog:
         Release with it before anything moves.
         """
         self._check_open()
-        release, durable = self._appender.release, self._commit.durable
+        release, durable = self._release, self._commit.durable
         if not release <= position <= durable:
             return f"outside [{release}, {durable}]"
-        if position == self._appender.tail or term_offset_of(position, self._term_length) == 0:
+        if position == self._tail or term_offset_of(position, self._term_length) == 0:
             return None
         problem = self._scanner.check_frame(position)
         return None if problem is None else problem.reason
@@ -527,8 +404,8 @@ class StreamLog:
             raise LogError(f"end {end} is not a frame boundary: {exc}") from None
 
     def _check_range(self, start: int, end: int | None) -> int:
-        tail = self._appender.tail
-        release = self._appender.release
+        tail = self._tail
+        release = self._release
         if end is None:
             end = tail
         if not release <= start <= end <= tail:
@@ -576,12 +453,4 @@ def _check_term_length(term_length: int) -> None:
         raise LogError(
             f"term_length must be a power of two from {MIN_TERM_LENGTH} to "
             f"{MAX_TERM_LENGTH}, got {term_length}"
-        )
-
-
-def _check_capacity(capacity: int) -> None:
-    if capacity < HEADER_LENGTH or capacity % FRAME_ALIGNMENT:
-        raise LogError(
-            f"capacity must be a multiple of {FRAME_ALIGNMENT} of at least {HEADER_LENGTH}, "
-            f"got {capacity}"
         )
