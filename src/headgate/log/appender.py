@@ -1,19 +1,23 @@
 """The appender: the one loop that writes frames at a log's tail.
 
-:class:`Appender` is the write side of a :class:`~headgate.log.stream_log.StreamLog`:
-the tail, the release position and the capacity (the books of free space),
-the active term, and :meth:`Appender.write`, the single loop through which
-every frame goes, whether it came from ``append`` (one frame) or
-``append_many`` (several). The loop hands each frame to the frame writer
+:class:`Appender` is the write side of a
+:class:`~headgate.log.stream_log.StreamLog`: the tail, the release position
+and the capacity (the books of free space), the active term, and
+:meth:`Appender._write_frames`, the single loop through which every frame
+goes, whether it came from ``append`` (one frame) or ``append_many``
+(several). The loop hands each frame to the frame writer
 (:func:`headgate.log._frame_writer.write_frame` in C when it is built, or
-:func:`_write_frame_py`) with a bound the frame must end before. Most frames
-fit; one that does not goes back through the same call after
-:meth:`Appender._make_room` has padded to the next term, created the term
-after it, or refused with :class:`LogFullError`.
+:func:`_write_frame_py`, which keeps the same contract) with a bound the
+frame must end before. Most frames fit; one that does not goes back through
+the same call after :meth:`Appender._make_room` has padded to the next term,
+created the term after it, or refused with :class:`LogFullError`. Each frame
+is one :data:`FrameSpec` record; the writers take their 13 (C) or 10
+(Python) arguments at these two places only, and at ``append``'s one-call
+shortcut for the C writer.
 
 Only the owner thread writes. Appends take no lock: the term preparer and the
 group commit meet the appender only in the :class:`TermTable` (under its
-lock) and in :attr:`Appender.tail`, an int that the commit reads once (see
+lock) and in the tail position, an int that the commit reads once (see
 :mod:`headgate.log.group_commit`).
 """
 
@@ -65,7 +69,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported host is litt
     )
 
 FrameSpec = tuple[bytes | bytearray | memoryview, int, int, int, int]
-"""One frame for :meth:`Appender.write`: payload, producer id, first sequence,
+"""One frame for :meth:`Appender.append_many`: payload, producer id, first sequence,
 record count, timestamp (microseconds)."""
 
 WRITE_FROM: Final = 1024
@@ -177,8 +181,7 @@ def _write_frame_py(
     raises ``OSError``, and the caller scrubs what may have been written.
     """
     length = HEADER_LENGTH + len(payload)
-    # align(length, FRAME_ALIGNMENT), inline: a call costs more than the rest
-    # of this line (see Appender.write).
+    # align(length, FRAME_ALIGNMENT), inline (see Appender._write_frames).
     end = position + ((length + FRAME_ALIGNMENT - 1) & -FRAME_ALIGNMENT)
     if end > limit:
         return 0
@@ -368,9 +371,11 @@ class Appender:
 
         With the C writer, the frame first tries the one call that also
         publishes and builds the result (the loop cannot: it publishes once
-        per call). Through :meth:`write` alone, a small append cost about
-        430 ns more (+65%, 100-byte payloads). Past the fast bound, and on
-        the pure-Python path, the loop does it.
+        per call). Through :meth:`_write_frames` alone, a small append cost
+        about 430 ns more (+65%, 100-byte payloads). Past the fast bound, and
+        on the pure-Python path, the loop does it: there it costs about 300 ns
+        (+20%) more than a call of its own would, which is not worth two more
+        places that call a frame writer.
         """
         write = _write_frame
         if write is not None:
@@ -396,7 +401,8 @@ class Appender:
             if result is not None:
                 self._tail = result[1]
                 return result
-        start = self.write(((payload, producer_id, first_sequence, record_count, timestamp_us),))
+        frame = (payload, producer_id, first_sequence, record_count, timestamp_us)
+        start = self._write_frames((frame,))
         return _new_result(AppendResult, (start, self._tail))
 
     def append_many(self, frames: Iterable[FrameSpec], ends: list[int] | None = None) -> int:
@@ -424,10 +430,10 @@ class Appender:
         term after padding), so that a caller keeping per-batch books knows
         each frame's place, and which frames went in before an error.
         """
-        self.write(frames, ends)
+        self._write_frames(frames, ends)
         return self._tail
 
-    def write(self, frames: Iterable[FrameSpec], ends: list[int] | None = None) -> int:
+    def _write_frames(self, frames: Iterable[FrameSpec], ends: list[int] | None = None) -> int:
         """Write ``frames`` in order, publish once; return the last one's position.
 
         The write loop of :meth:`append` and :meth:`append_many` (see there
@@ -436,10 +442,11 @@ class Appender:
         the error propagates. Each frame's end goes to ``ends`` as it commits.
 
         The locals below are the attributes the loop reads per frame, loaded
-        once per call and again only after the slow path moved them; and the
-        loop does position arithmetic inline (``tail - base`` for
-        :func:`~headgate.log.position.term_offset_of`): each call of a pure
-        function would cost about 40 ns, 7% of a small append.
+        once per call and again only after the slow path moved them. The fast
+        path does its position arithmetic inline (``tail - base`` is
+        :func:`~headgate.log.position.term_offset_of`, and the writers align
+        inline): a call of one of those pure functions costs 35 to 50 ns more
+        (measured here), 6 to 8% of a small append; the slow path calls them.
         """
         write = _write_frame
         record = None if ends is None else ends.append
