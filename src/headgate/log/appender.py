@@ -380,6 +380,7 @@ class Appender:
         write = _write_frame
         if write is not None:
             tail = self._tail
+            # tail - base is term_offset_of, inline: see _write_frames for the cost.
             try:
                 result = write(
                     self._fd if len(payload) >= WRITE_FROM else self._buffer,
