@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from headgate.log import HEADER_LENGTH, LogReader, StreamLog, frame_cost
-from headgate.log.stream_log import _write_frame, frame_writer
+from headgate.log.appender import _write_frame, frame_writer
 
 COMMIT_INTERVAL = 0.002
 BATCH_GROUP = 16

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from headgate.log import stream_log
+from headgate.log import appender
 
-_BUILT = stream_log._load_frame_writer()
+_BUILT = appender._load_frame_writer()
 
 
 @pytest.fixture(autouse=True, params=["C", "Python"])
@@ -23,10 +23,10 @@ def frame_writer(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if path == "C":
         if _BUILT is None:
             pytest.skip("the C frame writer is not built (or HEADGATE_PURE_PYTHON_LOG is set)")
-        monkeypatch.setattr(stream_log, "_write_frame", _BUILT)
-        monkeypatch.delenv(stream_log.PURE_PYTHON_ENV, raising=False)
+        monkeypatch.setattr(appender, "_write_frame", _BUILT)
+        monkeypatch.delenv(appender.PURE_PYTHON_ENV, raising=False)
     else:
-        monkeypatch.setattr(stream_log, "_write_frame", None)
-        monkeypatch.setenv(stream_log.PURE_PYTHON_ENV, "1")
-    assert stream_log.frame_writer() == path
+        monkeypatch.setattr(appender, "_write_frame", None)
+        monkeypatch.setenv(appender.PURE_PYTHON_ENV, "1")
+    assert appender.frame_writer() == path
     yield path

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from headgate.log import LogError, LogFullError, LogReader, StreamLog, frame_cost
-from headgate.log.stream_log import FrameSpec
+from headgate.log.appender import FrameSpec
 from headgate.log.term import list_term_files
 from tests.log import _frames
 
@@ -125,3 +125,34 @@ def test_a_bad_header_field_stops_the_group_there(tmp_path: Path) -> None:
         # And the log goes on from there.
         log.append_many([(b"c", 1, 2, 1, 0)])
         assert [bytes(f.payload) for f in log.read(0)] == [b"a", b"b", b"c"]
+
+
+def test_padding_before_a_frame_that_then_does_not_fit_stays_in_the_tail(tmp_path: Path) -> None:
+    # A frame that needs the next term, where the padding fits the free
+    # capacity and the frame then does not: the padding stays written (the
+    # frame fits once the consumer releases up to the new term), and the
+    # tail is after it, also when earlier frames of the same call were
+    # written. It was once put back before the padding, inside the old term
+    # while the writer had moved to the new one.
+    capacity = TERM + 512
+    with StreamLog.open(tmp_path, term_length=TERM, capacity=capacity) as log:
+        filler = [(b"f" * 960, 1, seq, 1, 0) for seq in range(4)]
+        assert log.append_many(filler) == 4000
+        small: FrameSpec = (b"s" * 16, 1, 4, 1, 0)
+        large: FrameSpec = (b"L" * 500, 1, 5, 1, 0)
+        assert frame_cost(500) > capacity - TERM  # does not fit after the padding
+        ends: list[int] = []
+        with pytest.raises(LogFullError):
+            log.append_many([small, large], ends)
+        assert ends == [4056]
+        assert log.tail_position == TERM  # after the padding, in the new term
+        with LogReader.open(tmp_path) as reader:
+            assert reader.published_position() == TERM
+        log.sync()
+        log.release(TERM)
+        assert log.append_many([large]) == TERM + frame_cost(500)
+        frames = log.read(TERM)
+        assert [(f.first_sequence, len(f.payload)) for f in frames] == [(5, 500)]
+    with StreamLog.open(tmp_path) as reopened:
+        assert reopened.tail_position == TERM + frame_cost(500)
+        assert reopened.recovery is not None and reopened.recovery.cut is None

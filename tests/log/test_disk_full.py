@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from headgate.log import LogReader, StorageError, StorageFull, StreamLog
+from headgate.log.group_commit import GroupCommit
 from headgate.log.term import TermFile
 from tests._small_disk import SmallDisk, small_disk
 from tests.log import _frames
@@ -178,17 +179,19 @@ def test_a_failed_fsync_is_a_storage_error_and_the_retry_writes_everything_again
         _frames.append_many(log, 20, 10**6)
         tail = log.tail_position
         real_sync = TermFile.sync
-        real_redirty = StreamLog._redirty
+        real_redirty = GroupCommit._redirty
         rewrites: list[tuple[list[int], int, int]] = []
 
         def failing_sync(term: TermFile) -> None:
             raise OSError(errno.EIO, "Input/output error", str(term.path))
 
-        def recording_redirty(self: StreamLog, terms: list[TermFile], start: int, end: int) -> None:
+        def recording_redirty(
+            self: GroupCommit, terms: list[TermFile], start: int, end: int
+        ) -> None:
             rewrites.append(([t.term_id for t in terms], start, end))
             real_redirty(self, terms, start, end)
 
-        monkeypatch.setattr(StreamLog, "_redirty", recording_redirty)
+        monkeypatch.setattr(GroupCommit, "_redirty", recording_redirty)
         monkeypatch.setattr(TermFile, "sync", failing_sync)
         with pytest.raises(StorageError) as caught:
             log.sync()

@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 
 from headgate.log import AppendResult, LogError, StreamLog
-from headgate.log import stream_log as stream_log_module
+from headgate.log import appender as appender_module
+from headgate.log.appender import FrameSpec, WriteFrame
 from headgate.log.frame import HEADER, HEADER_LENGTH, frame_cost
 from headgate.log.metadata import META_FILE_NAME, PUBLISHED_POSITION_OFFSET
-from headgate.log.stream_log import FrameSpec, WriteFrame
 from headgate.log.term import list_term_files
 from tests.log import _frames
 
 TERM = 4096
-BUILT = stream_log_module._load_frame_writer()
+BUILT = appender_module._load_frame_writer()
 needs_c = pytest.mark.skipif(BUILT is None, reason="the C frame writer is not built")
 
 # Header fields at and near their limits, cycled through the frames.
@@ -113,17 +113,17 @@ def test_c_and_python_write_identical_files(
 ) -> None:
     if frame_writer != "C":
         pytest.skip("compares both paths itself; runs once")
-    monkeypatch.setattr(stream_log_module, "_write_frame", BUILT)
+    monkeypatch.setattr(appender_module, "_write_frame", BUILT)
     with_c = scenario(tmp_path / "c")
-    monkeypatch.setattr(stream_log_module, "_write_frame", None)
+    monkeypatch.setattr(appender_module, "_write_frame", None)
     with_python = scenario(tmp_path / "python")
     assert with_c.keys() == with_python.keys()
     assert len(with_c) > 20  # dozens of terms, and the metadata page
     for name, data in with_c.items():
         assert data == with_python[name], f"{name} differs between the C and Python writers"
-    monkeypatch.setattr(stream_log_module, "_write_frame", BUILT)
+    monkeypatch.setattr(appender_module, "_write_frame", BUILT)
     large_c = large_frames(tmp_path / "large-c")
-    monkeypatch.setattr(stream_log_module, "_write_frame", None)
+    monkeypatch.setattr(appender_module, "_write_frame", None)
     large_python = large_frames(tmp_path / "large-python")
     assert large_c.keys() == large_python.keys()
     assert len(large_c) > 10
@@ -349,23 +349,23 @@ def test_write_frame_refuses_hostile_arguments_without_writing(
 
 @needs_c
 def test_pure_python_env_selects_the_python_writer(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(stream_log_module.PURE_PYTHON_ENV, "1")
-    assert stream_log_module._load_frame_writer() is None
-    monkeypatch.setenv(stream_log_module.PURE_PYTHON_ENV, "0")
-    assert stream_log_module._load_frame_writer() is BUILT
-    assert os.environ[stream_log_module.PURE_PYTHON_ENV] == "0"
+    monkeypatch.setenv(appender_module.PURE_PYTHON_ENV, "1")
+    assert appender_module._load_frame_writer() is None
+    monkeypatch.setenv(appender_module.PURE_PYTHON_ENV, "0")
+    assert appender_module._load_frame_writer() is BUILT
+    assert os.environ[appender_module.PURE_PYTHON_ENV] == "0"
 
 
 def test_a_missing_extension_falls_back_to_python(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(stream_log_module.PURE_PYTHON_ENV, raising=False)
+    monkeypatch.delenv(appender_module.PURE_PYTHON_ENV, raising=False)
     # None in sys.modules makes the import raise ImportError, as a missing .so does.
     monkeypatch.setitem(sys.modules, "headgate.log._frame_writer", None)
-    writer = stream_log_module._load_frame_writer()
+    writer = appender_module._load_frame_writer()
     assert writer is None
-    monkeypatch.setattr(stream_log_module, "_write_frame", writer)
-    assert stream_log_module.frame_writer() == "Python"
+    monkeypatch.setattr(appender_module, "_write_frame", writer)
+    assert appender_module.frame_writer() == "Python"
     with StreamLog.open(tmp_path, term_length=TERM, capacity=8 * TERM) as log:
         for seq in range(40):
             _frames.append(log, seq)

@@ -254,3 +254,17 @@ def reserve(fd: int, length: int, path: Path) -> None:
             os.ftruncate(fd, length)
         except OSError as exc2:
             raise storage_error(f"cannot size {path} to {length} bytes", path, exc2) from exc2
+
+
+def pwrite_all(fd: int, buffers: list[bytes | bytearray | memoryview], at: int) -> None:
+    """Write every byte of ``buffers`` at file offset ``at`` (short writes resumed)."""
+    total = sum(memoryview(b).nbytes for b in buffers)
+    done = os.pwritev(fd, buffers, at)
+    if done < total:  # pragma: no cover - regular files take whole writes in practice
+        rest = memoryview(b"".join(buffers))[done:]
+        while rest:
+            written = os.pwrite(fd, rest, at + done)
+            if written <= 0:
+                raise OSError(errno.EIO, "a write to the term file made no progress")
+            rest = rest[written:]
+            done += written
