@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from headgate.log import StreamLog
+from headgate.log.metadata import MetadataPage
 from headgate.log.term import TermFile
 from tests.log import _frames
 
@@ -187,3 +190,90 @@ def test_freed_terms_are_deleted_off_the_commits_path_and_gone_after_close(
         log.close()  # waits for them
     left = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
     assert left and left[0] == 4  # terms 0 to 3 are gone
+
+
+def test_the_release_that_frees_terms_is_made_durable_off_the_commits_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The metadata page's fdatasync that a freeing release needs held every
+    # ack of that commit for one more fsync; the deleter thread does it now,
+    # before it deletes the terms.
+    term_length = 64 * 1024
+    directory = tmp_path / "log"
+    log = StreamLog.open(directory, term_length=term_length, capacity=16 * term_length)
+    log.delete_in_background()
+    slow_s = 0.3
+    real_sync = MetadataPage.sync
+    order: list[str] = []
+
+    def slow_sync(page: MetadataPage) -> None:
+        time.sleep(slow_s)
+        real_sync(page)
+        order.append("meta")
+
+    real_unlink = os.unlink
+
+    def unlink(path: str) -> None:
+        order.append("unlink")
+        real_unlink(path)
+
+    try:
+        sequence = 0
+        while log.tail_position < 4 * term_length + 100:  # terms 0 to 4
+            log.append(
+                b"z" * 1000, producer_id=1, first_sequence=sequence, record_count=1, timestamp_us=0
+            )
+            sequence += 1
+        released = log.sync()
+        log.release(released)  # frees terms 0 to 3 at the next sync
+        monkeypatch.setattr(MetadataPage, "sync", slow_sync)
+        monkeypatch.setattr(os, "unlink", unlink)
+        started = time.monotonic()
+        log.sync()
+        took = time.monotonic() - started
+        assert took < slow_s, f"the commit waited {took:.3f} s for the metadata's fsync"
+    finally:
+        log.close()  # waits for the deleter
+    assert order[0] == "meta" and order.count("unlink") == 4  # durable first, then deleted
+    left = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
+    assert left and left[0] == 4
+    reopened = StreamLog.open(directory, term_length=term_length, capacity=16 * term_length)
+    try:
+        assert reopened.release_position == released
+    finally:
+        reopened.close()
+
+
+def test_a_release_that_cannot_be_made_durable_keeps_its_terms(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    term_length = 64 * 1024
+    directory = tmp_path / "log"
+    log = StreamLog.open(directory, term_length=term_length, capacity=16 * term_length)
+    log.delete_in_background()
+    calls = 0
+
+    def failing_sync(page: MetadataPage) -> None:
+        nonlocal calls
+        calls += 1
+        raise OSError(errno.EIO, "injected")
+
+    try:
+        sequence = 0
+        while log.tail_position < 2 * term_length + 100:  # terms 0 to 2
+            log.append(
+                b"z" * 1000, producer_id=1, first_sequence=sequence, record_count=1, timestamp_us=0
+            )
+            sequence += 1
+        log.release(log.sync())
+        monkeypatch.setattr(MetadataPage, "sync", failing_sync)
+        with caplog.at_level(logging.WARNING, logger="headgate.log.deleter"):
+            log.sync()
+            log._commit.close()  # waits for the deleter thread
+        assert calls >= 1
+        assert "cannot make a release durable" in caplog.text
+        left = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
+        assert left[:2] == [0, 1]  # the freed terms stay: their release is not durable
+    finally:
+        monkeypatch.undo()
+        log.close()

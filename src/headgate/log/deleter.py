@@ -8,15 +8,27 @@ commit, as before, the acks of that commit waited 90 to 140 ms for it, once
 per release (``bench/acktrace.py``). Here one short-lived thread deletes
 them, in order, while the next commits go on. A crash before it is done
 leaves files behind the durable release, which recovery deletes.
+
+The release that frees them must be on the disk before they leave it, or
+recovery would find history missing. That fdatasync of the metadata page is
+the thread's first step too (:meth:`TermDeleter.delete`'s ``first``): done
+inside the commit it held every ack of that commit for one more fsync, once
+per release that frees a term. If it fails, the terms stay on the disk (the
+next release that frees a term syncs the page again, and recovery deletes
+whatever lies behind the durable release).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+from collections.abc import Callable
 
 from headgate.log.term import TermFile
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["TermDeleter"]
 
@@ -28,14 +40,18 @@ class TermDeleter:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queue: list[TermFile] = []
+        self._queue: list[tuple[Callable[[], None] | None, list[TermFile]]] = []
         self._running = False
         self._thread: threading.Thread | None = None
 
-    def delete(self, terms: list[TermFile]) -> None:
-        """Close and unlink ``terms`` soon (their release is already durable). Never blocks."""
+    def delete(self, terms: list[TermFile], first: Callable[[], None] | None = None) -> None:
+        """Close and unlink ``terms`` soon, after ``first()`` returns. Never blocks.
+
+        ``first`` makes the release that freed them durable; if it raises
+        OSError, ``terms`` are closed but their files stay.
+        """
         with self._lock:
-            self._queue.extend(terms)
+            self._queue.append((first, terms))
             if self._running:
                 return  # the running thread takes them before it ends
             self._running = True
@@ -51,10 +67,7 @@ class TermDeleter:
                     self._running = False
                     return
                 batch, self._queue = self._queue, []
-            for term in batch:
-                term.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(term.path)
+            _delete(batch)
 
     def close(self) -> None:
         """Wait until every term handed over so far is deleted."""
@@ -65,7 +78,25 @@ class TermDeleter:
         # Whatever a thread that ended meanwhile did not take (none, unless it died).
         with self._lock:
             left, self._queue = self._queue, []
-        for term in left:
+        _delete(left)
+
+
+def _delete(batch: list[tuple[Callable[[], None] | None, list[TermFile]]]) -> None:
+    for first, terms in batch:
+        durable = True
+        if first is not None:
+            try:
+                first()
+            except OSError as exc:
+                durable = False
+                _log.warning(
+                    "cannot make a release durable (%s): %d freed term files stay on the disk "
+                    "until a later release or a restart",
+                    exc,
+                    len(terms),
+                )
+        for term in terms:
             term.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(term.path)
+            if durable:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(term.path)

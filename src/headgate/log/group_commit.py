@@ -145,6 +145,12 @@ class GroupCommit:
         if freed:
             # The release that frees these terms must reach the disk before
             # they leave it, or recovery would find history missing.
+            if self._deleter is not None:
+                with table.lock:
+                    doomed = [table.files.pop(t) for t in freed]
+                # Both off this commit's path: the page's fdatasync, then the deletions.
+                self._deleter.delete(doomed, first=self._meta.sync)
+                return self.durable
             try:
                 self._meta.sync()
             except OSError as exc:
@@ -154,13 +160,10 @@ class GroupCommit:
             self.meta_dirty = False
             with table.lock:
                 doomed = [table.files.pop(t) for t in freed]
-            if self._deleter is not None:
-                self._deleter.delete(doomed)  # off this commit's path
-            else:
-                for term in doomed:
-                    term.close()
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(term.path)
+            for term in doomed:
+                term.close()
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(term.path)
         return self.durable
 
     def finish(self) -> None:
