@@ -140,6 +140,10 @@ class PartitionStatistics:
     records_acked: int
     #: Why its gateway refused it, or None.
     refused: str | None
+    #: Bytes of records the gateway acknowledged durable.
+    bytes_acked: int = 0
+    #: Records written to the spool (with ``spool``).
+    records_spooled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,6 +402,22 @@ class FleetProducer:
             self._cluster = await fetch_cluster(
                 self._bootstrap, security=self._security, timeout=self._connect_timeout
             )
+
+    async def reach(self, stream: str, timeout: float) -> FleetStatistics:
+        """Connect to every gateway of partitioned stream ``stream`` and wait, up to
+        ``timeout`` seconds, until all of them are up; the statistics then, whose
+        ``gateways`` say which are not (for a command that reports them at start).
+
+        Raises:
+            ClusterError: the cluster has no partitioned stream ``stream``.
+        """
+        await self.connect()
+        holders = dict.fromkeys(self._open_stream(stream).holders)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not all(self._is_up(g) for g in holders) and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
+        return self.statistics()
 
     async def __aenter__(self) -> FleetProducer:
         await self.connect()
@@ -799,6 +819,8 @@ class FleetProducer:
                     records_sent=s.records_sent,
                     records_acked=s.records_acked,
                     refused=s.refused,
+                    bytes_acked=s.bytes_acked,
+                    records_spooled=s.records_spooled,
                 )
         return FleetStatistics(
             producer_id=self.producer_id,

@@ -45,10 +45,19 @@ if TYPE_CHECKING:
 __all__ = ["SyncProducer"]
 
 T = TypeVar("T")
-#: What statistics() returns: a ProducerStatistics, or a fleet's FleetStatistics.
-S = TypeVar("S", ProducerStatistics, FleetStatistics)
-#: What a send_many future resolves to: a BatchResult, or a fleet's FleetBatchResult.
-R = TypeVar("R", BatchResult, FleetBatchResult)
+# What statistics() returns (a ProducerStatistics, or a fleet's FleetStatistics)
+# and what a send_many future resolves to (a BatchResult, or a fleet's
+# FleetBatchResult). The defaults (PEP 696, for the type checker only: Python
+# 3.11's TypeVar has none) keep a bare ``SyncProducer`` annotation meaning the
+# single-gateway one.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as TypeVarWithDefault
+
+    S = TypeVarWithDefault("S", ProducerStatistics, FleetStatistics, default=ProducerStatistics)
+    R = TypeVarWithDefault("R", BatchResult, FleetBatchResult, default=BatchResult)
+else:
+    S = TypeVar("S", ProducerStatistics, FleetStatistics)
+    R = TypeVar("R", BatchResult, FleetBatchResult)
 
 
 class _Many:
