@@ -27,8 +27,13 @@ from headgate.client.fleet import FleetProducer
 from headgate.client.reader import Reader
 from headgate.cluster import load_cluster, partition_name, partition_of
 from headgate.config import ConfigError
-from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict
-from headgate.spark.source import SourceOptions
+from headgate.spark.pipeline import (
+    META_COLUMNS,
+    Pipeline,
+    pipeline_config_from_dict,
+    query_definition,
+)
+from headgate.spark.source import FLEET_SCHEMA, SCHEMA, HeadgateDataSource, SourceOptions
 from tests.client.test_fleet import GATEWAYS, Fleet, run, write_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -93,14 +98,16 @@ def fleet_query(
 def check_read(spark: SparkSession, name: str, sent: list[bytes]) -> None:
     """Every sent value once, each in its key's partition, each key's values in send order."""
     rows = spark.sql(
-        f"SELECT stream, position, index, value FROM {name} ORDER BY stream, position, index"
+        f"SELECT stream, partition, position, index, value FROM {name} "
+        "ORDER BY stream, position, index"
     ).collect()
     values = [bytes(r.value) for r in rows]
     assert len(values) == len(sent) and sorted(values) == sorted(sent)
     per_key: dict[bytes, list[bytes]] = defaultdict(list)
     for row in rows:
         key = bytes(row.value).split(b":")[0]
-        assert row.stream == partition_name("orders", partition_of(key, PARTITIONS))
+        assert row.partition == partition_of(key, PARTITIONS)
+        assert row.stream == partition_name("orders", row.partition)
         per_key[key].append(bytes(row.value))
     for key, got in per_key.items():
         assert got == [v for v in sent if v.split(b":")[0] == key], key
@@ -172,8 +179,12 @@ def test_one_query_reads_every_partition_of_three_gateways_once_in_key_order(
     # An offset is a position per partition log, in a fixed (sorted) key order.
     end = json.loads(progress[-1].sources[0].endOffset)
     assert list(end) == [f"orders.p{k}" for k in range(PARTITIONS)]
-    rows = pq.read_table(tmp_path / "pipeline" / "parquet" / "orders").to_pylist()
+    table = pq.read_table(tmp_path / "pipeline" / "parquet" / "orders")
+    assert table.column_names[:3] == ["stream", "partition", "position"]
+    assert str(table.schema.field("partition").type) == "int32"
+    rows = table.to_pylist()
     assert sorted(r["value"] for r in rows) == sorted(sent)
+    assert all(r["partition"] == partition_of(r["value"].split(b":")[0], 6) for r in rows)
     rows.sort(key=lambda r: (r["stream"], r["position"], r["index"]))
     for key in {v.split(b":")[0] for v in sent}:
         got = [r["value"] for r in rows if r["value"].split(b":")[0] == key]
@@ -231,3 +242,30 @@ def test_cluster_mistakes_are_one_line_before_any_query(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=re.escape(fragment)) as refused:
             pipeline_config_from_dict(raw)
         assert "\n" not in str(refused.value)
+
+
+def test_only_a_fleet_query_has_the_partition_column(tmp_path: Path) -> None:
+    """The path and gateway sources keep their schema (and their checkpoints open)."""
+    ports = {name: 7000 + i for i, name in enumerate(GATEWAYS)}
+    cluster = str(write_cluster(tmp_path / "cluster.toml", ports))
+    fleet_source = HeadgateDataSource({"cluster": cluster, "streams": "orders"})
+    assert fleet_source.schema() == FLEET_SCHEMA
+    assert FLEET_SCHEMA.fieldNames()[:3] == ["stream", "partition", "position"]
+    assert FLEET_SCHEMA.fieldNames() == ["stream", "partition", *SCHEMA.fieldNames()[1:]]
+    for single in ({"gateway": "127.0.0.1:1", "streams": "s"}, {"path": str(tmp_path)}):
+        assert HeadgateDataSource(single).schema() == SCHEMA
+    with pytest.raises(ValueError, match="the schema is fixed"):
+        fleet_source.streamReader(SCHEMA)
+    # The pipeline's checkpoint definitions: the fleet's rows carry the partition.
+    by_cluster = pipeline_config_from_dict(
+        {"cluster": cluster, "data_dir": str(tmp_path / "p"), "streams": {"orders": {}}}
+    )
+    by_gateway = pipeline_config_from_dict(
+        {"gateway": "127.0.0.1:1", "data_dir": str(tmp_path / "q"), "streams": {"orders": {}}}
+    )
+    assert query_definition(by_gateway, "orders")["columns"] == list(META_COLUMNS)
+    assert query_definition(by_cluster, "orders")["columns"] == [
+        "stream",
+        "partition",
+        *META_COLUMNS[1:],
+    ]
