@@ -756,7 +756,16 @@ def top(address: str, interval: float, once: bool, fmt: str) -> None:
     help="Logs, checkpoints and Parquet output.",
 )
 @click.option("--seconds", type=float, default=20.0, show_default=True, help="Length of the load.")
-def run(data_dir: Path, seconds: float) -> None:
+@click.option(
+    "--gateways",
+    type=click.IntRange(min=1, max=9),
+    default=1,
+    show_default=True,
+    help="More than 1: a fleet of that many local gateways (127.0.0.1, a generated "
+    "cluster file in --data-dir), keyed producers, one Spark query per stream over "
+    "every partition, and a summary per gateway and partition.",
+)
+def run(data_dir: Path, seconds: float, gateways: int) -> None:
     """The main job: gateway, demo load and Spark pipeline, on embedded defaults.
 
     One producer connection sends stock ticks, RADIUS-style accounting events
@@ -773,7 +782,7 @@ def run(data_dir: Path, seconds: float) -> None:
     if seconds <= 0:
         raise click.UsageError("--seconds must be positive")
     try:
-        result = run_demo(data_dir, seconds, Console())
+        result = run_demo(data_dir, seconds, Console(), gateways=gateways)
     except DirectoryInUse as exc:
         click.echo(f"headgate run: {_in_use(exc)}", err=True)
         sys.exit(1)

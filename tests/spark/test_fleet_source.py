@@ -11,6 +11,7 @@ query catches up, exactly once.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import time
@@ -21,12 +22,16 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 from pyspark.sql import SparkSession
+from rich.console import Console
 
+from headgate.cli import main
 from headgate.client.fleet import FleetProducer
 from headgate.client.reader import Reader
 from headgate.cluster import load_cluster, partition_name, partition_of
 from headgate.config import ConfigError
+from headgate.demo import SYMBOLS, run_demo
 from headgate.spark.pipeline import (
     META_COLUMNS,
     Pipeline,
@@ -269,3 +274,52 @@ def test_only_a_fleet_query_has_the_partition_column(tmp_path: Path) -> None:
         "partition",
         *META_COLUMNS[1:],
     ]
+
+
+def test_the_demo_on_three_gateways_writes_every_acknowledged_record_with_its_partition(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``headgate run --gateways 3``, with a short load, in the shared session."""
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=False)
+    result = run_demo(tmp_path / "demo", 3.0, console, spark=spark, gateways=3)
+    text = out.getvalue()
+    assert result.failure is None and result.completed and not result.interrupted, text
+    for s in result.summaries:
+        assert s.acked > 0 and s.sent == s.acked, s
+        assert s.written + s.dead_letters == s.acked, s
+    # Per gateway and partition: every partition of every stream, on its gateway, each
+    # partition's acknowledged records written (rows or dead letters) from it alone.
+    cluster = load_cluster(tmp_path / "demo" / "cluster.toml")
+    ticks_holders = cluster.stream("ticks").holders
+    # The 5 symbols are the ticks' only keys: their partitions, and no other.
+    expected = {
+        (ticks_holders[k], f"ticks.p{k}")
+        for k in {partition_of(s.encode(), len(ticks_holders)) for s in SYMBOLS}
+    }
+    expected |= {
+        (p.gateway, p.name) for s in ("accounting", "audit") for p in cluster.stream(s).partitions
+    }
+    assert {(p.gateway, p.partition) for p in result.partitions} == expected
+    assert {p.gateway for p in result.partitions} == set(GATEWAYS)
+    for p in result.partitions:
+        assert p.acked > 0 and p.acked_bytes > p.acked and p.written == p.acked, p
+    for s in result.summaries:
+        assert sum(p.acked for p in result.partitions if p.stream == s.stream) == s.acked
+    assert "per gateway and partition" in text and "Traceback" not in text
+    # Keyed: each symbol's ticks are in its key's partition, which the rows name.
+    ticks = pq.read_table(tmp_path / "demo" / "parquet" / "ticks").to_pylist()
+    partitions = len(cluster.stream("ticks").holders)
+    assert ticks and all(
+        r["partition"] == partition_of(str(r["symbol"]).encode(), partitions)
+        and r["stream"] == f"ticks.p{r['partition']}"
+        for r in ticks
+    )
+    assert spark.range(3).count() == 3  # the session is the caller's: still usable
+
+
+def test_run_takes_gateways_from_1_to_9() -> None:
+    shown = CliRunner().invoke(main, ["run", "--help"])
+    assert shown.exit_code == 0 and "--gateways" in shown.output
+    refused = CliRunner().invoke(main, ["run", "--gateways", "0"])
+    assert refused.exit_code == 2 and "--gateways" in refused.output
