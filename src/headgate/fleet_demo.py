@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import random
 import socket
 from dataclasses import dataclass, replace
@@ -212,6 +213,19 @@ class FleetDemo(_Demo):
             + ", ".join(f"{s} {len(cluster.stream(s).holders)} partitions" for s in STREAMS)
         )
 
+    def start_spark(self) -> None:
+        # The pipeline declares each stream's consumer on every partition before
+        # the producer has created any: each gateway refuses that (the consumer
+        # is declared with the first release instead) and logs a warning per
+        # partition, which in the demo is only noise on the terminal.
+        gateway_log = logging.getLogger("headgate.gateway")
+        level = gateway_log.level
+        gateway_log.setLevel(logging.ERROR)
+        try:
+            super().start_spark()
+        finally:
+            gateway_log.setLevel(level)
+
     def pipeline_settings(self) -> dict[str, Any]:
         """The pipeline reads and releases every partition through its gateway."""
         return {
@@ -231,6 +245,10 @@ class FleetDemo(_Demo):
             cluster=self.cluster,
             client_name="headgate-demo",
             max_buffered_bytes=MAX_BUFFERED_PER_PARTITION,
+            # A fleet producer connects to each gateway in the background, so
+            # batches may be sealed before a gateway's Welcome tells its frame
+            # limit: they must fit the demo gateways' small one from the start.
+            max_batch_bytes=MAX_MESSAGE_SIZE // 2,
         )
 
     def load(self, stream: str, stop: asyncio.Event) -> Any:
