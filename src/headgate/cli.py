@@ -434,6 +434,13 @@ async def _serve(cfg: object, load: Callable[[], object] | None = None) -> None:
     "with the same --spool, each record stored once; the input goes on from the line "
     "it reports.",
 )
+@click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="STREAM is partitioned over this cluster file's gateways (--gateway is not "
+    "used): lines go to sticky partitions, round robin among the gateways that are up; "
+    "--timeout bounds how long they wait for a gateway that is down.",
+)
 @_security_options
 def send(
     stream: str,
@@ -445,6 +452,7 @@ def send(
     producer_secret: str | None,
     timeout: float,
     spool: Path | None,
+    cluster: Path | None,
     **options: Any,
 ) -> None:
     """Send the lines of SOURCE (a file, or - for stdin) as records of STREAM.
@@ -455,12 +463,26 @@ def send(
     from, and the producer id to go on with (exit status 130).
     """
     from headgate.client import GatewayAddress, ProducerError, SpoolError
+    from headgate.cluster import ClusterError, load_cluster
     from headgate.send import SendOptions, run_send
 
     try:
         GatewayAddress.parse(gateway, what="--gateway")
     except ConfigError as exc:
         raise click.UsageError(str(exc)) from None
+    loaded = None
+    if cluster is not None:
+        if producer_secret is not None:
+            raise click.UsageError(
+                "--producer-secret does not go with --cluster: each gateway of a fleet keeps "
+                "its own secret (resume a fleet send with --spool)"
+            )
+        try:
+            loaded = load_cluster(cluster)
+            loaded.stream(stream)
+        except ClusterError as exc:
+            click.echo(f"headgate send: {exc}", err=True)
+            sys.exit(2)
     if not is_valid_name(stream):
         raise click.UsageError(
             f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "
@@ -478,7 +500,16 @@ def send(
             raise click.UsageError(f"--producer-secret must be 1 to {MAX_SECRET_BYTES} bytes")
     security = _security(options)
     send_options = SendOptions(
-        gateway, stream, fmt, policy, producer_id, secret, timeout, security=security, spool=spool
+        gateway,
+        stream,
+        fmt,
+        policy,
+        producer_id,
+        secret,
+        timeout,
+        security=security,
+        spool=spool,
+        cluster=loaded,
     )
     try:
         report = asyncio.run(run_send(send_options, source))
@@ -491,9 +522,10 @@ def send(
     if report.interrupted:
         click.echo(f"headgate send: {report.interrupted_message()}", err=True)
     else:
+        where = f"{stream} ({report.gateway})" if loaded is not None else stream
         click.echo(
             f"{report.acked:,} records ({report.bytes_acked:,} bytes) "
-            f"acknowledged durable on {stream}"
+            f"acknowledged durable on {where}"
         )
     if bad_lines := report.bad_lines_message():
         click.echo(f"headgate send: {bad_lines}", err=True)
@@ -724,7 +756,16 @@ def top(address: str, interval: float, once: bool, fmt: str) -> None:
     help="Logs, checkpoints and Parquet output.",
 )
 @click.option("--seconds", type=float, default=20.0, show_default=True, help="Length of the load.")
-def run(data_dir: Path, seconds: float) -> None:
+@click.option(
+    "--gateways",
+    type=click.IntRange(min=1, max=9),
+    default=1,
+    show_default=True,
+    help="More than 1: a fleet of that many local gateways (127.0.0.1, a generated "
+    "cluster file in --data-dir), keyed producers, one Spark query per stream over "
+    "every partition, and a summary per gateway and partition.",
+)
+def run(data_dir: Path, seconds: float, gateways: int) -> None:
     """The main job: gateway, demo load and Spark pipeline, on embedded defaults.
 
     One producer connection sends stock ticks, RADIUS-style accounting events
@@ -741,7 +782,7 @@ def run(data_dir: Path, seconds: float) -> None:
     if seconds <= 0:
         raise click.UsageError("--seconds must be positive")
     try:
-        result = run_demo(data_dir, seconds, Console())
+        result = run_demo(data_dir, seconds, Console(), gateways=gateways)
     except DirectoryInUse as exc:
         click.echo(f"headgate run: {_in_use(exc)}", err=True)
         sys.exit(1)

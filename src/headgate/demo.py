@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +175,8 @@ class DemoResult:
     interrupted: bool = False
     #: The one-line reason it stopped early, or None.
     failure: str | None = None
+    #: With several gateways: each partition's figures (see headgate.fleet_demo).
+    partitions: list[Any] = field(default_factory=list)
 
 
 class DemoFailed(Exception):
@@ -254,15 +256,8 @@ class _Demo:
             self.spark.udf.register("slow_score", slow_score, "int")
             self.pipeline = Pipeline(
                 self.spark,
-                pipeline_config_from_dict(
-                    # Spark starts before the producers create the streams.
-                    {
-                        "data_dir": str(self.data_dir),
-                        "missing_streams": "wait",
-                        "streams": PIPELINE,
-                    }
-                ),
-                release=self._release,
+                pipeline_config_from_dict(self.pipeline_settings()),
+                release=self.release_callback(),
             )
             try:
                 self.pipeline.start()
@@ -292,29 +287,46 @@ class _Demo:
                 time.sleep(TICK_S)
         self.console.print(f"Spark is ready ({time.monotonic() - began:.0f} s)")
 
-    def run_load(self, seconds: float) -> None:
+    def pipeline_settings(self) -> dict[str, Any]:
+        """The pipeline's configuration: the gateway's data directory, read locally."""
+        # Spark starts before the producers create the streams.
+        return {"data_dir": str(self.data_dir), "missing_streams": "wait", "streams": PIPELINE}
+
+    def release_callback(self) -> Callable[[str, int], None] | None:
+        """Where the pipeline's releases go: straight to the gateway in this process."""
+        return self._release
+
+    def new_producer(self) -> Any:
         from headgate.client import Producer
 
         assert self.gateway is not None
         host, port = self.gateway.address
-        self.prod_thread = BackgroundLoop("headgate-producer")
         # A small producer-side buffer, so that the application itself feels
         # the backpressure: send() waits as soon as a stream runs out of credit.
-        self.producer = Producer(
+        return Producer(
             f"{host}:{port}", client_name="headgate-demo", max_buffered_bytes=512 * 1024
         )
+
+    def load(self, stream: str, stop: asyncio.Event) -> Any:
+        """The coroutine that sends ``stream``'s records until ``stop``."""
+        return _load(self.producer, stream, stop)
+
+    #: How the dashboard names what carries the load.
+    carried_by = "one connection"
+
+    def run_load(self, seconds: float) -> None:
+        self.prod_thread = BackgroundLoop("headgate-producer")
+        self.producer = self.new_producer()
         try:
             self.prod_thread.run(self.producer.connect(), 30)
         except Exception as exc:
             raise DemoFailed(f"the producer could not connect: {exc}") from None
         self.stop_load = asyncio.Event()
-        self.loads = [
-            self.prod_thread.submit(_load(self.producer, s, self.stop_load)) for s in STREAMS
-        ]
+        self.loads = [self.prod_thread.submit(self.load(s, self.stop_load)) for s in STREAMS]
         self.load_started = time.monotonic()
         previous = {s: 0 for s in STREAMS}
         last = self.load_started
-        title = f"headgate: {seconds:g} s of load on one connection (Ctrl-C stops early)"
+        title = f"headgate: {seconds:g} s of load on {self.carried_by} (Ctrl-C stops early)"
         with Live(console=self.console, refresh_per_second=4) as live:
             while time.monotonic() - self.load_started < seconds:
                 time.sleep(TICK_S)
@@ -347,7 +359,7 @@ class _Demo:
 
     def catch_up(self) -> None:
         """Flush the producer, then wait until Spark wrote everything, showing progress."""
-        assert self.prod_thread is not None and self.gateway is not None
+        assert self.prod_thread is not None
         flush = self.prod_thread.submit(self.producer.flush())
         began = time.monotonic()
         moved_at = began
@@ -563,7 +575,12 @@ def _kib(n: int) -> str:
 
 
 def run_demo(
-    data_dir: Path, seconds: float, console: Console, *, spark: Any | None = None
+    data_dir: Path,
+    seconds: float,
+    console: Console,
+    *,
+    spark: Any | None = None,
+    gateways: int = 1,
 ) -> DemoResult:
     """Run everything for ``seconds`` of load, then drain, stop and summarise.
 
@@ -571,11 +588,18 @@ def run_demo(
     :class:`DirectoryInUse`: another gateway has the directory): the result
     says how it ended, and the summary (of what was done so far) is printed.
     ``spark``: a session to use (and leave running); else one is made and
-    stopped at the end.
+    stopped at the end. ``gateways``: more than 1 runs the demo on a fleet of
+    that many local gateways (:mod:`headgate.fleet_demo`).
     """
     data_dir = data_dir.resolve()
     console.print(f"[bold]headgate run[/]: data in {data_dir}")
-    demo = _Demo(data_dir, console, spark)
+    demo: _Demo
+    if gateways > 1:
+        from headgate.fleet_demo import FleetDemo
+
+        demo = FleetDemo(data_dir, console, spark, gateways)
+    else:
+        demo = _Demo(data_dir, console, spark)
     own_spark = spark is None
     interrupted = False
     failure: str | None = None
@@ -594,6 +618,12 @@ def run_demo(
     result = DemoResult(demo.summaries(), demo.completed, interrupted, failure)
     try:
         _print_summary(console, result, data_dir, demo.spark if demo.completed else None)
+        if gateways > 1:
+            from headgate.fleet_demo import FleetDemo, print_partitions
+
+            assert isinstance(demo, FleetDemo)
+            result.partitions = demo.partition_summaries(demo.spark if demo.completed else None)
+            print_partitions(console, result.partitions)
     finally:
         if own_spark and demo.spark is not None:
             with contextlib.suppress(Exception):

@@ -1,5 +1,11 @@
 """``headgate send STREAM FILE``: the lines of a file (or stdin) as records of a stream.
 
+With a cluster (``--cluster``), STREAM is a partitioned stream and a
+:class:`~headgate.client.FleetProducer` sends the lines (keyless: sticky
+partitions, round robin among the gateways that are up); a gateway that is
+down at the start is named in one line on stderr, and the lines go to the
+others.
+
 Lines are read in a thread, so that a pipe that is quiet (``tail -f log |
 headgate send``) never stalls the event loop that receives the gateway's
 acknowledgements, and so that Ctrl-C is heard while the read waits. Ctrl-C
@@ -28,9 +34,10 @@ from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-from headgate.client import Producer, ProducerError, ProducerGaveUp
+from headgate.client import FleetProducer, Producer, ProducerError, ProducerGaveUp
 from headgate.client.producer import Policy
 from headgate.client.security import ClientSecurity
+from headgate.cluster import Cluster
 
 __all__ = ["SendOptions", "SendReport", "run_send"]
 
@@ -69,6 +76,8 @@ class SendOptions:
     progress: bool = True
     #: The producer's spool directory (see Producer's spool), or None.
     spool: Path | None = None
+    #: A fleet: ``stream`` is one of its partitioned streams (``gateway`` is unused).
+    cluster: Cluster | None = None
 
 
 @dataclass(slots=True)
@@ -240,7 +249,7 @@ async def _lines(source: BinaryIO) -> AsyncIterator[list[bytes]]:
 
 
 async def _feed(
-    producer: Producer,
+    producer: Producer | FleetProducer,
     source: BinaryIO,
     options: SendOptions,
     report: SendReport,
@@ -388,19 +397,51 @@ async def _watch_full(producer: Producer, options: SendOptions, console: Console
             said = True
 
 
+async def _reach_fleet(producer: FleetProducer, options: SendOptions, console: Console) -> None:
+    """Connect to the stream's gateways; one line on stderr per gateway that is down.
+
+    Raises:
+        ProducerError: none of them answered within ``options.timeout``.
+    """
+    stats = await producer.reach(options.stream, options.timeout)
+    holders = dict.fromkeys(producer.cluster.stream(options.stream).holders)
+    down = [stats.gateways[g] for g in holders if not stats.gateways[g].up]
+    why = [f"{g.name} ({g.address}): {g.last_error or 'no answer'}" for g in down]
+    if len(down) == len(holders):
+        raise ProducerError(
+            f"no gateway of {options.stream} answered within {options.timeout:g} s: "
+            + "; ".join(why)
+        )
+    for line in why:
+        console.print(
+            f"headgate send: gateway {line}; its partitions of {options.stream} get no "
+            "records, the other gateways take them",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+
+
 async def _send_all(
-    producer: Producer,
+    producer: Producer | FleetProducer,
     source: BinaryIO,
     options: SendOptions,
     report: SendReport,
     progress: Progress,
     ctrl_c: _CtrlC,
 ) -> None:
-    if not await ctrl_c.run(producer.connect()) or ctrl_c.pressed:
+    if isinstance(producer, FleetProducer):
+        reached = await ctrl_c.run(_reach_fleet(producer, options, progress.console))
+    else:
+        reached = await ctrl_c.run(producer.connect())
+    if not reached or ctrl_c.pressed:
         report.interrupted = True
         return
     report.connected = True
-    watcher = asyncio.create_task(_watch_full(producer, options, progress.console))
+    watcher = None
+    if isinstance(producer, Producer):
+        # A fleet's partitions are not watched: keyless lines move to those with credit.
+        watcher = asyncio.create_task(_watch_full(producer, options, progress.console))
     try:
         with progress:
             fed = await ctrl_c.run(_feed(producer, source, options, report, progress))
@@ -414,9 +455,10 @@ async def _send_all(
                 with contextlib.suppress(Exception):
                     await ctrl_c.run(producer.flush(), timeout=INTERRUPT_GRACE_S)
     finally:
-        watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
 
 async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
@@ -425,7 +467,10 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
     Raises :class:`~headgate.client.ProducerError` when the gateway cannot
     be reached or refuses the stream.
     """
-    report = SendReport(options.stream, options.gateway)
+    gateway = options.gateway
+    if options.cluster is not None:
+        gateway = ", ".join(dict.fromkeys(options.cluster.stream(options.stream).holders))
+    report = SendReport(options.stream, gateway)
     console = Console(stderr=True)
     progress = Progress(
         TextColumn("{task.description}"),
@@ -435,16 +480,28 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
         transient=True,
         disable=not (options.progress and console.is_terminal),
     )
-    producer = Producer(
-        options.gateway,
-        policy=_POLICIES[options.policy],
-        producer_id=options.producer_id,
-        producer_secret=options.producer_secret,
-        client_name="headgate-send",
-        reconnect_timeout=options.timeout,
-        security=options.security,
-        spool=options.spool,
-    )
+    producer: Producer | FleetProducer
+    if options.cluster is not None:
+        producer = FleetProducer(
+            cluster=options.cluster,
+            policy=_POLICIES[options.policy],
+            producer_id=options.producer_id,
+            client_name="headgate-send",
+            partition_timeout=options.timeout,
+            security=options.security,
+            spool=options.spool,
+        )
+    else:
+        producer = Producer(
+            options.gateway,
+            policy=_POLICIES[options.policy],
+            producer_id=options.producer_id,
+            producer_secret=options.producer_secret,
+            client_name="headgate-send",
+            reconnect_timeout=options.timeout,
+            security=options.security,
+            spool=options.spool,
+        )
     report.producer_id = producer.producer_id
     ctrl_c = _CtrlC()
     loop = asyncio.get_running_loop()
@@ -470,6 +527,14 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
         raise
     finally:
         loop.remove_signal_handler(signal.SIGINT)
+    if isinstance(producer, FleetProducer):
+        for partition in producer.statistics().partitions.values():
+            if partition.stream == options.stream:
+                report.acked += partition.records_acked
+                report.bytes_acked += partition.bytes_acked
+                report.transmitted += partition.records_sent
+                report.spooled += partition.records_spooled
+        return report
     stats = producer.statistics().streams.get(options.stream)
     if stats is not None:
         report.acked, report.bytes_acked = stats.records_acked, stats.bytes_acked

@@ -56,6 +56,8 @@ def test_partition_counts_match_counting_record_by_record(fleet: ModuleType) -> 
         for i in range(sent):
             by_hand[key_partitions[i & fleet.KEY_MASK]] += 1
         assert fleet.partition_counts(key_partitions, sent, 6) == by_hand
+    # A bulk call of CHECK_EVERY records starts at key 0, as the count assumes.
+    assert fleet.CHECK_EVERY % fleet.KEYS == 0
     # The keys reach every partition, so a warm-up send to each binds them all.
     assert set(key_partitions) == set(range(6))
 

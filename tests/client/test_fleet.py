@@ -428,7 +428,7 @@ def test_a_fleet_producer_is_what_producer_makes_for_a_cluster_or_a_list(tmp_pat
     with pytest.raises(ValueError, match="either the bootstrap addresses or the cluster"):
         Producer(["127.0.0.1:7000"], cluster=cluster)
     with pytest.raises(TypeError, match="partition_timeout bounds"):
-        FleetProducer(cluster=cluster, reconnect_timeout=5)
+        FleetProducer(cluster=cluster, reconnect_timeout=5)  # type: ignore[call-arg]
 
 
 def test_a_gateways_tls_settings_in_the_cluster_file_apply_to_it_alone() -> None:

@@ -11,6 +11,7 @@ query catches up, exactly once.
 
 from __future__ import annotations
 
+import io
 import json
 import re
 import time
@@ -21,14 +22,23 @@ from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 from pyspark.sql import SparkSession
+from rich.console import Console
 
+from headgate.cli import main
 from headgate.client.fleet import FleetProducer
 from headgate.client.reader import Reader
 from headgate.cluster import load_cluster, partition_name, partition_of
 from headgate.config import ConfigError
-from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict
-from headgate.spark.source import SourceOptions
+from headgate.demo import SYMBOLS, run_demo
+from headgate.spark.pipeline import (
+    META_COLUMNS,
+    Pipeline,
+    pipeline_config_from_dict,
+    query_definition,
+)
+from headgate.spark.source import FLEET_SCHEMA, SCHEMA, HeadgateDataSource, SourceOptions
 from tests.client.test_fleet import GATEWAYS, Fleet, run, write_cluster
 
 pytestmark = pytest.mark.timeout(240)
@@ -93,14 +103,16 @@ def fleet_query(
 def check_read(spark: SparkSession, name: str, sent: list[bytes]) -> None:
     """Every sent value once, each in its key's partition, each key's values in send order."""
     rows = spark.sql(
-        f"SELECT stream, position, index, value FROM {name} ORDER BY stream, position, index"
+        f"SELECT stream, partition, position, index, value FROM {name} "
+        "ORDER BY stream, position, index"
     ).collect()
     values = [bytes(r.value) for r in rows]
     assert len(values) == len(sent) and sorted(values) == sorted(sent)
     per_key: dict[bytes, list[bytes]] = defaultdict(list)
     for row in rows:
         key = bytes(row.value).split(b":")[0]
-        assert row.stream == partition_name("orders", partition_of(key, PARTITIONS))
+        assert row.partition == partition_of(key, PARTITIONS)
+        assert row.stream == partition_name("orders", row.partition)
         per_key[key].append(bytes(row.value))
     for key, got in per_key.items():
         assert got == [v for v in sent if v.split(b":")[0] == key], key
@@ -172,8 +184,12 @@ def test_one_query_reads_every_partition_of_three_gateways_once_in_key_order(
     # An offset is a position per partition log, in a fixed (sorted) key order.
     end = json.loads(progress[-1].sources[0].endOffset)
     assert list(end) == [f"orders.p{k}" for k in range(PARTITIONS)]
-    rows = pq.read_table(tmp_path / "pipeline" / "parquet" / "orders").to_pylist()
+    table = pq.read_table(tmp_path / "pipeline" / "parquet" / "orders")
+    assert table.column_names[:3] == ["stream", "partition", "position"]
+    assert str(table.schema.field("partition").type) == "int32"
+    rows = table.to_pylist()
     assert sorted(r["value"] for r in rows) == sorted(sent)
+    assert all(r["partition"] == partition_of(r["value"].split(b":")[0], 6) for r in rows)
     rows.sort(key=lambda r: (r["stream"], r["position"], r["index"]))
     for key in {v.split(b":")[0] for v in sent}:
         got = [r["value"] for r in rows if r["value"].split(b":")[0] == key]
@@ -231,3 +247,79 @@ def test_cluster_mistakes_are_one_line_before_any_query(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=re.escape(fragment)) as refused:
             pipeline_config_from_dict(raw)
         assert "\n" not in str(refused.value)
+
+
+def test_only_a_fleet_query_has_the_partition_column(tmp_path: Path) -> None:
+    """The path and gateway sources keep their schema (and their checkpoints open)."""
+    ports = {name: 7000 + i for i, name in enumerate(GATEWAYS)}
+    cluster = str(write_cluster(tmp_path / "cluster.toml", ports))
+    fleet_source = HeadgateDataSource({"cluster": cluster, "streams": "orders"})
+    assert fleet_source.schema() == FLEET_SCHEMA
+    assert FLEET_SCHEMA.fieldNames()[:3] == ["stream", "partition", "position"]
+    assert FLEET_SCHEMA.fieldNames() == ["stream", "partition", *SCHEMA.fieldNames()[1:]]
+    for single in ({"gateway": "127.0.0.1:1", "streams": "s"}, {"path": str(tmp_path)}):
+        assert HeadgateDataSource(single).schema() == SCHEMA
+    with pytest.raises(ValueError, match="the schema is fixed"):
+        fleet_source.streamReader(SCHEMA)
+    # The pipeline's checkpoint definitions: the fleet's rows carry the partition.
+    by_cluster = pipeline_config_from_dict(
+        {"cluster": cluster, "data_dir": str(tmp_path / "p"), "streams": {"orders": {}}}
+    )
+    by_gateway = pipeline_config_from_dict(
+        {"gateway": "127.0.0.1:1", "data_dir": str(tmp_path / "q"), "streams": {"orders": {}}}
+    )
+    assert query_definition(by_gateway, "orders")["columns"] == list(META_COLUMNS)
+    assert query_definition(by_cluster, "orders")["columns"] == [
+        "stream",
+        "partition",
+        *META_COLUMNS[1:],
+    ]
+
+
+def test_the_demo_on_three_gateways_writes_every_acknowledged_record_with_its_partition(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """``headgate run --gateways 3``, with a short load, in the shared session."""
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=False)
+    result = run_demo(tmp_path / "demo", 3.0, console, spark=spark, gateways=3)
+    text = out.getvalue()
+    assert result.failure is None and result.completed and not result.interrupted, text
+    for s in result.summaries:
+        assert s.acked > 0 and s.sent == s.acked, s
+        assert s.written + s.dead_letters == s.acked, s
+    # Per gateway and partition: every partition of every stream, on its gateway, each
+    # partition's acknowledged records written (rows or dead letters) from it alone.
+    cluster = load_cluster(tmp_path / "demo" / "cluster.toml")
+    ticks_holders = cluster.stream("ticks").holders
+    # The 5 symbols are the ticks' only keys: their partitions, and no other.
+    expected = {
+        (ticks_holders[k], f"ticks.p{k}")
+        for k in {partition_of(s.encode(), len(ticks_holders)) for s in SYMBOLS}
+    }
+    expected |= {
+        (p.gateway, p.name) for s in ("accounting", "audit") for p in cluster.stream(s).partitions
+    }
+    assert {(p.gateway, p.partition) for p in result.partitions} == expected
+    assert {p.gateway for p in result.partitions} == set(GATEWAYS)
+    for p in result.partitions:
+        assert p.acked > 0 and p.acked_bytes > p.acked and p.written == p.acked, p
+    for s in result.summaries:
+        assert sum(p.acked for p in result.partitions if p.stream == s.stream) == s.acked
+    assert "per gateway and partition" in text and "Traceback" not in text
+    # Keyed: each symbol's ticks are in its key's partition, which the rows name.
+    ticks = pq.read_table(tmp_path / "demo" / "parquet" / "ticks").to_pylist()
+    partitions = len(cluster.stream("ticks").holders)
+    assert ticks and all(
+        r["partition"] == partition_of(str(r["symbol"]).encode(), partitions)
+        and r["stream"] == f"ticks.p{r['partition']}"
+        for r in ticks
+    )
+    assert spark.range(3).count() == 3  # the session is the caller's: still usable
+
+
+def test_run_takes_gateways_from_1_to_9() -> None:
+    shown = CliRunner().invoke(main, ["run", "--help"])
+    assert shown.exit_code == 0 and "--gateways" in shown.output
+    refused = CliRunner().invoke(main, ["run", "--gateways", "0"])
+    assert refused.exit_code == 2 and "--gateways" in refused.output

@@ -20,8 +20,13 @@ producer (up to ``max_buffered_bytes`` per partition) and are sent once it is
 back. After ``partition_timeout`` seconds down (counted from when this
 producer first found it down, or from the start for a gateway never reached),
 a keyed send to one of its partitions raises :class:`PartitionUnavailable`,
-and so does :meth:`FleetProducer.flush`; what was taken before stays
-buffered and is still delivered if the gateway returns.
+and so do :meth:`FleetProducer.flush` and a :class:`FleetDelivery` waiting
+for it; what was taken before stays buffered and is still delivered if the
+gateway returns. A send already waiting for room on a partition whose
+gateway then goes down raises it too, once the gateway has been down that
+long, having taken nothing: a watch task looks at the gateways every
+``_WATCH_S`` and fails such waits (with the gateway down, nothing else would
+end them before it returns).
 """
 
 from __future__ import annotations
@@ -30,14 +35,14 @@ import asyncio
 import itertools
 import os
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError
-from headgate.client.producer import Producer, ProducerOptions
+from headgate.client.producer import BatchResult, Delivery, Policy, Producer
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.security import ClientSecurity
 from headgate.cluster import (
@@ -48,10 +53,17 @@ from headgate.cluster import (
     PartitionedStream,
     cluster_from_metadata,
     load_cluster,
+    partition_of,
 )
 from headgate.protocol import messages as m
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 __all__ = [
+    "FleetBatchResult",
+    "FleetDelivery",
+    "FleetOptions",
     "FleetProducer",
     "FleetStatistics",
     "GatewayState",
@@ -63,6 +75,27 @@ __all__ = [
 
 # How often a waiting send or flush looks at the gateways again.
 _POLL_S = 0.02
+# How often the watch task looks for sends waiting for room on a gateway
+# down beyond partition_timeout.
+_WATCH_S = 0.1
+
+
+class FleetOptions(TypedDict, total=False):
+    """The :class:`Producer` options a fleet producer hands to each gateway's producer.
+
+    The :class:`~headgate.client.producer.ProducerOptions` less the fleet
+    producer's own arguments (``producer_id``, ``security``, ``spool``),
+    ``cluster`` and ``reconnect_timeout`` (each gateway's producer
+    reconnects for ever; ``partition_timeout`` bounds the wait).
+    """
+
+    producer_secret: bytes | None
+    policy: Policy
+    linger_ms: float
+    max_batch_bytes: int
+    max_buffered_bytes: int
+    client_name: str
+    spool_max_bytes: int
 
 
 class PartitionUnavailable(ProducerError):
@@ -107,6 +140,10 @@ class PartitionStatistics:
     records_acked: int
     #: Why its gateway refused it, or None.
     refused: str | None
+    #: Bytes of records the gateway acknowledged durable.
+    bytes_acked: int = 0
+    #: Records written to the spool (with ``spool``).
+    records_spooled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +156,68 @@ class FleetStatistics:
     gateways: Mapping[str, GatewayState]
     #: Every partition written to, by log name (``orders.p3``).
     partitions: Mapping[str, PartitionStatistics]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetBatchResult:
+    """Records of one :meth:`FleetProducer.send_many` call, durable on their partitions."""
+
+    #: The partitioned stream.
+    stream: str
+    #: How many records, on all partitions.
+    record_count: int
+    #: Per part of the call, in the order they were queued: what landed on one
+    #: partition (its ``stream`` is the partition's log name, ``orders.p3``).
+    batches: tuple[BatchResult, ...]
+
+
+class FleetDelivery:
+    """The pending durability of one :meth:`FleetProducer.send_many` call.
+
+    Await it for a :class:`FleetBatchResult`. It raises what a part's
+    :class:`Delivery` raises, or :class:`PartitionUnavailable` once a gateway
+    holding a part has been down beyond ``partition_timeout`` (the part stays
+    buffered for the gateway's return).
+    """
+
+    __slots__ = ("_fleet", "_parts", "record_count", "stream")
+
+    def __init__(
+        self, fleet: FleetProducer, stream: str, parts: list[tuple[str, Delivery]], count: int
+    ) -> None:
+        #: The partitioned stream.
+        self.stream = stream
+        #: How many records the call took.
+        self.record_count = count
+        self._fleet = fleet
+        self._parts = parts
+
+    def done(self) -> bool:
+        """Whether every part is durable or lost."""
+        return all(delivery.done() for _, delivery in self._parts)
+
+    def result(self) -> FleetBatchResult:
+        """The result; raises a part's failure, or ``asyncio.InvalidStateError`` if pending."""
+        batches = tuple(delivery.result() for _, delivery in self._parts)
+        return FleetBatchResult(self.stream, self.record_count, batches)
+
+    def __await__(self) -> Generator[Any, None, FleetBatchResult]:
+        return self._settle().__await__()
+
+    async def _settle(self) -> FleetBatchResult:
+        by_gateway: dict[str, list[Delivery]] = {}
+        for gateway, delivery in self._parts:
+            by_gateway.setdefault(gateway, []).append(delivery)
+        await self._fleet._bounded({g: _all(d) for g, d in by_gateway.items()})
+        return self.result()
+
+    def __repr__(self) -> str:
+        return f"<FleetDelivery {self.stream!r} {self.record_count} records in {len(self._parts)}>"
+
+
+async def _all(deliveries: list[Delivery]) -> None:
+    for delivery in deliveries:
+        await delivery
 
 
 class _MetadataReader(Reader):
@@ -230,19 +329,19 @@ class FleetProducer:
         partition_timeout: float = 30.0,
         connect_timeout: float = 10.0,
         spool: str | os.PathLike[str] | None = None,
-        **options: Any,
+        **options: Unpack[FleetOptions],
     ) -> None:
         if (bootstrap is None) == (cluster is None):
             raise ValueError("give either the bootstrap addresses or the cluster file")
-        unknown = sorted(set(options) - set(ProducerOptions.__optional_keys__))
-        if unknown:
-            # Found now, not when the first gateway's producer is made.
-            raise TypeError(f"FleetProducer() got an unexpected keyword argument {unknown[0]!r}")
         if "reconnect_timeout" in options:
             raise TypeError(
                 "a fleet producer reconnects to each gateway for ever; "
                 "partition_timeout bounds how long records wait"
             )
+        unknown = sorted(set(options) - set(FleetOptions.__optional_keys__))
+        if unknown:
+            # Found now, not when the first gateway's producer is made.
+            raise TypeError(f"FleetProducer() got an unexpected keyword argument {unknown[0]!r}")
         if partition_timeout < 0:
             raise ValueError(f"partition_timeout must not be negative, got {partition_timeout}")
         self._bootstrap = list(bootstrap or [])
@@ -261,7 +360,9 @@ class FleetProducer:
         self._spool = None if spool is None else Path(spool)
         self._options = options
         self._max_batch_bytes = int(options.get("max_batch_bytes", 256 * 1024))
+        self._linger_ms = float(options.get("linger_ms", 5.0))
         self._producers: dict[str, Producer] = {}
+        self._watch: asyncio.Task[None] | None = None
         self._down_since: dict[str, float] = {}
         # Per stream: the sticky partition of keyless records, and its bytes so far.
         self._sticky: dict[str, tuple[Partition, int]] = {}
@@ -278,6 +379,17 @@ class FleetProducer:
             raise ProducerError("the fleet producer has not asked for the cluster yet (connect)")
         return self._cluster
 
+    @property
+    def linger_ms(self) -> float:
+        """How long an open batch waits for more records before it is sealed."""
+        return self._linger_ms
+
+    @property
+    def producer_secret(self) -> None:
+        """None: each gateway ties the producer id to a secret of its own, kept by
+        that gateway's producer (a fleet resumes from its spools, not from one secret)."""
+        return None
+
     async def connect(self) -> None:
         """Learn the cluster from a bootstrap gateway, if no file was given; idempotent.
 
@@ -290,6 +402,22 @@ class FleetProducer:
             self._cluster = await fetch_cluster(
                 self._bootstrap, security=self._security, timeout=self._connect_timeout
             )
+
+    async def reach(self, stream: str, timeout: float) -> FleetStatistics:
+        """Connect to every gateway of partitioned stream ``stream`` and wait, up to
+        ``timeout`` seconds, until all of them are up; the statistics then, whose
+        ``gateways`` say which are not (for a command that reports them at start).
+
+        Raises:
+            ClusterError: the cluster has no partitioned stream ``stream``.
+        """
+        await self.connect()
+        holders = dict.fromkeys(self._open_stream(stream).holders)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not all(self._is_up(g) for g in holders) and loop.time() < deadline:
+            await asyncio.sleep(_POLL_S)
+        return self.statistics()
 
     async def __aenter__(self) -> FleetProducer:
         await self.connect()
@@ -314,45 +442,126 @@ class FleetProducer:
                 await producer.close()
         finally:
             self._closed = True
+            self._stop_watch()
             for producer in self._producers.values():
                 await producer.abort()  # nothing left to do for one that closed
 
     async def abort(self) -> None:
         """Close every gateway's producer at once; unacknowledged records are lost."""
         self._closed = True
+        self._stop_watch()
         for producer in self._producers.values():
             await producer.abort()
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
 
     # -- sending ----------------------------------------------------------------------
 
     async def send(self, stream: str, value: bytes, key: bytes | None = None) -> None:
         """Append one record to partitioned stream ``stream``.
 
+        Waits as :meth:`Producer.send` does while the partition's buffer is
+        full, and no longer than ``partition_timeout`` past its gateway's
+        going down.
+
         Raises:
             PartitionUnavailable: the record's partition (with a key), or every
-                partition (without), is on gateways down beyond ``partition_timeout``.
+                partition (without), is on gateways down beyond ``partition_timeout``;
+                the record was not taken.
             ClusterError: the cluster has no partitioned stream ``stream``.
             StreamRefused, ProducerError: as :meth:`Producer.send`.
         """
-        if self._closed:
-            raise ProducerError("the fleet producer is closed")
-        partitioned = self._stream(stream)
+        partitioned = self._open_stream(stream)
         if key is None:
             partition = await self._sticky_partition(partitioned, len(value))
         else:
             partition = partitioned.partition_for_key(key)
-        producer = self._producers[partition.gateway]
-        if self._is_up(partition.gateway):
-            await producer.send(partition.name, value, key)
-            return
-        remaining = self._remaining(partition.gateway)
-        if remaining <= 0:
-            raise self._unavailable(partition.gateway, partition.name)
-        try:
-            async with asyncio.timeout(remaining):
-                await producer.send(partition.name, value, key)
-        except TimeoutError:
-            raise self._unavailable(partition.gateway, partition.name) from None
+            self._check_reachable(partition)
+        await self._producers[partition.gateway].send(partition.name, value, key)
+
+    def send_nowait(self, stream: str, value: bytes, key: bytes | None = None) -> None:
+        """Append one record if its partition's buffer has room; never waits.
+
+        As :meth:`Producer.send_nowait`: it takes the record as :meth:`send`
+        does, or raises :class:`BufferFull` where :meth:`send` would wait. A
+        keyless record goes to the sticky partition; while no gateway is up
+        yet it is chosen round robin all the same, and the record waits there
+        for the session. Call it from the event loop's thread.
+
+        Raises:
+            BufferFull: the partition's buffer is full; nothing was taken.
+            PartitionUnavailable: as :meth:`send`, without waiting.
+            ClusterError, StreamRefused, ProducerError, ValueError, TypeError:
+                as :meth:`Producer.send_nowait`.
+        """
+        partitioned = self._open_stream(stream)
+        if key is None:
+            partition = self._choose_sticky(partitioned, len(value))
+            if partition is None:
+                self._check_some_reachable(partitioned)
+                partition = self._choose_sticky(partitioned, len(value), any_state=True)
+                assert partition is not None
+        else:
+            partition = partitioned.partition_for_key(key)
+            self._check_reachable(partition)
+        self._producers[partition.gateway].send_nowait(partition.name, value, key)
+
+    def _append_nowait(self, stream: str, value: bytes) -> bool:
+        """send()'s fast path for a keyless record on the sticky partition; False to use send().
+
+        For the sync wrapper's drainer (see :meth:`Producer._append_nowait`).
+        """
+        sticky = self._sticky.get(stream)
+        if sticky is None or self._closed:
+            return False
+        current, taken = sticky
+        if taken >= self._max_batch_bytes:
+            return False
+        producer = self._producers[current.gateway]
+        if not producer.connected or not producer._append_nowait(current.name, value):
+            return False
+        self._sticky[stream] = (current, taken + len(value))
+        return True
+
+    async def send_many(
+        self,
+        stream: str,
+        values: Sequence[bytes] | pa.Array | pa.ChunkedArray | pa.RecordBatch | pa.Table,
+        keys: Sequence[bytes | None] | pa.Array | pa.ChunkedArray | None = None,
+    ) -> FleetDelivery:
+        """Send many records at once; await the returned :class:`FleetDelivery` for durability.
+
+        Takes what :meth:`Producer.send_many` takes. Keyed records go to
+        their keys' partitions and keyless ones (no ``keys``, or a null key)
+        to sticky partitions, one per ``max_batch_bytes`` of records, as
+        :meth:`send` would send them one by one; each partition's records go
+        in one :meth:`Producer.send_many` call, in the call's order, so that
+        per key the order is the order in ``values``.
+
+        Raises:
+            PartitionUnavailable: a partition of the call is on a gateway down
+                beyond ``partition_timeout``. Checked before anything is taken;
+                if its gateway goes down that long while the call waits for
+                room, the parts queued before stay queued.
+            ClusterError, StreamRefused, ProducerError, ValueError, TypeError:
+                as :meth:`Producer.send_many`.
+        """
+        partitioned = self._open_stream(stream)
+        values, keys = _columns(values, keys)
+        groups = await self._route_many(partitioned, values, keys)
+        for partition in groups:
+            self._check_reachable(partition)
+        parts: list[tuple[str, Delivery]] = []
+        for partition, indices in groups.items():
+            part_values, part_keys = _take(values, keys, indices)
+            delivery = await self._producers[partition.gateway].send_many(
+                partition.name, part_values, part_keys
+            )
+            parts.append((partition.gateway, delivery))
+        return FleetDelivery(self, stream, parts, len(values))
 
     async def flush(self) -> None:
         """Wait until every record sent so far is durable on its partition's gateway.
@@ -361,10 +570,12 @@ class FleetProducer:
             PartitionUnavailable: a gateway holding records stayed down beyond
                 ``partition_timeout`` (its records stay buffered for its return).
         """
-        tasks = {
-            name: asyncio.ensure_future(producer.flush())
-            for name, producer in self._producers.items()
-        }
+        await self._bounded({name: p.flush() for name, p in self._producers.items()})
+
+    async def _bounded(self, work: Mapping[str, Awaitable[Any]]) -> None:
+        """Await each gateway's ``work``; PartitionUnavailable once a gateway whose
+        work is not done has been down beyond ``partition_timeout``."""
+        tasks = {name: asyncio.ensure_future(w) for name, w in work.items()}
         try:
             while True:
                 pending = [t for t in tasks.values() if not t.done()]
@@ -381,7 +592,41 @@ class FleetProducer:
                 if not task.done():
                     task.cancel()
 
+    async def _watch_gateways(self) -> None:
+        """Fail the sends waiting for room on gateways down beyond ``partition_timeout``.
+
+        Only acknowledgements make room, and a gateway that is down sends
+        none: without this such a send would wait for its return. The waiter
+        failed is the one :meth:`Producer._wait_room` awaits, so the send
+        raises before taking its records, and the sends behind it move up.
+        """
+        while True:
+            await asyncio.sleep(_WATCH_S)
+            for name, producer in self._producers.items():
+                if self._is_up(name) or self._remaining(name) > 0:
+                    continue
+                for s in list(producer._streams.values()):
+                    for _, waiter in list(s.space_waiters):
+                        if not waiter.done():
+                            waiter.set_exception(self._unavailable(name, s.name))
+
     # -- routing ---------------------------------------------------------------------
+
+    def _open_stream(self, name: str) -> PartitionedStream:
+        if self._closed:
+            raise ProducerError("the fleet producer is closed")
+        return self._stream(name)
+
+    def _check_reachable(self, partition: Partition) -> None:
+        """PartitionUnavailable if ``partition``'s gateway has been down beyond the timeout."""
+        gateway = partition.gateway
+        if not self._is_up(gateway) and self._remaining(gateway) <= 0:
+            raise self._unavailable(gateway, partition.name)
+
+    def _check_some_reachable(self, stream: PartitionedStream) -> None:
+        """PartitionUnavailable if every gateway of ``stream`` has been down beyond the timeout."""
+        if all(self._remaining(g) <= 0 for g in dict.fromkeys(stream.holders)):
+            raise self._unavailable(None, stream.name)
 
     def _stream(self, name: str) -> PartitionedStream:
         found = self._used.get(name)
@@ -396,20 +641,21 @@ class FleetProducer:
         producer = self._producers.get(gateway)
         if producer is None:
             entry = self.cluster.gateways[gateway]
-            options = dict(self._options)
-            if self._spool is not None:
-                options["spool"] = self._spool / gateway
             producer = self._producers[gateway] = Producer(
                 entry.address,
                 producer_id=self.producer_id,
                 reconnect_timeout=None,
                 security=gateway_security(self._security, entry),
-                **options,
+                spool=None if self._spool is None else self._spool / gateway,
+                **self._options,
             )
             # Connecting starts now, in the background; a gateway never
             # reached counts as down from here.
             producer._start()
-            self._down_since[gateway] = asyncio.get_running_loop().time()
+            loop = asyncio.get_running_loop()
+            self._down_since[gateway] = loop.time()
+            if self._watch is None:
+                self._watch = loop.create_task(self._watch_gateways(), name="headgate-fleet-watch")
         return producer
 
     def _is_up(self, gateway: str) -> bool:
@@ -441,10 +687,16 @@ class FleetProducer:
             return True
         return state.failure is None and not state.space_waiters and len(state.queue) <= 1
 
-    async def _sticky_partition(self, stream: PartitionedStream, size: int) -> Partition:
-        """The partition of a keyless record: the current sticky one while it is up,
-        has credit and its batch is not full; else the next one round robin that
-        has credit (or, failing that, that is up)."""
+    def _choose_sticky(
+        self, stream: PartitionedStream, size: int, *, any_state: bool = False
+    ) -> Partition | None:
+        """The partition of a keyless record of ``size`` bytes, without waiting.
+
+        The current sticky one while it is up and its batch is not full; else
+        the next one round robin that has credit or, failing that, that is
+        up. None when no gateway of the stream is up, unless ``any_state``:
+        then the next one round robin all the same.
+        """
         sticky = self._sticky.get(stream.name)
         if sticky is not None:
             current, taken = sticky
@@ -454,16 +706,63 @@ class FleetProducer:
         partitions = self._partitions[stream.name]
         start = 0 if sticky is None else sticky[0].index + 1
         order = [partitions[(start + i) % len(partitions)] for i in range(len(partitions))]
+        chosen = next((p for p in order if self._has_credit(p)), None)
+        if chosen is None:
+            chosen = next((p for p in order if self._is_up(p.gateway)), None)
+        if chosen is None and any_state:
+            chosen = order[0]
+        if chosen is not None:
+            self._sticky[stream.name] = (chosen, size)
+        return chosen
+
+    async def _sticky_partition(self, stream: PartitionedStream, size: int) -> Partition:
+        """:meth:`_choose_sticky`, waiting while no gateway of the stream is up."""
         while True:
-            chosen = next((p for p in order if self._has_credit(p)), None)
-            if chosen is None:
-                chosen = next((p for p in order if self._is_up(p.gateway)), None)
+            chosen = self._choose_sticky(stream, size)
             if chosen is not None:
-                self._sticky[stream.name] = (chosen, size)
                 return chosen
-            if all(self._remaining(g) <= 0 for g in dict.fromkeys(stream.holders)):
-                raise self._unavailable(None, stream.name)
+            self._check_some_reachable(stream)
             await asyncio.sleep(_POLL_S)
+
+    async def _route_many(
+        self, stream: PartitionedStream, values: Any, keys: Any
+    ) -> dict[Partition, list[int]]:
+        """The records of a send_many call, by partition, each list in the call's order."""
+        count = len(values)
+        partitions = stream.partitions
+        routed: dict[Partition, list[int]] = {}
+        keyless: list[int] = []
+        if keys is None:
+            keyless = list(range(count))
+        else:
+            key_list = keys if isinstance(keys, list | tuple) else keys.to_pylist()
+            if len(key_list) != count:
+                raise ValueError(f"{len(key_list)} keys for {count} values")
+            # Keys repeat; each distinct one is hashed once per call.
+            known: dict[bytes, Partition] = {}
+            for i, key in enumerate(key_list):
+                if key is None:
+                    keyless.append(i)
+                    continue
+                partition = known.get(key)
+                if partition is None:
+                    partition = known[key] = partitions[partition_of(key, len(partitions))]
+                routed.setdefault(partition, []).append(i)
+        if keyless:
+            sizes = _sizes(values)
+            start = 0
+            while start < len(keyless):
+                # One sticky choice per batch of records, as for send().
+                end, taken = start, 0
+                while end < len(keyless) and (end == start or taken < self._max_batch_bytes):
+                    taken += sizes[keyless[end]]
+                    end += 1
+                partition = await self._sticky_partition(stream, taken)
+                routed.setdefault(partition, []).extend(keyless[start:end])
+                start = end
+            for indices in routed.values():
+                indices.sort()  # keyed and keyless records of a partition in the call's order
+        return routed
 
     def _unavailable(self, gateway: str | None, what: str | None) -> PartitionUnavailable:
         """The one-line error for records that waited too long for ``gateway``."""
@@ -520,9 +819,66 @@ class FleetProducer:
                     records_sent=s.records_sent,
                     records_acked=s.records_acked,
                     refused=s.refused,
+                    bytes_acked=s.bytes_acked,
+                    records_spooled=s.records_spooled,
                 )
         return FleetStatistics(
             producer_id=self.producer_id,
             gateways=gateways,
             partitions=dict(sorted(partitions.items())),
         )
+
+
+def _columns(values: Any, keys: Any) -> tuple[Any, Any]:
+    """A send_many call's values and keys: lists, or pyarrow Arrays."""
+    if isinstance(values, list | tuple):
+        if keys is not None and not isinstance(keys, list | tuple):
+            keys = list(keys)
+        return values, keys
+    import pyarrow as pa
+
+    if isinstance(values, pa.RecordBatch | pa.Table):
+        if keys is not None:
+            raise ValueError("pass keys as the 'key' column of the RecordBatch, not keys=")
+        names = values.schema.names
+        if "value" not in names:
+            raise ValueError(f"a RecordBatch needs a 'value' column; it has {names}")
+        keys = values.column("key") if "key" in names else None
+        values = values.column("value")
+    if isinstance(values, pa.ChunkedArray):
+        values = values.combine_chunks()
+    if isinstance(keys, pa.ChunkedArray):
+        keys = keys.combine_chunks()
+    if not isinstance(values, pa.Array):
+        raise TypeError(
+            "values must be a list of bytes or a pyarrow Array, RecordBatch or Table, "
+            f"not {type(values).__name__}"
+        )
+    if keys is not None and not isinstance(keys, pa.Array):
+        keys = pa.array(keys, type=pa.binary())
+    return values, keys
+
+
+def _sizes(values: Any) -> list[int]:
+    """Each value's length in bytes (what the sticky batches are measured in)."""
+    if isinstance(values, list | tuple):
+        return [len(v) for v in values]
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not pa.types.is_binary(values.type) and not pa.types.is_large_binary(values.type):
+        values = values.cast(pa.binary())
+    lengths: list[int] = pc.fill_null(pc.binary_length(values), 0).to_pylist()
+    return lengths
+
+
+def _take(values: Any, keys: Any, indices: list[int]) -> tuple[Any, Any]:
+    """The records at ``indices`` (the whole call when they are all of it, in order)."""
+    if len(indices) == len(values):
+        return values, keys
+    if isinstance(values, list | tuple):
+        return [values[i] for i in indices], None if keys is None else [keys[i] for i in indices]
+    import pyarrow as pa
+
+    taken = pa.array(indices, type=pa.int64())
+    return values.take(taken), None if keys is None else keys.take(taken)

@@ -1,7 +1,8 @@
 """A blocking producer for code without an event loop.
 
-:class:`SyncProducer` runs an asyncio :class:`~headgate.client.Producer` on
-its own event loop in a background thread. ``send`` only appends to a deque
+:class:`SyncProducer` runs an asyncio :class:`~headgate.client.Producer` (or,
+for a fleet, a :class:`~headgate.client.FleetProducer`) on its own event
+loop in a background thread. ``send`` only appends to a deque
 (thread-safe under the GIL without a lock); the loop is woken once per
 ``handoff_records`` records or once per linger period, not per record, and
 drains the deque into the producer in order.
@@ -12,19 +13,29 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, Unpack
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast, overload
 
 from headgate.client.address import GatewayAddress
 from headgate.client.errors import ProducerError, StreamRefused
+from headgate.client.fleet import (
+    FleetBatchResult,
+    FleetOptions,
+    FleetProducer,
+    FleetStatistics,
+    PartitionUnavailable,
+)
 from headgate.client.producer import (
     BatchResult,
     Producer,
     ProducerOptions,
     ProducerStatistics,
 )
+from headgate.client.security import ClientSecurity
+from headgate.cluster import Cluster
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine
@@ -34,6 +45,19 @@ if TYPE_CHECKING:
 __all__ = ["SyncProducer"]
 
 T = TypeVar("T")
+# What statistics() returns (a ProducerStatistics, or a fleet's FleetStatistics)
+# and what a send_many future resolves to (a BatchResult, or a fleet's
+# FleetBatchResult). The defaults (PEP 696, for the type checker only: Python
+# 3.11's TypeVar has none) keep a bare ``SyncProducer`` annotation meaning the
+# single-gateway one.
+if TYPE_CHECKING:
+    from typing_extensions import TypeVar as TypeVarWithDefault
+
+    S = TypeVarWithDefault("S", ProducerStatistics, FleetStatistics, default=ProducerStatistics)
+    R = TypeVarWithDefault("R", BatchResult, FleetBatchResult, default=BatchResult)
+else:
+    S = TypeVar("S", ProducerStatistics, FleetStatistics)
+    R = TypeVar("R", BatchResult, FleetBatchResult)
 
 
 class _Many:
@@ -42,19 +66,26 @@ class _Many:
     __slots__ = ("future", "keys", "values")
 
     def __init__(
-        self, values: object, keys: object, future: concurrent.futures.Future[BatchResult]
+        self, values: object, keys: object, future: concurrent.futures.Future[Any]
     ) -> None:
         self.values = values
         self.keys = keys
         self.future = future
 
 
-class SyncProducer:
+class SyncProducer(Generic[S, R]):
     """The :class:`~headgate.client.Producer`, for threads; same options.
 
     Args:
         address: the gateway: ``"host:port"``, ``"unix:/path/to.sock"`` or
-            ``(host, port)``.
+            ``(host, port)``; or a list of gateways to bootstrap a fleet from.
+        cluster: a cluster file (or a loaded :class:`~headgate.cluster.Cluster`):
+            a fleet (as a list for ``address``). A fleet runs a
+            :class:`~headgate.client.FleetProducer`: ``statistics`` returns its
+            :class:`~headgate.client.FleetStatistics`, a ``send_many`` future
+            resolves to a :class:`~headgate.client.fleet.FleetBatchResult`, and
+            ``partition_timeout``, ``producer_id``, ``security`` and ``spool``
+            go to it with the other options.
         handoff_records: records buffered in the calling thread before the
             background loop is woken to take them.
         max_pending_records: beyond this many records not yet taken by the
@@ -66,28 +97,66 @@ class SyncProducer:
         **options: passed to :class:`~headgate.client.Producer`.
 
     Errors of records already handed over (a refused stream, a record too
-    large) are raised by the next :meth:`flush`; once the producer has given
-    up, every call raises :class:`ProducerError`.
+    large, a fleet's partition unavailable beyond ``partition_timeout``: such
+    a record is not sent) are raised by the next :meth:`flush`; once the
+    producer has given up, every call raises :class:`ProducerError`.
     """
 
+    @overload
     def __init__(
-        self,
+        self: SyncProducer[ProducerStatistics, BatchResult],
         address: str | tuple[str, int] | GatewayAddress,
         *,
         handoff_records: int = 1000,
         max_pending_records: int = 200_000,
         connect_timeout: float | None = None,
         **options: Unpack[ProducerOptions],
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self: SyncProducer[FleetStatistics, FleetBatchResult],
+        address: list[str] | None = None,
+        *,
+        cluster: str | os.PathLike[str] | Cluster | None = None,
+        handoff_records: int = 1000,
+        max_pending_records: int = 200_000,
+        connect_timeout: float | None = None,
+        producer_id: int | None = None,
+        security: ClientSecurity | None = None,
+        spool: str | os.PathLike[str] | None = None,
+        partition_timeout: float = 30.0,
+        **options: Unpack[FleetOptions],
+    ) -> None: ...
+
+    def __init__(
+        self,
+        address: str | tuple[str, int] | GatewayAddress | list[str] | None = None,
+        *,
+        handoff_records: int = 1000,
+        max_pending_records: int = 200_000,
+        connect_timeout: float | None = None,
+        **options: Any,
     ) -> None:
-        if options.get("cluster") is not None:
-            raise TypeError("SyncProducer writes to one gateway; a fleet needs the asyncio client")
-        self._producer = Producer(address, **options)
+        self._producer: Producer | FleetProducer
+        if isinstance(address, list):
+            self._producer = FleetProducer(address, **options)
+        elif options.get("cluster") is not None:
+            if address is not None:
+                raise ValueError("give either the bootstrap addresses or the cluster file")
+            self._producer = FleetProducer(**options)
+        elif address is None:
+            raise TypeError("a SyncProducer needs the gateway's address (or cluster=...)")
+        else:
+            options.pop("cluster", None)
+            self._producer = Producer(address, **options)
         self._linger = max(self._producer.linger_ms / 1000.0, 0.001)
         self._handoff = max(1, handoff_records)
         self._max_pending = max(self._handoff, max_pending_records)
         self._pending: deque[tuple[str, Any, bytes | None]] = deque()
         self._count = 0
         self._fatal: ProducerError | None = None
+        self._final: S | None = None
         self._deferred: list[Exception] = []
         self._space = threading.Condition()
         self._closed = False
@@ -140,13 +209,13 @@ class SyncProducer:
         stream: str,
         values: Sequence[bytes] | pa.Array | pa.ChunkedArray | pa.RecordBatch | pa.Table,
         keys: Sequence[bytes | None] | pa.Array | pa.ChunkedArray | None = None,
-    ) -> concurrent.futures.Future[BatchResult]:
+    ) -> concurrent.futures.Future[R]:
         """Queue many records (as :meth:`Producer.send_many`); the future resolves when durable."""
         if self._fatal is not None:
             raise self._fatal
         if self._closed:
             raise ProducerError("the producer is closed")
-        future: concurrent.futures.Future[BatchResult] = concurrent.futures.Future()
+        future: concurrent.futures.Future[R] = concurrent.futures.Future()
         self._pending.append((stream, _Many(values, keys, future), None))
         self._count = 0
         self._hand_over()
@@ -188,17 +257,23 @@ class SyncProducer:
         if self._loop.is_running():
             with contextlib.suppress(TimeoutError, ProducerError):
                 self._call(self._producer.abort(), 5.0)
+            # Taken on the loop: a fleet's snapshot reads the loop's clock.
+            with contextlib.suppress(TimeoutError):
+                self._final = self._call(self._statistics(), 5.0)
         self._stop_loop()
         if self._fatal is None:
             self._fatal = ProducerError("the producer is closed")
 
-    def statistics(self) -> ProducerStatistics:
+    def statistics(self) -> S:
         """A snapshot of the producer (as :meth:`Producer.statistics`); the last one once closed."""
         if self._closed:
-            return self._producer.statistics()  # the loop is gone; nothing changes any more
+            # The loop is gone; nothing changes any more.
+            if self._final is not None:
+                return self._final
+            return cast("S", self._producer.statistics())
         return self._call(self._statistics(), 5.0)
 
-    def __enter__(self) -> SyncProducer:
+    def __enter__(self) -> SyncProducer[S, R]:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
@@ -286,6 +361,10 @@ class SyncProducer:
                         for e in self._deferred
                     ):
                         self._deferred.append(exc)
+                except PartitionUnavailable as exc:
+                    # One gateway of a fleet is away: the others' records go on.
+                    if not any(isinstance(e, PartitionUnavailable) for e in self._deferred):
+                        self._deferred.append(exc)
                 except ProducerError as exc:
                     self._fatal = exc
                     self._fail_pending(exc)
@@ -342,8 +421,8 @@ class SyncProducer:
             self._drainer.cancel()
         await self._producer.close()
 
-    async def _statistics(self) -> ProducerStatistics:
-        return self._producer.statistics()
+    async def _statistics(self) -> S:
+        return cast("S", self._producer.statistics())
 
 
 def _as_bytes(value: object, what: str) -> bytes:

@@ -91,6 +91,8 @@ log = logging.getLogger("headgate.pipeline")
 #: Columns every output row starts with (before the parsed fields or the raw key and value).
 #: ``position`` and ``index`` are the record's address (``headgate tail --from``).
 META_COLUMNS = ("stream", "position", "index", "producer", "sequence", "ingest_time")
+#: With a cluster, the rows also carry the partition's number (the source's FLEET_SCHEMA).
+FLEET_META_COLUMNS = ("stream", "partition", *META_COLUMNS[1:])
 
 # Parser options a stream may set, per format (Spark's from_json / from_csv
 # options that apply to one record). "mode" and "columnNameOfCorruptRecord"
@@ -262,6 +264,11 @@ class PipelineConfig:
 DEFINITION_FILE = "headgate-definition.json"
 
 
+def meta_columns(config: PipelineConfig) -> tuple[str, ...]:
+    """The record's columns the pipeline adds to each output row (``partition`` for a fleet)."""
+    return FLEET_META_COLUMNS if config.cluster is not None else META_COLUMNS
+
+
 def query_definition(config: PipelineConfig, stream: str) -> dict[str, Any]:
     """What a checkpoint is only valid for: how records are read, shaped and where they go.
 
@@ -273,7 +280,7 @@ def query_definition(config: PipelineConfig, stream: str) -> dict[str, Any]:
         "stream": spec.name,
         # The columns the pipeline adds: a checkpoint from before ``index``
         # was one of them has no such key, and is refused like any change.
-        "columns": list(META_COLUMNS),
+        "columns": list(meta_columns(config)),
         "format": spec.format,
         "schema": spec.schema,
         "options": [list(pair) for pair in spec.options],
@@ -315,7 +322,7 @@ def check_definitions(config: PipelineConfig, *, write_new: bool = True) -> None
             if changed:
                 why = f"{', '.join(changed)} changed"
                 if "columns" in changed:  # a checkpoint of an older headgate
-                    why += f"; rows now carry {', '.join(META_COLUMNS)}"
+                    why += f"; rows now carry {', '.join(meta_columns(config))}"
                 raise ConfigError(
                     f"{config.origin}: stream {spec.name!r}: its checkpoint {checkpoint} "
                     f"was made for another definition ({why}). "
@@ -329,7 +336,7 @@ def check_definitions(config: PipelineConfig, *, write_new: bool = True) -> None
             raise ConfigError(
                 f"{config.origin}: stream {spec.name!r}: its checkpoint {checkpoint} was made "
                 f"by an older headgate, whose rows lacked columns they now carry "
-                f"({', '.join(META_COLUMNS)}). To start over, delete {checkpoint} and "
+                f"({', '.join(meta_columns(config))}). To start over, delete {checkpoint} and "
                 f"{config.output(spec.name)}, or give the stream a new checkpoint and output "
                 "directory"
             )
@@ -677,6 +684,8 @@ class _Plan:
     fields: tuple[str, ...]
     #: The SQL view's name, quoted when the stream name is not a plain identifier.
     view: str
+    #: The record's columns kept in each row (see :func:`meta_columns`).
+    columns: tuple[str, ...] = META_COLUMNS
 
 
 _PYTHON_ERROR = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception): (.+)$")
@@ -762,9 +771,10 @@ def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _
     """
     from pyspark.sql.types import StructType, _parse_datatype_string
 
-    from headgate.spark.source import SCHEMA
+    from headgate.spark.source import source_schema
 
     at = f"{config.origin}: streams.{stream.name}"
+    columns = meta_columns(config)
     view = stream.name if stream.name.isidentifier() else f"`{stream.name}`"
     parse_ddl = None
     fields: tuple[str, ...] = ()
@@ -778,16 +788,16 @@ def plan_stream(spark: Any, config: PipelineConfig, stream: StreamPipeline) -> _
         fields = tuple(parsed.fieldNames())
         lower = [f.lower() for f in fields]
         for name in fields:
-            if name.lower() in META_COLUMNS or lower.count(name.lower()) > 1:
+            if name.lower() in columns or lower.count(name.lower()) > 1:
                 raise ConfigError(
                     f"{at}.schema: field {name!r} is there twice, or clashes with a column "
-                    f"the pipeline adds ({', '.join(META_COLUMNS)})"
+                    f"the pipeline adds ({', '.join(columns)})"
                 )
             if name == CORRUPT_COLUMN:
                 raise ConfigError(f"{at}.schema: {CORRUPT_COLUMN} is reserved")
         parse_ddl = _with_corrupt_column(spark, parsed)
-    plan = _Plan(stream=stream, parse_ddl=parse_ddl, fields=fields, view=view)
-    empty = spark.createDataFrame([], SCHEMA)
+    plan = _Plan(stream=stream, parse_ddl=parse_ddl, fields=fields, view=view, columns=columns)
+    empty = spark.createDataFrame([], source_schema(config.cluster is not None))
     try:
         good, _ = _parse(plan, empty)
     except Exception as exc:
@@ -829,7 +839,7 @@ def _parse(plan: _Plan, batch: Any) -> tuple[Any, Any | None]:
 
     stream = plan.stream
     if plan.parse_ddl is None:
-        return batch.select(*META_COLUMNS, "key", "value"), None
+        return batch.select(*plan.columns, "key", "value"), None
     text = F.col("value").cast("string")
     options = {
         **dict(stream.options),
@@ -849,7 +859,7 @@ def _parse(plan: _Plan, batch: Any) -> tuple[Any, Any | None]:
         found = found | struct.getField(name).isNotNull()
     ok = corrupt.isNull() & found
     good = with_parsed.where(ok).select(
-        *META_COLUMNS, *[struct.getField(n).alias(n) for n in plan.fields]
+        *plan.columns, *[struct.getField(n).alias(n) for n in plan.fields]
     )
     bad = with_parsed.where(~ok).select(
         "stream",

@@ -39,6 +39,9 @@ log = logging.getLogger("headgate.spark")
 
 #: A stream list younger than this is reused rather than asked for again.
 LIST_FRESH_S = 0.05
+#: How long an executor's read of a slice tries its gateway again after a
+#: connection that cannot be opened or is lost (a gateway restarting).
+READ_RETRY_S = 30.0
 
 
 def _connect(gateway: str, security: ClientSecurity | None) -> SyncReader:
@@ -171,15 +174,74 @@ def read_remote_slice(
     *,
     page_bytes: int = PAGE_LOG_BYTES,
     security: ClientSecurity | None = None,
+    retry_for: float = READ_RETRY_S,
 ) -> Iterator[pa.RecordBatch]:
-    """Fetch one stream slice from ``gateway``; yield batches of at most BATCH_RECORDS rows."""
-    from headgate.client.reader import ReaderError
+    """Fetch one stream slice from ``gateway``; yield batches of at most BATCH_RECORDS rows.
 
-    reader = _connect(gateway, security)
+    A connection that cannot be opened, or is lost while reading (the gateway
+    restarts), is tried again for ``retry_for`` seconds (pauses from 0.1 s
+    to 2 s), from the first page not yet yielded, so that no row is yielded
+    twice: a Spark task (which local mode does not retry) outlives a gateway
+    restart. A refusal (a released position, a token that may not read the
+    stream) is not tried again. Either way the error is a SourceError.
+    """
+    from headgate.client.backoff import Backoff
+    from headgate.client.reader import ReaderError, ReaderRefused
+
+    # Where the first page not yet yielded starts; rows before it are out.
+    page_start = piece.start
+    backoff: Backoff | None = None
+    while True:
+        try:
+            for batch in _fetch_pages(gateway, piece, page_start, schema, page_bytes, security):
+                if backoff is not None:
+                    backoff = None  # a page came: the next failure starts a fresh deadline
+                page_start, rows = batch
+                yield from _slices(rows)
+            return
+        except ReaderRefused as error:
+            raise SourceError(_fetch_failed(gateway, piece, error)) from None
+        except ReaderError as error:
+            now = time.monotonic()
+            if backoff is None:
+                backoff = Backoff(now, give_up_after=retry_for, first=0.1)
+            pause = backoff.failed(now)
+            if pause is None:
+                raise SourceError(
+                    f"{_fetch_failed(gateway, piece, error)} (tried again for {retry_for:g} s)"
+                ) from None
+            log.warning(
+                "stream %s: %s; trying again from position %d", piece.stream, error, page_start
+            )
+            time.sleep(pause)
+
+
+def _fetch_failed(gateway: str, piece: StreamSlice, error: Exception) -> str:
+    return (
+        f"stream {piece.stream!r}: fetching positions {piece.start} to {piece.end} "
+        f"from gateway {gateway} failed: {error}"
+    )
+
+
+def _fetch_pages(
+    gateway: str,
+    piece: StreamSlice,
+    start: int,
+    schema: pa.Schema,
+    page_bytes: int,
+    security: ClientSecurity | None,
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """The slice from ``start`` on one connection, decoded a page at a time: each page's
+    rows with the position the next page starts at. Raises ReaderError."""
+    from headgate.client.reader import SyncReader
+
+    reader = SyncReader(
+        gateway, client_name="headgate-spark", connect_timeout=10.0, security=security
+    )
     try:
-        batches = reader.fetch(piece.stream, piece.start, piece.end)
+        batches = reader.fetch(piece.stream, start, piece.end)
         page: list[Any] = []
-        page_start = piece.start
+        page_start = start
 
         def decoded() -> pa.RecordBatch:
             skip = piece.skip if page_start == piece.start else 0
@@ -189,15 +251,11 @@ def read_remote_slice(
             for batch in batches:
                 page.append(batch.to_frame())
                 if batch.end_position - page_start >= page_bytes:
-                    yield from _slices(decoded())
+                    rows = decoded()
                     page, page_start = [], batch.end_position
+                    yield page_start, rows
             if page:
-                yield from _slices(decoded())
-        except ReaderError as error:
-            raise SourceError(
-                f"stream {piece.stream!r}: fetching positions {piece.start} to {piece.end} "
-                f"from gateway {gateway} failed: {error}"
-            ) from None
+                yield piece.end, decoded()
         finally:
             batches.close()
     finally:

@@ -32,10 +32,12 @@ Options:
     file (without either, every one), and a named stream the file lacks is
     refused. Offsets, ``startingOffsets`` and the ``stream`` column use the
     partitions' log names (``orders.p0``, ``orders.p1``, ...), so an offset
-    is a position per partition, keys sorted. A partition appears once its
-    first record is written. A gateway that does not answer holds back only
-    its partitions: they keep the position the query has read them to, the
-    others go on, and they catch up when it returns. The token options
+    is a position per partition, keys sorted; the rows also carry a
+    ``partition`` column, the partition's number (:data:`FLEET_SCHEMA`). A
+    partition appears once its first record is written. A gateway that does
+    not answer holds back only its partitions: they keep the position the
+    query has read them to, the others go on, and they catch up when it
+    returns. The token options
     apply to every gateway; TLS comes from the cluster file's settings of
     each gateway (see :func:`headgate.client.fleet.gateway_security`).
 ``streams`` / ``streamPattern``
@@ -153,6 +155,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import (
     BinaryType,
+    IntegerType,
     LongType,
     StringType,
     StructField,
@@ -184,6 +187,7 @@ if TYPE_CHECKING:
     from headgate.spark.fleet import FleetLogs
 
 __all__ = [
+    "FLEET_SCHEMA",
     "PROGRESS_KEY",
     "SCHEMA",
     "HeadgateDataSource",
@@ -208,6 +212,20 @@ SCHEMA = StructType(
         StructField("value", BinaryType()),
     ]
 )
+
+#: The rows of a query that reads a fleet (option ``cluster``): :data:`SCHEMA`
+#: with ``partition``, the number of the record's partition, after ``stream``
+#: (which names the partition's log, ``orders.p3``). Only there: the rows of
+#: ``path`` and ``gateway`` keep :data:`SCHEMA`, so their checkpoints still open.
+FLEET_SCHEMA = StructType(
+    [SCHEMA.fields[0], StructField("partition", IntegerType()), *SCHEMA.fields[1:]]
+)
+
+
+def source_schema(cluster: bool) -> StructType:
+    """The source's fixed schema: :data:`FLEET_SCHEMA` for a fleet, else :data:`SCHEMA`."""
+    return FLEET_SCHEMA if cluster else SCHEMA
+
 
 DEFAULT_BYTES_PER_PARTITION = 32 * 1024 * 1024
 
@@ -567,6 +585,8 @@ class HeadgatePartition(InputPartition):
     gateway: str | None = None
     #: How to authenticate to it (a token's source, never logged; TLS files).
     security: ClientSecurity | None = None
+    #: A fleet's read: each slice's partition number, for the ``partition`` column.
+    partition_numbers: tuple[int, ...] | None = None
 
 
 def _read(partition: InputPartition) -> Iterator[Any]:
@@ -576,15 +596,30 @@ def _read(partition: InputPartition) -> Iterator[Any]:
     if partition.gateway is not None:
         from headgate.spark.remote import read_remote_slice
 
-        for piece in partition.slices:
-            yield from read_remote_slice(
+        numbers = partition.partition_numbers
+        for i, piece in enumerate(partition.slices):
+            batches = read_remote_slice(
                 partition.gateway, piece, schema, security=partition.security
             )
+            if numbers is None:
+                yield from batches
+            else:
+                yield from _with_partition(batches, numbers[i])
         return
     if partition.data_dir is None:
         raise SourceError("headgate: a partition with neither a gateway nor a data directory")
     for piece in partition.slices:
         yield from read_slice(partition.data_dir, piece, schema)
+
+
+def _with_partition(batches: Iterator[Any], number: int) -> Iterator[Any]:
+    """``batches`` with the ``partition`` column of :data:`FLEET_SCHEMA`, ``number`` in each row."""
+    import pyarrow as pa
+
+    field = pa.field("partition", pa.int32())
+    for batch in batches:
+        column = pa.array([number] * batch.num_rows, pa.int32())
+        yield batch.add_column(1, field, column)
 
 
 class _Planner:
@@ -798,6 +833,7 @@ class _Planner:
                 None,
                 address,
                 security[address],
+                tuple(fleet.partition(piece.stream).index for piece in pieces),
             )
             for address, pieces in by_gateway(fleet, planned)
         ]
@@ -976,12 +1012,13 @@ class HeadgateDataSource(DataSource):
         return "headgate"
 
     def schema(self) -> StructType:
-        return SCHEMA
+        return source_schema(self._parsed.cluster is not None)
 
     def _check_schema(self, schema: StructType) -> None:
-        if schema != SCHEMA:
+        fixed = self.schema()
+        if schema != fixed:
             raise ValueError(
-                f"headgate: the schema is fixed ({SCHEMA.simpleString()}); "
+                f"headgate: the schema is fixed ({fixed.simpleString()}); "
                 f"do not pass another ({schema.simpleString()})"
             )
 
