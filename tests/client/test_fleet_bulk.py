@@ -237,6 +237,10 @@ def test_a_send_waiting_for_room_on_a_gateway_that_dies_raises_after_partition_t
             # What was taken before is delivered once gw2 is back.
             fleet.start("gw2")
             async with asyncio.timeout(30):
+                # A flush before the producer is back on gw2 is refused (gw2 was down
+                # past partition_timeout): wait for the reconnection first.
+                while not producer.statistics().gateways["gw2"].up:
+                    await asyncio.sleep(0.05)
                 await producer.flush()
 
     run(scenario(), timeout=90)
