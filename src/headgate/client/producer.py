@@ -628,7 +628,7 @@ class Producer:
             raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
         if producer_id is None:
             producer_id = secrets.randbits(63)
-        if not 0 <= producer_id < 1 << 63:
+        if not 0 <= producer_id < m.PRODUCER_ID_LIMIT:
             # Spark reads producer ids as a signed 64-bit long.
             raise ValueError(f"producer_id must be in [0, 2**63), got {producer_id}")
         if producer_secret is not None:

@@ -286,6 +286,22 @@ _LIFECYCLE_INPUTS: dict[type, Input] = {
 }
 
 
+def _check_opener(message: m.Hello | m.Welcome) -> None:
+    """Refuse an opener this end cannot accept (before the session opens with it)."""
+    if message.version != m.PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {message.version} is not supported "
+            f"(this end speaks {m.PROTOCOL_VERSION})",
+            code=ErrorCode.BAD_HELLO,
+        )
+    if isinstance(message, m.Hello) and message.producer_id >= m.PRODUCER_ID_LIMIT:
+        # Spark reads producer ids as a signed long.
+        raise ProtocolError(
+            f"producer id {message.producer_id} must be below 2**63",
+            code=ErrorCode.BAD_HELLO,
+        )
+
+
 class Session:
     """The protocol state of one end of one connection.
 
@@ -736,16 +752,8 @@ class Session:
         if isinstance(message, m.Error) and message.scope is not None:
             input_ = Input.FRAME  # about one handle: the session goes on
         lifecycle = self.lifecycle
-        if (
-            isinstance(message, m.Hello | m.Welcome)
-            and lifecycle.would_open(input_)
-            and message.version != m.PROTOCOL_VERSION
-        ):
-            raise ProtocolError(
-                f"protocol version {message.version} is not supported "
-                f"(this end speaks {m.PROTOCOL_VERSION})",
-                code=ErrorCode.BAD_HELLO,
-            )
+        if isinstance(message, m.Hello | m.Welcome) and lifecycle.would_open(input_):
+            _check_opener(message)
         answer = lifecycle.receive(input_, name=kind.__name__)
         if answer is not Answer.HANDLE:
             if answer is Answer.OPEN:
