@@ -365,3 +365,42 @@ def test_a_short_idle_timeout_still_spaces_pings_by_the_floor() -> None:
     life.welcomed(150, 0.0)
     assert life.get_timer() == pytest.approx(0.05)
     assert life.handle_timer(0.05) is TimerAction.PING
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        m.Goodbye(code=ErrorCode.SHUTTING_DOWN, text="stopping"),
+        m.Error(code=ErrorCode.FORBIDDEN, text="no"),
+    ],
+    ids=["goodbye", "unscoped-error"],
+)
+def test_the_session_names_the_message_that_ended_it(message: m.Goodbye | m.Error) -> None:
+    """What every client reacts to: one rule says which message ends a session."""
+    wire = Wire()
+    wire.open(now=0.0)
+    assert wire.client.ending is None
+    scoped = m.Error(
+        code=ErrorCode.FORBIDDEN,
+        scope=m.HandleRef(handle_type=m.HandleType.STREAM, handle=0),
+        text="not that stream",
+    )
+    wire.gateway.send_global(scoped)
+    wire.down(0.1)
+    assert wire.client.ending is None  # about one stream: the session goes on
+    wire.gateway.send_global(message)
+    wire.gateway.send_global(m.Pong(nonce=1))  # after the end: moot
+    assert wire.down(0.2) == [MessageReceived(message=message)]
+    assert wire.client.ending == message
+    assert state_of(wire.client) is S.CLOSED
+
+
+def test_a_refusal_in_place_of_welcome_is_the_ending_too() -> None:
+    wire = Wire()
+    wire.client.send_global(HELLO)
+    wire.up(0.0)
+    refusal = m.Error(code=ErrorCode.UNAUTHENTICATED, text="who are you")
+    wire.gateway.send_global(refusal)
+    wire.down(0.1)
+    assert wire.client.ending == refusal
+    assert not wire.client.opened

@@ -305,15 +305,17 @@ class Lifecycle:
         if not self.opened:
             deadline = self._handshake_deadline
             if deadline is not None and now >= deadline:
-                awaited = "Hello" if state is ConnectionState.AWAITING_HELLO else "Welcome"
-                reason = f"no {awaited} in time"
+                if state is ConnectionState.AWAITING_HELLO:
+                    reason = "no Hello in time"
+                else:
+                    reason = "no Welcome from the gateway in time"
         if reason is None and self.deadlines is not None:
             # The idle clock starts with the session; before, the handshake's runs.
             reason = self.deadlines.expired(now, idle=self.opened)
         elif reason is None and self.opened and self._idle_timeout:
             silent = now - self._heard_at
             if silent >= self._idle_timeout:
-                reason = f"no word from the peer for {self._idle_timeout:g} s"
+                reason = f"no word from the gateway for {self._idle_timeout:g} s"
         if reason is not None:
             self.expired = ProtocolError(reason, code=ErrorCode.TIMEOUT)
             self.receive(Input.TIMEOUT)

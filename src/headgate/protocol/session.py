@@ -349,6 +349,10 @@ class Session:
         self._keepalive_nonce = KEEPALIVE_NONCE_BASE
         # We send nothing more: fail() was called, or the gateway refused us.
         self._closed = False
+        #: The peer's message that ended the session (its Goodbye, or its
+        #: Error about the whole session: the lifecycle's rule), or None.
+        #: It also arrives as a :class:`MessageReceived`, the last one.
+        self.ending: m.Goodbye | m.Error | None = None
         # Receiving side (we are the LCMUX server).
         self._bind_in: ServerChannel[_Binding] = ServerChannel(m.STREAM_CHANNEL)
         self._schema_in: ServerChannel[_Binding] = ServerChannel(m.SCHEMA_CHANNEL)
@@ -763,13 +767,14 @@ class Session:
                     assert isinstance(message, m.Welcome)
                     lifecycle.welcomed(message.idle_timeout_ms, self._now)
                     events.append(WelcomeReceived(welcome=message))
-            elif answer is Answer.REFUSED:
-                # The gateway refused the session instead of welcoming it.
-                self._closed = True
-                events.append(MessageReceived(message=message))
-            elif answer is Answer.END:
-                # The peer ends the session and sends nothing after it: what
-                # follows in the same read is moot (and no Ping in it is answered).
+            elif answer is Answer.REFUSED or answer is Answer.END:
+                # REFUSED: the gateway refused the session instead of
+                # welcoming it; we send nothing more. END: the peer ends the
+                # session and sends nothing after it: what follows in the same
+                # read is moot (and no Ping in it is answered).
+                assert isinstance(message, m.Goodbye | m.Error)
+                self._closed = self._closed or answer is Answer.REFUSED
+                self.ending = message
                 events.append(MessageReceived(message=message))
             return
         match message:
