@@ -1074,10 +1074,11 @@ class GatewayConnection(asyncio.BufferedProtocol):
             case MessageReceived(message=m.Metadata(request_id=request_id)):
                 self.charge(Cost.LIST_STREAMS)
                 self.session.send_global(gw.cluster_metadata(request_id))
-            case MessageReceived(message=m.Goodbye() | m.Error(scope=None)):
-                # The peer ended the session (the lifecycle's CLOSED): what it
-                # is owed goes out, then the connection closes. (No idle clock
-                # runs for an ended session: left open, it would stay.)
+            case MessageReceived(message=ending) if ending is self.session.ending:
+                # The peer ended the session (its Goodbye, or an Error about
+                # all of it: the lifecycle's rule): what it is owed goes out,
+                # then the connection closes. (No idle clock runs for an
+                # ended session: left open, it would stay.)
                 self.close_with(self.session.data_to_send())
             case _:
                 pass
