@@ -404,3 +404,23 @@ def test_a_refusal_in_place_of_welcome_is_the_ending_too() -> None:
     wire.down(0.1)
     assert wire.client.ending == refusal
     assert not wire.client.opened
+
+
+def test_a_session_whose_clocks_stood_still_is_stale_after_half_the_idle_timeout() -> None:
+    """A SyncReader runs no timers between calls: past half the idle timeout
+    since it last sent, the gateway may have closed it as idle."""
+    life = Lifecycle(I.WELCOME, now=0.0)
+    assert not life.stale(100.0)  # not open yet: nothing to reuse
+    life.receive(I.WELCOME)
+    life.welcomed(3000, 0.0)
+    life.sent(1.0)
+    assert not life.stale(2.49)
+    assert life.stale(2.5)
+    life.sent(2.6)
+    assert not life.stale(3.0)
+    life.receive(I.GOODBYE)
+    assert not life.stale(100.0)  # ended: its end is what the next call reports
+    no_idle = Lifecycle(I.WELCOME, now=0.0)
+    no_idle.receive(I.WELCOME)
+    no_idle.welcomed(0, 0.0)
+    assert not no_idle.stale(1e9)

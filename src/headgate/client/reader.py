@@ -766,7 +766,6 @@ class SyncReader:
         except BaseException:
             self._loop.close()
             raise
-        self._last_used = time.monotonic()
         #: New connections opened because the previous one sat idle too long.
         self.reconnects = 0
 
@@ -777,17 +776,12 @@ class SyncReader:
         return Reader(address, **options)  # type: ignore[arg-type]
 
     def _run(self, coroutine: Awaitable[T]) -> T:
-        try:
-            return self._loop.run_until_complete(coroutine)
-        finally:
-            self._last_used = time.monotonic()
+        return self._loop.run_until_complete(coroutine)
 
     def _fresh(self) -> Reader:
         """The reader, on a new connection if the old one idled past half the timeout."""
-        welcome = self._reader.welcome
-        if welcome is None or welcome.idle_timeout_ms <= 0:
-            return self._reader
-        if time.monotonic() - self._last_used < welcome.idle_timeout_ms / 2000.0:
+        # (The lifecycle's rule for a session whose clocks stood still.)
+        if not self._reader._session.lifecycle.stale(time.monotonic()):
             return self._reader
         old = self._reader
         with contextlib.suppress(ReaderError, OSError):

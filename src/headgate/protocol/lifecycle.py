@@ -179,6 +179,7 @@ class Lifecycle:
         "_pinged_at",
         "_sent_at",
         "deadlines",
+        "ended",
         "expired",
         "opened",
         "state",
@@ -202,6 +203,8 @@ class Lifecycle:
             raise ValueError("the handshake timeout must not be negative")
         #: Whether the opener arrived (it stays true once the session ends).
         self.opened = False
+        #: Whether the state is CLOSED (a plain field: the session asks per frame).
+        self.ended = False
         #: Why a timer ended the connection, or None.
         self.expired: ProtocolError | None = None
         self.deadlines = deadlines
@@ -238,17 +241,13 @@ class Lifecycle:
         self.state, answer = found
         if answer is Answer.OPEN:
             self.opened = True
+        self.ended = self.state is ConnectionState.CLOSED
         return answer
 
     def would_open(self, input_: Input) -> bool:
         """Whether ``input_`` is the opener this state waits for (its version is checked first)."""
         found = TRANSITIONS.get((self.state, input_))
         return found is not None and found[1] is Answer.OPEN
-
-    @property
-    def ended(self) -> bool:
-        """Whether the connection is over (CLOSED)."""
-        return self.state is ConnectionState.CLOSED
 
     def welcomed(self, idle_timeout_ms: int, now: float) -> None:
         """A client's Welcome arrived: its idle timeout sets the client's clocks."""
@@ -258,6 +257,19 @@ class Lifecycle:
         self._pinged_at = now
 
     # -- the clocks --------------------------------------------------------------
+
+    def stale(self, now: float) -> bool:
+        """Whether a client's open session, whose clocks stood still, may be closed by now.
+
+        A client that runs no timers between its calls (a ``SyncReader``)
+        sent no Pings meanwhile, so the gateway may have closed the
+        connection as idle: once half the idle timeout has passed since it
+        last sent, it is stale, and a new connection is safer. (A session
+        that ended is not stale: its end is what the next call reports.)
+        """
+        if not self.opened or self.ended or not self._idle_timeout:
+            return False
+        return now - self._sent_at >= self._idle_timeout / 2
 
     def heard(self, now: float) -> None:
         """Bytes from the peer arrived at ``now`` (a client's sign of life)."""
