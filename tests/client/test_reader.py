@@ -231,6 +231,30 @@ def test_sync_reader_fetches_without_an_event_loop(tmp_path: Path) -> None:
         loop.stop()
 
 
+def test_a_sync_reader_reconnects_only_after_half_the_idle_timeout(tmp_path: Path) -> None:
+    """Between calls nothing Pings; a call past half the idle timeout opens a new
+    connection first (the gateway may have closed the old one as idle)."""
+    from headgate.demo import BackgroundLoop
+
+    loop = BackgroundLoop("gw")
+    gw = Gateway(
+        GatewayConfig(listen=("127.0.0.1", 0), data_dir=tmp_path / "d", idle_timeout_ms=600)
+    )
+    loop.run(gw.start(), 30)
+    try:
+        with SyncReader(address(gw)) as reader:
+            assert reader.list_streams() == []
+            time.sleep(0.05)
+            assert reader.list_streams() == []
+            assert reader.reconnects == 0
+            time.sleep(0.35)  # past half of 0.6 s, within it
+            assert reader.list_streams() == []
+            assert reader.reconnects == 1
+    finally:
+        loop.run(gw.stop(), 30)
+        loop.stop()
+
+
 # --- live tail -----------------------------------------------------------------------
 
 

@@ -349,3 +349,30 @@ async def test_connections_take_turns_with_what_they_received() -> None:
     # than a few slices in a row (the last run is whoever finished last).
     runs = [len(list(group)) for _, group in itertools.groupby(order)]
     assert len(runs) > 10 and max(runs[:-1]) <= 4, runs
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [m.Goodbye(code=ErrorCode.NONE), m.Error(code=ErrorCode.INTERNAL, text="peer gives up")],
+    ids=["goodbye", "unscoped-error"],
+)
+async def test_a_peer_that_ends_the_session_but_keeps_its_socket_is_closed_at_once(
+    gateway: Gateway, ending: m.Goodbye | m.Error
+) -> None:
+    """The peer's Goodbye, or its Error about the whole session, ends it (the
+    lifecycle's CLOSED): the gateway closes the connection then, not never (no
+    idle clock runs for an ended session, so it would hold its slot for ever)."""
+    reader, writer = await asyncio.open_connection(*gateway.address)
+    opening = [m.Hello(producer_id=1, client_name="ender"), ending]
+    writer.write(b"".join(encode_frame(SendGlobal(payload=m.encode_message(g))) for g in opening))
+    await writer.drain()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    try:
+        frames = await read_until_closed(reader, 3)
+        assert loop.time() - started < 1.0  # at once, not after an idle timeout (0.4 s)
+    finally:
+        writer.close()
+    told = [m.decode_global(f.payload) for f in frames if isinstance(f, SendGlobal)]
+    assert [type(g) for g in told][:1] == [m.Welcome]
+    assert not errors_in(frames)

@@ -48,7 +48,6 @@ from headgate.client.backoff import Backoff
 from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
 from headgate.config import ConsumerSettings
 from headgate.protocol import messages as m
-from headgate.protocol.deadlines import keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
 
@@ -256,7 +255,7 @@ class ReleaseClient:
                 if self._closing:
                     return
             try:
-                sock, session, keepalive = self._open()
+                sock, session = self._open()
             except (OSError, _Closed, SecurityError) as exc:
                 with self._lock:
                     if self._closing:
@@ -278,7 +277,7 @@ class ReleaseClient:
                 self._connections += 1
             log.info("releases go to the gateway at %s", self.address)
             try:
-                self._serve(sock, session, keepalive)
+                self._serve(sock, session)
             except (OSError, _Closed) as exc:
                 self._last_error = _describe(exc)
                 if not (isinstance(exc, _Closed) and exc.refused):
@@ -306,29 +305,36 @@ class ReleaseClient:
             while self._wake_r.recv(4096):
                 pass
 
-    def _open(self) -> tuple[socket.socket, Session, float]:
-        """Connect and complete the handshake; return the socket, session and Ping interval."""
+    def _open(self) -> tuple[socket.socket, Session]:
+        """Connect and complete the handshake; return the socket and the open session."""
         token = self._security.token_bytes()
         sock = self.address.connect_socket(self._connect_timeout)
         sock = self._security.wrap_socket(sock, None if self.address.is_unix else self.address.host)
         try:
-            session = Session(Role.PRODUCER)
+            # The Welcome must come within connect_timeout: the session's
+            # handshake clock.
+            session = Session(
+                Role.PRODUCER, now=time.monotonic(), handshake_timeout=self._connect_timeout
+            )
             session.send_global(m.Hello(producer_id=0, client_name=self._client_name, token=token))
             sock.sendall(session.data_to_send())
-            deadline = time.monotonic() + self._connect_timeout
             while True:
-                sock.settimeout(max(0.01, deadline - time.monotonic()))
+                due = session.get_timer()
+                assert due is not None  # (the handshake clock runs until Welcome)
+                sock.settimeout(max(0.01, due - time.monotonic()))
                 try:
                     data = sock.recv(_READ_SIZE)
                 except TimeoutError:
-                    raise _Closed("no Welcome from the gateway in time") from None
+                    expired = session.handle_timer(time.monotonic())
+                    if expired is None:
+                        continue  # woken a little early
+                    raise _Closed(str(expired.args[0])) from None
                 if not data:
                     raise _Closed("the gateway closed the connection before Welcome")
                 for event in self._receive(session, sock, data):
                     if isinstance(event, WelcomeReceived):
                         sock.setblocking(False)
-                        interval = keepalive_interval(event.welcome.idle_timeout_ms)
-                        return sock, session, 0.0 if interval is None else interval
+                        return sock, session
         except BaseException:
             sock.close()
             raise
@@ -336,47 +342,49 @@ class ReleaseClient:
     def _receive(self, session: Session, sock: socket.socket, data: bytes) -> list[object]:
         """Feed the session; turn Error and Goodbye into :class:`_Closed`."""
         try:
-            events = session.receive_data(data)
+            events = session.receive_data(data, time.monotonic())
         except ProtocolError as exc:
             with contextlib.suppress(OSError):
                 sock.sendall(session.fail(exc))
             raise _Closed(f"the gateway broke the protocol: {exc}") from None
-        for event in events:
-            if isinstance(event, MessageReceived):
-                message = event.message
-                if isinstance(message, m.Error):
-                    text = f"{message.code.name}: {message.text}"
-                    refused = message.code in (
-                        ErrorCode.UNEXPECTED_FRAME,
-                        ErrorCode.FORBIDDEN,
-                        ErrorCode.UNKNOWN_CONSUMER,
-                    )
-                    raise _Closed(text, refused=refused, code=message.code)
-                if isinstance(message, m.Goodbye):
-                    raise _Closed(f"the gateway said goodbye ({message.code.name})")
-        out = session.data_to_send()  # Pongs for the gateway's Pings
-        if out:
-            self._send_all(sock, out)
+        # The gateway ended the session (the lifecycle's rule; it scopes an
+        # Error to a handle only for a writer's stream, which we never bind).
+        message = session.ending
+        if isinstance(message, m.Error):
+            text = f"{message.code.name}: {message.text}"
+            refused = message.code in (
+                ErrorCode.UNEXPECTED_FRAME,
+                ErrorCode.FORBIDDEN,
+                ErrorCode.UNKNOWN_CONSUMER,
+            )
+            raise _Closed(text, refused=refused, code=message.code)
+        if isinstance(message, m.Goodbye):
+            raise _Closed(f"the gateway said goodbye ({message.code.name})")
+        self._send_all(sock, session)  # Pongs for the gateway's Pings
         return list(events)
 
-    def _send_all(self, sock: socket.socket, data: bytes) -> None:
-        """Write everything, or raise if the gateway takes none of it for a while."""
+    def _send_all(self, sock: socket.socket, session: Session) -> None:
+        """Write what the session queued; raise if the gateway takes none of it for a while."""
+        data = session.data_to_send()
+        if not data:
+            return
         sock.settimeout(self._connect_timeout)
         try:
             sock.sendall(data)
         finally:
             sock.setblocking(False)
+        session.lifecycle.sent(time.monotonic())
 
-    def _serve(self, sock: socket.socket, session: Session, keepalive: float) -> None:
+    def _serve(self, sock: socket.socket, session: Session) -> None:
         """Send what is wanted, collect Pongs, until the connection ends or we close.
 
-        ``keepalive``: send a Ping after this many idle seconds (0: never).
+        The session's clocks (its lifecycle) say when a keepalive Ping is
+        due, and when the gateway has been silent too long.
         """
         written: dict[str, int] = {}  # positions written on this connection
         declared: set[str] = set()  # streams whose consumer was declared on it
         probes: dict[int, dict[str, int]] = {}  # Ping nonce -> what it confirms
         nonce = 0
-        last_write = time.monotonic()
         closing_since: float | None = None
         try:
             while True:
@@ -407,22 +415,21 @@ class ReleaseClient:
                     nonce += 1
                     probes[nonce] = dict(written)
                     session.send_global(m.Ping(nonce=nonce))
-                    self._send_all(sock, session.data_to_send())
-                    last_write = time.monotonic()
+                    self._send_all(sock, session)
                     with self._lock:
                         self._sent += len(todo)
-                elif keepalive and time.monotonic() - last_write >= keepalive:
-                    nonce += 1  # a Pong nobody waits for
-                    session.send_global(m.Ping(nonce=nonce))
-                    self._send_all(sock, session.data_to_send())
-                    last_write = time.monotonic()
+                expired = session.handle_timer(time.monotonic())
+                if expired is not None:
+                    raise _Closed(str(expired.args[0]))
+                self._send_all(sock, session)  # a keepalive Ping, if one was due
                 if closing and not todo and not probes:
                     session.send_global(m.Goodbye(code=ErrorCode.NONE))
-                    self._send_all(sock, session.data_to_send())
+                    self._send_all(sock, session)
                     _linger(sock)
                     return
                 # While closing, wait only a bounded time for the last Pongs.
-                wait = min(1.0, keepalive) if keepalive else 1.0
+                due = session.get_timer()
+                wait = 1.0 if due is None else min(1.0, max(0.0, due - time.monotonic()))
                 readable, _, _ = select.select([sock, self._wake_r], [], [], wait)
                 if self._wake_r in readable:
                     self._drain_wake()

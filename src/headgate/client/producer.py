@@ -63,7 +63,6 @@ from headgate.client.spool import Spool
 from headgate.costs import batch_cost
 from headgate.latency import LatencyWindow
 from headgate.protocol import messages as m
-from headgate.protocol.deadlines import keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.records import encode_arrow, encode_records
 from headgate.protocol.session import (
@@ -462,8 +461,7 @@ class _Connection(asyncio.Protocol):
         self.bind_blocked: list[_Stream] = []
         self.reason: str | None = None
         self.fatal: ProducerError | None = None
-        self.last_read = loop.time()
-        self.last_write = self.last_read
+        #: The session's next timer (keepalive, idle: its lifecycle's clocks).
         self.keepalive: asyncio.TimerHandle | None = None
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
@@ -628,7 +626,7 @@ class Producer:
             raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
         if producer_id is None:
             producer_id = secrets.randbits(63)
-        if not 0 <= producer_id < 1 << 63:
+        if not 0 <= producer_id < m.PRODUCER_ID_LIMIT:
             # Spark reads producer ids as a signed 64-bit long.
             raise ValueError(f"producer_id must be in [0, 2**63), got {producer_id}")
         if producer_secret is not None:
@@ -673,7 +671,6 @@ class Producer:
         self._closed = False
         self._reconnects = 0
         self._last_error: str | None = None
-        self._nonce = 0
         self._spool: Spool | None = None
         # Streams whose next batch waits for room in the spool; while any
         # does, sends wait as they do for max_buffered_bytes.
@@ -1531,7 +1528,7 @@ class Producer:
                 return
             conn.transport.write(data)
             assert self._loop is not None
-            conn.last_write = self._loop.time()
+            conn.session.lifecycle.sent(self._loop.time())
 
     def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
         """Write ``data`` once the spool entries of its batches are durable.
@@ -1563,7 +1560,7 @@ class Producer:
             return  # those batches are resent on the next connection
         transport.write(b"".join(covered))
         assert self._loop is not None
-        conn.last_write = self._loop.time()
+        conn.session.lifecycle.sent(self._loop.time())
         if conn.held:
             spool = self._spool
             if spool is not None and spool.needs_sync:
@@ -1625,7 +1622,9 @@ class Producer:
 
     async def _open(self, deadline: float | None) -> _Connection:
         loop = asyncio.get_running_loop()
-        session = Session(Role.PRODUCER, data_cost=batch_cost, optimistic=self._optimistic)
+        session = Session(
+            Role.PRODUCER, data_cost=batch_cost, optimistic=self._optimistic, now=loop.time()
+        )
         session.send_global(
             m.Hello(
                 producer_id=self.producer_id,
@@ -1667,11 +1666,10 @@ class Producer:
     def _on_data(self, conn: _Connection, data: bytes) -> None:
         loop = self._loop
         assert loop is not None
-        conn.last_read = loop.time()
         if conn.closed.done() or conn.session.closed:
             return
         try:
-            events = conn.session.receive_data(data)
+            events = conn.session.receive_data(data, loop.time())
         except ProtocolError as exc:
             if conn.transport is not None:
                 conn.transport.write(conn.session.fail(exc))
@@ -1699,34 +1697,39 @@ class Producer:
                 dropped = conn.handles.get(event.handle)
                 if dropped is not None:
                     dropped.batches_dropped += event.count
+        if conn.session.ending is not None:
+            self._on_ending(conn, conn.session.ending)
         self._pump()
 
     def _on_message(self, conn: _Connection, message: m.GlobalMessage) -> None:
-        if isinstance(message, m.Error):
-            scope = message.scope
-            if scope is not None:
-                if scope.handle_type is m.HandleType.STREAM:
-                    s = conn.handles.get(scope.handle)
-                    if s is not None and message.code is ErrorCode.STORAGE_FULL:
-                        # A notice, not a refusal: the gateway keeps what it
-                        # has and sends guarantees again once it can store.
-                        s.storage_full = message.text or "the gateway's storage is full"
-                    elif s is not None and message.code is ErrorCode.RECOVERING:
-                        self._bind_again_later(conn, s, scope.handle, message.text)
-                    elif s is not None:
-                        self._refuse(s, StreamRefused(s.name, message.code, message.text))
-                return
+        # (An Error about the whole session is its ending: _on_ending.)
+        if (
+            isinstance(message, m.Error)
+            and (scope := message.scope) is not None
+            and scope.handle_type is m.HandleType.STREAM
+        ):
+            s = conn.handles.get(scope.handle)
+            if s is not None and message.code is ErrorCode.STORAGE_FULL:
+                # A notice, not a refusal: the gateway keeps what it
+                # has and sends guarantees again once it can store.
+                s.storage_full = message.text or "the gateway's storage is full"
+            elif s is not None and message.code is ErrorCode.RECOVERING:
+                self._bind_again_later(conn, s, scope.handle, message.text)
+            elif s is not None:
+                self._refuse(s, StreamRefused(s.name, message.code, message.text))
+
+    def _on_ending(self, conn: _Connection, message: m.Goodbye | m.Error) -> None:
+        """The gateway ended the session (the lifecycle's rule): close, maybe for good."""
+        refused = isinstance(message, m.Error)
+        if refused:
             text = f"the gateway at {self._address} refused the session ({message.code.name})"
-            if message.text:
-                text += f": {message.text}"
-            if message.code not in _RETRYABLE:
-                conn.fatal = SessionRefused(text, message.code, message.text)
-            conn.close(text)
-        elif isinstance(message, m.Goodbye):
+        else:
             text = f"the gateway said goodbye ({message.code.name})"
-            if message.text:
-                text += f": {message.text}"
-            conn.close(text)
+        if message.text:
+            text += f": {message.text}"
+        if refused and message.code not in _RETRYABLE:
+            conn.fatal = SessionRefused(text, message.code, message.text)
+        conn.close(text)
 
     def _bind_again_later(self, conn: _Connection, s: _Stream, handle: int, text: str) -> None:
         """The gateway is still recovering stream ``s`` after its restart: bind it again soon.
@@ -1785,9 +1788,7 @@ class Producer:
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
-        interval = keepalive_interval(welcome.idle_timeout_ms)
-        if interval is not None:
-            conn.keepalive = loop.call_later(interval, self._keepalive, conn, interval)
+        self._arm_timer(conn)
         for s in self._streams.values():
             if s.failure is None and (s.queue or s.values):
                 self._mark(s)
@@ -1798,23 +1799,28 @@ class Producer:
                 waiter.set_result(None)
         self._connect_waiters.clear()
 
-    def _keepalive(self, conn: _Connection, interval: float) -> None:
+    def _arm_timer(self, conn: _Connection) -> None:
+        """Wake for the session's next timer (its lifecycle decides when and why)."""
         loop = self._loop
-        assert loop is not None and conn.welcome is not None
+        assert loop is not None
+        due = conn.session.get_timer()
+        conn.keepalive = None if due is None else loop.call_at(due, self._on_timer, conn)
+
+    def _on_timer(self, conn: _Connection) -> None:
+        """A keepalive Ping, or the gateway's silence past the idle timeout."""
+        loop = self._loop
+        assert loop is not None
+        conn.keepalive = None
         if self._conn is not conn:
             return
-        now = loop.time()
-        idle_timeout = conn.welcome.idle_timeout_ms / 1000.0
-        if now - conn.last_read > idle_timeout:
-            conn.close(f"no word from the gateway for {idle_timeout:g} s")
+        expired = conn.session.handle_timer(loop.time())
+        if expired is not None:
+            conn.close(str(expired.args[0]))
             if conn.transport is not None:
                 conn.transport.abort()
             return
-        if now - conn.last_write >= interval or now - conn.last_read >= interval:
-            self._nonce = (self._nonce + 1) & ((1 << 64) - 1)
-            conn.session.send_global(m.Ping(nonce=self._nonce))
-            self._write(conn)
-        conn.keepalive = loop.call_later(interval, self._keepalive, conn, interval)
+        self._write(conn)  # the Ping, if one was due
+        self._arm_timer(conn)
 
     def _on_lost(self, conn: _Connection, exc: Exception | None) -> None:
         if conn.reason is not None:

@@ -37,7 +37,6 @@ from headgate.costs import batch_cost
 from headgate.log import LogFrame
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
-from headgate.protocol.deadlines import keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import (
     MessageReceived,
@@ -182,7 +181,9 @@ class Reader:
             files loaded, at each ``connect``.
 
     While connected, the reader Pings the gateway at a third of the idle
-    timeout its Welcome announces, so a quiet reader is not closed as idle.
+    timeout its Welcome announces, so a quiet reader is not closed as idle;
+    a gateway that says nothing (not even a Pong) for the whole idle timeout
+    is gone, and every call then raises :class:`ReaderError`.
     """
 
     def __init__(
@@ -210,7 +211,10 @@ class Reader:
         self._client_name = client_name
         self._connect_timeout = connect_timeout
         self._session = Session(
-            Role.PRODUCER, max_message_size=MAX_MESSAGE_SIZE, data_cost=batch_cost
+            Role.PRODUCER,
+            max_message_size=MAX_MESSAGE_SIZE,
+            data_cost=batch_cost,
+            now=time.monotonic(),
         )
         self._protocol: _Protocol | None = None
         self._welcome: asyncio.Future[m.Welcome] | None = None
@@ -226,9 +230,8 @@ class Reader:
         self._consumer_lists: dict[int, asyncio.Future[m.ConsumerList]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
+        #: The session's next timer (keepalive, idle: its lifecycle's clocks).
         self._keepalive: asyncio.TimerHandle | None = None
-        self._last_write = 0.0
-        self._nonce = 0
         #: The gateway's Welcome, once connected.
         self.welcome: m.Welcome | None = None
         #: Where the last completed fetch says the next one should start.
@@ -307,24 +310,27 @@ class Reader:
         transport = None if self._protocol is None else self._protocol.transport
         if data and transport is not None and not transport.is_closing():
             transport.write(data)
-            self._last_write = time.monotonic()
+            self._session.lifecycle.sent(time.monotonic())
 
-    def _start_keepalive(self, welcome: m.Welcome) -> None:
-        interval = keepalive_interval(welcome.idle_timeout_ms)
-        if interval is None:
-            return
-        loop = asyncio.get_running_loop()
-        self._keepalive = loop.call_later(interval, self._ping, interval)
+    def _arm_timer(self) -> None:
+        """Wake for the session's next timer (its lifecycle decides when and why)."""
+        due = self._session.get_timer()
+        if due is not None:
+            delay = max(0.0, due - time.monotonic())
+            self._keepalive = asyncio.get_running_loop().call_later(delay, self._on_timer)
 
-    def _ping(self, interval: float) -> None:
+    def _on_timer(self) -> None:
+        """A keepalive Ping, or the gateway's silence past the idle timeout."""
         self._keepalive = None
         if self._error is not None or self._session.closed:
             return
-        if time.monotonic() - self._last_write >= interval * 0.9:
-            self._nonce = (self._nonce + 1) & U64_MAX
-            self._session.send_global(m.Ping(nonce=self._nonce))
-            self._write()
-        self._keepalive = asyncio.get_running_loop().call_later(interval, self._ping, interval)
+        expired = self._session.handle_timer(time.monotonic())
+        if expired is not None:
+            self._fail(ReaderError(f"gateway {self._where}: {expired.args[0]}"))
+            self._abort()
+            return
+        self._write()  # the Ping, if one was due
+        self._arm_timer()
 
     def _stop_keepalive(self) -> None:
         if self._keepalive is not None:
@@ -343,7 +349,7 @@ class Reader:
         if self._error is not None:
             return
         try:
-            events = self._session.receive_data(data)
+            events = self._session.receive_data(data, time.monotonic())
         except ProtocolError as error:
             self._fail(ReaderError(f"gateway {self._where} broke the protocol: {error}"))
             self._write_then_close(self._session.fail(error))
@@ -353,7 +359,7 @@ class Reader:
                 case WelcomeReceived(welcome=welcome):
                     self._session.grant(m.STREAM_CHANNEL, BIND_BUFFER_BYTES)
                     self.welcome = welcome
-                    self._start_keepalive(welcome)
+                    self._arm_timer()
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(welcome)
                 case StreamBound(handle=handle, stream=stream):
@@ -385,6 +391,9 @@ class Reader:
                     self._on_message(message)
                 case _:
                     pass
+        ending = self._session.ending
+        if ending is not None:
+            self._on_ending(ending)
         self._write()
 
     def _on_message(self, message: m.GlobalMessage) -> None:
@@ -411,17 +420,23 @@ class Reader:
                 if channel is not None:
                     channel.items.append((MissedBatches(count), 0))
                     channel.wake.set()
-            case m.Error(code=code, text=text):
-                self._fail(
-                    ReaderRefused(
-                        f"gateway {self._where} refused: {text} ({code.name})", code, text
-                    )
-                )
-            case m.Goodbye(code=code, text=text):
-                why = "" if code == ErrorCode.NONE else f": {text} ({code.name})"
-                self._fail(ReaderError(f"gateway {self._where} closed the connection{why}"))
             case _:
                 pass
+
+    def _on_ending(self, message: m.Goodbye | m.Error) -> None:
+        """The gateway ended the session (the lifecycle's rule): every call fails now.
+
+        (The gateway scopes an Error to a handle only for a writer's stream,
+        so a reader only ever hears Errors about its whole session.)
+        """
+        code, text = message.code, message.text
+        if isinstance(message, m.Error):
+            self._fail(
+                ReaderRefused(f"gateway {self._where} refused: {text} ({code.name})", code, text)
+            )
+        else:
+            why = "" if code == ErrorCode.NONE else f": {text} ({code.name})"
+            self._fail(ReaderError(f"gateway {self._where} closed the connection{why}"))
 
     def _on_lost(self, exc: Exception | None) -> None:
         detail = f" ({exc})" if exc else ""
@@ -751,7 +766,6 @@ class SyncReader:
         except BaseException:
             self._loop.close()
             raise
-        self._last_used = time.monotonic()
         #: New connections opened because the previous one sat idle too long.
         self.reconnects = 0
 
@@ -762,17 +776,12 @@ class SyncReader:
         return Reader(address, **options)  # type: ignore[arg-type]
 
     def _run(self, coroutine: Awaitable[T]) -> T:
-        try:
-            return self._loop.run_until_complete(coroutine)
-        finally:
-            self._last_used = time.monotonic()
+        return self._loop.run_until_complete(coroutine)
 
     def _fresh(self) -> Reader:
         """The reader, on a new connection if the old one idled past half the timeout."""
-        welcome = self._reader.welcome
-        if welcome is None or welcome.idle_timeout_ms <= 0:
-            return self._reader
-        if time.monotonic() - self._last_used < welcome.idle_timeout_ms / 2000.0:
+        # (The lifecycle's rule for a session whose clocks stood still.)
+        if not self._reader._session.lifecycle.stale(time.monotonic()):
             return self._reader
         old = self._reader
         with contextlib.suppress(ReaderError, OSError):

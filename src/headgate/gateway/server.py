@@ -34,9 +34,12 @@ the per-token budgets that pay for it (``budget``). A share of the
 connection slots is kept for writers (``writer_slots``), and the peers of
 one token may hold at most ``connections_per_token``. Timeouts and the cap
 on bytes queued for a peer that does not read are per connection, from
-``GatewayConfig``: the handshake has a timer of its own; the idle and frame
-deadlines (:class:`~headgate.protocol.deadlines.ReceiveDeadlines`) and the
-Plead deadline are checked by the gateway's 0.1 s housekeeping loop
+``GatewayConfig``. Which of them applies when (the handshake before Hello,
+then the idle and frame deadlines of
+:class:`~headgate.protocol.deadlines.ReceiveDeadlines`) is the session's
+lifecycle's rule (:mod:`headgate.protocol.lifecycle`); the handshake has a
+timer of its own, and they and the Plead deadline are checked by the
+gateway's 0.1 s housekeeping loop
 (:meth:`Gateway.check_deadlines`), which also re-shares credit. Binds,
 frees and Absolves only mark their stream; it is re-shared once per pass of
 the event loop (:meth:`Gateway.rebalance_soon`).
@@ -218,10 +221,25 @@ class GatewayConnection(asyncio.BufferedProtocol):
     def __init__(self, gateway: Gateway, conn_id: int, *, tls: bool = False) -> None:
         self.gateway = gateway
         self.conn_id = conn_id
+        config = gateway.config
+        started = time.monotonic()
+        #: The idle and frame deadlines, checked by the gateway's loop.
+        self.deadlines = ReceiveDeadlines(
+            idle_timeout=config.idle_timeout_ms / 1000,
+            frame_timeout=config.frame_timeout_ms / 1000,
+            now=started,
+        )
+        # They and the handshake timeout are the clocks of the session's
+        # lifecycle (headgate.protocol.lifecycle), which decides when each
+        # applies; the gateway's loop (check_deadlines) and the handshake
+        # timer run them.
         self.session = Session(
             Role.GATEWAY,
-            max_message_size=gateway.config.max_message_size,
+            max_message_size=config.max_message_size,
             data_cost=batch_cost,
+            now=started,
+            handshake_timeout=config.handshake_timeout_ms / 1000,
+            deadlines=self.deadlines,
         )
         self.transport: asyncio.Transport | None = None
         self.peer = "?"
@@ -269,13 +287,6 @@ class GatewayConnection(asyncio.BufferedProtocol):
         #: the frames they complete are dated by it (``deadlines``); bytes
         #: alone are no activity.
         self.last_received = 0.0
-        config = gateway.config
-        #: The idle and frame deadlines (sans-IO), checked by the gateway's loop.
-        self.deadlines = ReceiveDeadlines(
-            idle_timeout=config.idle_timeout_ms / 1000,
-            frame_timeout=config.frame_timeout_ms / 1000,
-            now=time.monotonic(),
-        )
         #: When the read now under way began (``get_buffer``).
         self._read_started = 0.0
         self._tls_pending = tls
@@ -316,9 +327,11 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.last_received = loop.time()
         config = self.gateway.config
         gw = self.gateway
-        self._handshake = loop.call_later(
-            config.handshake_timeout_ms / 1000, self._handshake_expired
-        )
+        handshake_due = self.session.get_timer()
+        if handshake_due is not None:
+            self._handshake = loop.call_later(
+                max(0.0, handshake_due - time.monotonic()), self._handshake_expired
+            )
         slot = gw.attach(self)
         if slot is None:
             if self._tls_pending:
@@ -530,9 +543,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         # Time the gateway did not read the peer for reasons of its own (the
         # turns of other peers, the disk, a full ring) is not the peer's silence.
         self.deadlines.excuse(now, self.reads.paused and not self.pauses_own_reads(now))
-        reason = self.deadlines.expired(now, idle=self.session.opened)
-        if reason is not None:
-            self.refuse(ProtocolError(reason, code=ErrorCode.TIMEOUT))
+        expired = self.session.handle_timer(now)
+        if expired is not None:
+            self.refuse(expired)
 
     def _peer_gone(self) -> bool:
         """Whether the peer has closed its end (FIN or reset) of a TCP connection.
@@ -843,8 +856,10 @@ class GatewayConnection(asyncio.BufferedProtocol):
         if self._tls_pending and not self._closing:
             log.warning("refused %s: TLS handshake failed: not finished in time", self.peer)
             self.close_with(b"")
-        elif not self.session.opened and not self._closing:
-            self.refuse(ProtocolError("no Hello in time", code=ErrorCode.TIMEOUT))
+        elif not self._closing and not self.session.closed:
+            expired = self.session.handle_timer(time.monotonic())
+            if expired is not None:
+                self.refuse(expired)
 
     def _bind_refusal(self, name: str) -> ProtocolError | None:
         """Why the peer may not bind stream ``name``, or None if it may."""
@@ -953,12 +968,6 @@ class GatewayConnection(asyncio.BufferedProtocol):
             case HelloReceived(hello=hello):
                 if self._handshake is not None:
                     self._handshake.cancel()
-                if hello.producer_id >= 1 << 63:
-                    # Spark reads producer ids as a signed long.
-                    raise ProtocolError(
-                        f"producer id {hello.producer_id} must be below 2**63",
-                        code=ErrorCode.BAD_HELLO,
-                    )
                 self.rights = gw.authenticate(hello.token)
                 self._pay_as_token()
                 self.producer_id = hello.producer_id
@@ -1065,7 +1074,11 @@ class GatewayConnection(asyncio.BufferedProtocol):
             case MessageReceived(message=m.Metadata(request_id=request_id)):
                 self.charge(Cost.LIST_STREAMS)
                 self.session.send_global(gw.cluster_metadata(request_id))
-            case MessageReceived(message=m.Goodbye()):
+            case MessageReceived(message=ending) if ending is self.session.ending:
+                # The peer ended the session (its Goodbye, or an Error about
+                # all of it: the lifecycle's rule): what it is owed goes out,
+                # then the connection closes. (No idle clock runs for an
+                # ended session: left open, it would stay.)
                 self.close_with(self.session.data_to_send())
             case _:
                 pass

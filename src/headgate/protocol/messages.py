@@ -54,6 +54,7 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "MAX_TIME_US",
     "MAX_TOKEN_BYTES",
+    "PRODUCER_ID_LIMIT",
     "PROTOCOL_VERSION",
     "SCHEMA_CHANNEL",
     "SEQUENCE_LIMIT",
@@ -144,6 +145,10 @@ MAX_TIME_US = 253_402_300_799_999_999
 #: signed 64-bit long, and ``first_sequence + count`` (the next sequence, which
 #: an Ack carries) must stay a u64. A Batch reaching past it is malformed.
 SEQUENCE_LIMIT = 1 << 63
+
+#: Every producer id is below this, for the same reason (Spark's signed long);
+#: a Hello with a larger one is refused with BAD_HELLO.
+PRODUCER_ID_LIMIT = 1 << 63
 
 #: Bytes before the records block in a Batch: first_sequence (u64 LE).
 BATCH_HEADER_SIZE = 8

@@ -34,8 +34,10 @@ from dataclasses import dataclass
 from enum import Enum
 
 from headgate.protocol import messages as m
+from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.channel import ClientChannel, MessageDropped, ServerChannel
 from headgate.protocol.codec import FrameDecoder, encode_frame_into
+from headgate.protocol.deadlines import ReceiveDeadlines
 from headgate.protocol.errors import ErrorCode, FlowControlError, ProtocolError
 from headgate.protocol.frames import (
     Absolve,
@@ -50,6 +52,7 @@ from headgate.protocol.frames import (
     SendGlobal,
 )
 from headgate.protocol.handles import FrameUse, FreeRule, HandleSpace, UnboundReference
+from headgate.protocol.lifecycle import Answer, Input, Lifecycle, TimerAction
 from headgate.protocol.records import validate_records
 
 __all__ = [
@@ -262,10 +265,41 @@ def _identity_cost(payload_length: int) -> int:
     return payload_length
 
 
+#: Keepalive Pings count their nonces from here, apart from the small nonces an
+#: adapter uses for Pings of its own (the release client's probes).
+KEEPALIVE_NONCE_BASE = 1 << 63
+
 # A buffered inbound data message is remembered by its handle only: the
 # records themselves belong to the receive buffer and to the log, not here.
 _Inbound = int
 _Binding = str | m.BindSchema
+
+
+#: The global messages that are inputs of the lifecycle table; every other
+#: message is an ordinary frame (Input.FRAME).
+_LIFECYCLE_INPUTS: dict[type, Input] = {
+    m.Hello: Input.HELLO,
+    m.Welcome: Input.WELCOME,
+    m.Goodbye: Input.GOODBYE,
+    m.Error: Input.ERROR,
+    m.FreeHandle: Input.FREE_HANDLE,
+}
+
+
+def _check_opener(message: m.Hello | m.Welcome) -> None:
+    """Refuse an opener this end cannot accept (before the session opens with it)."""
+    if message.version != m.PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {message.version} is not supported "
+            f"(this end speaks {m.PROTOCOL_VERSION})",
+            code=ErrorCode.BAD_HELLO,
+        )
+    if isinstance(message, m.Hello) and message.producer_id >= m.PRODUCER_ID_LIMIT:
+        # Spark reads producer ids as a signed long.
+        raise ProtocolError(
+            f"producer id {message.producer_id} must be below 2**63",
+            code=ErrorCode.BAD_HELLO,
+        )
 
 
 class Session:
@@ -279,6 +313,11 @@ class Session:
             charges a batch the log space it will take (``headgate.costs``).
         optimistic: resend dropped messages optimistically rather than
             waiting for guarantees (the producer's ``optimistic`` policy).
+        now: when the connection started (seconds, any monotonic origin):
+            the clocks of :attr:`lifecycle` start there.
+        handshake_timeout: seconds the peer's opener may take (0: no limit).
+        deadlines: the gateway's receive deadlines (its idle rule); None for
+            a client, which keeps alive by the idle timeout of the Welcome.
     """
 
     def __init__(
@@ -288,17 +327,32 @@ class Session:
         max_message_size: int = 1 << 20,
         data_cost: Callable[[int], int] = _identity_cost,
         optimistic: bool = False,
+        now: float = 0.0,
+        handshake_timeout: float = 0.0,
+        deadlines: ReceiveDeadlines | None = None,
     ) -> None:
         self.role = role
         self._decoder = FrameDecoder(max_payload=max_message_size)
         self._data_cost = data_cost
         self._optimistic = optimistic
         self._out = bytearray()
-        self._opened = False  # whether the peer's Hello / Welcome arrived
+        #: The connection's state and clocks: the one home of the opening,
+        #: ending and keepalive rules (:mod:`headgate.protocol.lifecycle`).
+        self.lifecycle = Lifecycle(
+            Input.HELLO if role is Role.GATEWAY else Input.WELCOME,
+            now=now,
+            handshake_timeout=handshake_timeout,
+            deadlines=deadlines,
+        )
+        # When the bytes being decoded arrived (receive_data's ``now``).
+        self._now = now
+        self._keepalive_nonce = KEEPALIVE_NONCE_BASE
         # We send nothing more: fail() was called, or the gateway refused us.
         self._closed = False
-        # The peer sends nothing more: its Goodbye or unscoped Error arrived.
-        self._ended = False
+        #: The peer's message that ended the session (its Goodbye, or its
+        #: Error about the whole session: the lifecycle's rule), or None.
+        #: It also arrives as a :class:`MessageReceived`, the last one.
+        self.ending: m.Goodbye | m.Error | None = None
         # Receiving side (we are the LCMUX server).
         self._bind_in: ServerChannel[_Binding] = ServerChannel(m.STREAM_CHANNEL)
         self._schema_in: ServerChannel[_Binding] = ServerChannel(m.SCHEMA_CHANNEL)
@@ -356,12 +410,14 @@ class Session:
     @property
     def opened(self) -> bool:
         """Whether the peer's opening message (Hello or Welcome) has arrived."""
-        return self._opened
+        return self.lifecycle.opened
 
     @property
     def closed(self) -> bool:
-        """Whether the session ended: :meth:`fail` was called, or the peer's
-        Goodbye or unscoped Error arrived (before or after the session opened).
+        """Whether the session ended: :meth:`fail` was called, the peer's
+        Goodbye or unscoped Error arrived (before or after the session
+        opened), a timer ran out (:meth:`handle_timer`), or we said Goodbye
+        before the session opened (the lifecycle's CLOSED state).
 
         Either way nothing more is decoded: bytes the peer sent after its
         Goodbye are moot. After the peer's Goodbye (or Error) this end may
@@ -369,16 +425,43 @@ class Session:
         Welcome, the answer to a request, an Error), until the adapter
         closes the connection; after :meth:`fail` it sends nothing more.
         """
-        return self._closed or self._ended
+        return self._closed or self.lifecycle.ended
 
     def _emit(self, frame: Frame) -> None:
         encode_frame_into(frame, self._out)
 
     def send_global(self, message: m.GlobalMessage) -> None:
-        """Queue a control message; it needs no guarantees and is never buffered."""
+        """Queue a control message; it needs no guarantees and is never buffered.
+
+        A Goodbye moves the lifecycle to CLOSING (or, before the session
+        opened, CLOSED).
+        """
         if self._closed:
             raise RuntimeError("the session is closed")
         self._emit(SendGlobal(payload=m.encode_message(message)))
+        if type(message) is m.Goodbye:
+            self.lifecycle.receive(Input.SAY_GOODBYE)
+
+    # -- timers ---------------------------------------------------------------
+
+    def get_timer(self) -> float | None:
+        """When :meth:`handle_timer` should next be called, or None (see the lifecycle)."""
+        return self.lifecycle.get_timer()
+
+    def handle_timer(self, now: float) -> ProtocolError | None:
+        """Run the connection's clocks at ``now``: queue a keepalive Ping when due.
+
+        Returns the ``TIMEOUT`` error when a clock ended the connection (no
+        opener in time, idle): the session is then closed; the gateway sends
+        the error to its peer (:meth:`fail`), a client just closes.
+        """
+        action = self.lifecycle.handle_timer(now)
+        if action is TimerAction.PING and not self._closed:
+            self._keepalive_nonce = (self._keepalive_nonce + 1) & U64_MAX
+            self._emit(SendGlobal(payload=m.encode_message(m.Ping(nonce=self._keepalive_nonce))))
+        elif action is TimerAction.EXPIRE:
+            return self.lifecycle.expired
+        return None
 
     def fail(self, error: ProtocolError) -> bytes:
         """Queue the Error that ``error`` owes the peer; return all pending output.
@@ -392,12 +475,20 @@ class Session:
             text = text.encode()[: m.MAX_TEXT_BYTES].decode("utf-8", "ignore")
             self._emit(SendGlobal(payload=m.encode_message(m.Error(code=error.code, text=text))))
             self._closed = True
+            self.lifecycle.receive(Input.FAIL)
         return self.data_to_send()
 
     # -- receiving ------------------------------------------------------------
 
-    def receive_data(self, data: bytes | bytearray | memoryview) -> list[Event]:
+    def receive_data(
+        self, data: bytes | bytearray | memoryview, now: float | None = None
+    ) -> list[Event]:
         """Feed bytes from the peer; return what happened, in order.
+
+        Args:
+            now: when the bytes arrived: a sign of life for the client's
+                clocks (:meth:`handle_timer`). The gateway, whose idle rule
+                counts frames, not bytes, keeps its own receive deadlines.
 
         Raises:
             ProtocolError: the peer broke the protocol; ``code`` says how.
@@ -405,11 +496,15 @@ class Session:
         if self._closed:
             raise RuntimeError("the session is closed")
         events: list[Event] = []
-        if self._ended:
+        lifecycle = self.lifecycle
+        if lifecycle.ended:
             return events  # after the peer's Goodbye: moot
+        if now is not None:
+            lifecycle.heard(now)
+            self._now = now
         self._events = events
         for frame in self._decoder.feed(data):
-            if self._closed or self._ended:
+            if self._closed or lifecycle.ended:
                 break  # a refusal in place of Welcome, or a Goodbye: the rest is moot
             self._dispatch(frame, events)
         self._bind_pending(events)
@@ -435,13 +530,13 @@ class Session:
         if self._closed:
             raise RuntimeError("the session is closed")
         events: list[Event] = []
-        if self._ended:
+        if self.lifecycle.ended:
             return events, len(view), 0  # after the peer's Goodbye: moot
         self._events = events
         frames, ends, consumed, need = self._decoder.decode_in_place(view)
         try:
             for frame, end in zip(frames, ends, strict=True):
-                if self._ended:
+                if self.lifecycle.ended:
                     break  # the peer's Goodbye or Error came first; the rest is moot
                 self._frame_end = end
                 self._dispatch(frame, events)
@@ -454,12 +549,10 @@ class Session:
         self.frames_received += 1
         if type(frame) is not SendChannel:
             self.control_received += 1
-        if not self._opened and not isinstance(frame, SendGlobal):
-            expected = "Hello" if self.role is Role.GATEWAY else "Welcome"
-            raise ProtocolError(
-                f"the session must open with {expected}, got {type(frame).__name__}",
-                code=ErrorCode.BAD_HELLO,
-            )
+        if not self.lifecycle.opened and not isinstance(frame, SendGlobal):
+            # (Once open, the table takes every frame until the end: only a
+            # session not yet open needs asking, which keeps batches cheap.)
+            self.lifecycle.receive(Input.FRAME, name=type(frame).__name__)
         match frame:
             case SendChannel(channel=channel, payload=payload):
                 self._on_channel_message(channel, payload, events)
@@ -658,45 +751,33 @@ class Session:
         self._announced_schemas = schemas.next_handle
 
     def _on_global(self, message: m.GlobalMessage, events: list[Event]) -> None:
-        if (
-            not self._opened
-            and self.role is Role.PRODUCER
-            and isinstance(message, m.Error | m.Goodbye)
-        ):
-            # The gateway refused the session instead of welcoming it.
-            self._closed = True
-            events.append(MessageReceived(message=message))
-            return
-        if not self._opened:
-            expected = m.Hello if self.role is Role.GATEWAY else m.Welcome
-            if not isinstance(message, expected):
-                raise ProtocolError(
-                    f"the session must open with {expected.__name__}, got {type(message).__name__}",
-                    code=ErrorCode.BAD_HELLO,
-                )
-            if message.version != m.PROTOCOL_VERSION:
-                raise ProtocolError(
-                    f"protocol version {message.version} is not supported "
-                    f"(this end speaks {m.PROTOCOL_VERSION})",
-                    code=ErrorCode.BAD_HELLO,
-                )
-            self._opened = True
-            if isinstance(message, m.Hello):
-                events.append(HelloReceived(hello=message))
-            else:
-                events.append(WelcomeReceived(welcome=message))
+        kind = type(message)
+        input_ = _LIFECYCLE_INPUTS.get(kind, Input.FRAME)
+        if isinstance(message, m.Error) and message.scope is not None:
+            input_ = Input.FRAME  # about one handle: the session goes on
+        lifecycle = self.lifecycle
+        if isinstance(message, m.Hello | m.Welcome) and lifecycle.would_open(input_):
+            _check_opener(message)
+        answer = lifecycle.receive(input_, name=kind.__name__)
+        if answer is not Answer.HANDLE:
+            if answer is Answer.OPEN:
+                if isinstance(message, m.Hello):
+                    events.append(HelloReceived(hello=message))
+                else:
+                    assert isinstance(message, m.Welcome)
+                    lifecycle.welcomed(message.idle_timeout_ms, self._now)
+                    events.append(WelcomeReceived(welcome=message))
+            elif answer is Answer.REFUSED or answer is Answer.END:
+                # REFUSED: the gateway refused the session instead of
+                # welcoming it; we send nothing more. END: the peer ends the
+                # session and sends nothing after it: what follows in the same
+                # read is moot (and no Ping in it is answered).
+                assert isinstance(message, m.Goodbye | m.Error)
+                self._closed = self._closed or answer is Answer.REFUSED
+                self.ending = message
+                events.append(MessageReceived(message=message))
             return
         match message:
-            case m.Hello() | m.Welcome():
-                raise ProtocolError(
-                    f"{type(message).__name__} after the session opened",
-                    code=ErrorCode.BAD_HELLO,
-                )
-            case m.Goodbye() | m.Error(scope=None):
-                # The peer ends the session and sends nothing after it: what
-                # follows in the same read is moot (and no Ping in it is answered).
-                self._ended = True
-                events.append(MessageReceived(message=message))
             case m.FreeHandle():
                 self._on_free_handle(message, events)
             case m.Ping(nonce=nonce):
