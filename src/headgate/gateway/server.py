@@ -1946,6 +1946,7 @@ class Gateway:
                 skip_data_loss=settings[c.name].on_data_loss == "skip",
                 detached=c.detached,
                 idle=c.idle,
+                lag_records=c.lag_records,
             )
             for c in stream.statistics(time.time_ns() // 1000).consumers
         )

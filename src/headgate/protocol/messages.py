@@ -622,6 +622,10 @@ class ConsumerInfo:
     detached: bool = False
     #: Whether it is idle and holding the producers (``idle_policy = "hold"``).
     idle: bool = False
+    #: Records in the durable log after its position; None where the gateway
+    #: cannot count them (a position in data freed before it was counted, or
+    #: a gateway from before this field). On the wire: flag bit 4, then a c64.
+    lag_records: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -1039,7 +1043,10 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
                     | (2 if entry.skip_data_loss else 0)
                     | (4 if entry.detached else 0)
                     | (8 if entry.idle else 0)
+                    | (16 if entry.lag_records is not None else 0)
                 )
+                if entry.lag_records is not None:
+                    _put_u64(out, entry.lag_records, "lag_records")
         case ListStreams():
             out.append(MessageType.LIST_STREAMS)
             _put_u64(out, message.request_id, "request_id")
@@ -1441,8 +1448,9 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 lag_bytes = reader.u64("lag_bytes")
                 lag_ms = reader.u64("lag_ms")
                 flags = reader.u8("flags")
-                if flags & ~15:
+                if flags & ~31:
                     raise MessageError(f"CONSUMER_LIST: undefined flags {flags:#04x}")
+                lag_records = reader.u64("lag_records") if flags & 16 else None
                 entries.append(
                     ConsumerInfo(
                         consumer=name,
@@ -1453,6 +1461,7 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                         skip_data_loss=bool(flags & 2),
                         detached=bool(flags & 4),
                         idle=bool(flags & 8),
+                        lag_records=lag_records,
                     )
                 )
             message = ConsumerList(request_id=request_id, consumers=tuple(entries))
