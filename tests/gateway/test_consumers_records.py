@@ -46,7 +46,7 @@ def ask(coroutine: Coroutine[Any, Any, T], timeout: float = 10.0) -> T:
 KiB = 1024
 
 
-async def frames_of(address: str, stream: str) -> list[tuple[int, int]]:
+async def frames_of(address: str | tuple[str, int], stream: str) -> list[tuple[int, int]]:
     """``(end_position, record_count)`` of every frame of ``stream``, read back."""
     async with Reader(address) as reader:
         batches, _ = await reader.fetch_all(stream, 0)
