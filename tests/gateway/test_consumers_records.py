@@ -170,3 +170,75 @@ def test_the_lag_in_records_metric_follows_each_release(tmp_path: Path) -> None:
             assert stats["main"].lag_records == 0 and stats["tail"].lag_records == 500
 
     run(scenario(), timeout=40)
+
+
+def test_a_local_spark_read_reports_its_exact_lag_and_skipped_records(tmp_path: Path) -> None:
+    """The source's ``_consumer`` progress, planned over the gateway's own data directory.
+
+    Two skips: from an end this query planned (counted while held), and,
+    as a restarted driver resumes its checkpoint, from the consumer's
+    committed position (the gateway stored its count).
+    """
+    pytest.importorskip("pyspark")
+    from headgate.spark.source import HeadgateStreamReader, SourceOptions
+
+    settings = StreamSettings(
+        consumers=consumers(
+            main=BLOCKING, live=ConsumerSettings(blocking=False, on_data_loss="skip")
+        ),
+    )
+
+    def source(**extra: str) -> HeadgateStreamReader:
+        options = {"path": str(tmp_path), "consumer": "live", "failOnDataLoss": "false"}
+        return HeadgateStreamReader(SourceOptions.parse({**options, **extra}))
+
+    async def scenario() -> None:
+        async with (
+            gateway(tmp_path, **SMALL, streams={"A": settings}) as gw,
+            Producer(gw.address, linger_ms=1, max_batch_bytes=700) as p,
+        ):
+            for i, value in enumerate(records("q" * 40, 3000)):
+                await p.send("A", value)
+                if i % 89 == 0:
+                    await p.flush("A")
+            await p.flush("A")
+            frames = await frames_of(gw.address, "A")
+
+            def after(position: int) -> int:
+                return sum(n for end, n in frames if end > position)
+
+            live_at = frames[len(frames) // 5][0]
+            gw.release("A", live_at, "live")
+            await gw.consumers_saved()
+
+            first = source(maxRecordsPerTrigger="400")
+            try:
+                planned = first.latestOffset({"A": live_at}, first.getDefaultReadLimit())
+                figures = first.reportLatestOffset()["_consumer"]
+                assert figures["lag_records"] == {"A": after(planned["A"])}
+                assert figures["skipped_records"] == {"A": 0}
+                # The blocking consumer frees all of it, more comes in.
+                end = frames[-1][0]
+                gw.release("A", end, "main")
+                await gw.consumers_saved()
+                assert gw.streams["A"].log.release_position == end
+                for value in records("r", 100):
+                    await p.send("A", value)
+                await p.flush("A")
+                first.latestOffset(planned, first.getDefaultReadLimit())
+                figures = first.reportLatestOffset()["_consumer"]
+                assert figures["skipped_bytes"] == {"A": end - planned["A"]}
+                assert figures["skipped_records"] == {"A": after(planned["A"])}
+                assert figures["lag_records"] == {"A": 0}
+            finally:
+                first.stop()
+            restarted = source()
+            try:
+                restarted.latestOffset({"A": live_at}, restarted.getDefaultReadLimit())
+                figures = restarted.reportLatestOffset()["_consumer"]
+                assert figures["skipped_bytes"] == {"A": end - live_at}
+                assert figures["skipped_records"] == {"A": after(live_at)}
+            finally:
+                restarted.stop()
+
+    run(scenario(), timeout=40)
