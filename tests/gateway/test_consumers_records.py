@@ -180,6 +180,7 @@ def test_a_local_spark_read_reports_its_exact_lag_and_skipped_records(tmp_path: 
     committed position (the gateway stored its count).
     """
     pytest.importorskip("pyspark")
+    from headgate.spark.planning import offset_position
     from headgate.spark.source import HeadgateStreamReader, SourceOptions
 
     settings = StreamSettings(
@@ -214,8 +215,9 @@ def test_a_local_spark_read_reports_its_exact_lag_and_skipped_records(tmp_path: 
             first = source(maxRecordsPerTrigger="400")
             try:
                 planned = first.latestOffset({"A": live_at}, first.getDefaultReadLimit())
+                planned_at = offset_position(planned["A"])
                 figures = first.reportLatestOffset()["_consumer"]
-                assert figures["lag_records"] == {"A": after(planned["A"])}
+                assert figures["lag_records"] == {"A": after(planned_at)}
                 assert figures["skipped_records"] == {"A": 0}
                 # The blocking consumer frees all of it, more comes in.
                 end = frames[-1][0]
@@ -227,8 +229,8 @@ def test_a_local_spark_read_reports_its_exact_lag_and_skipped_records(tmp_path: 
                 await p.flush("A")
                 first.latestOffset(planned, first.getDefaultReadLimit())
                 figures = first.reportLatestOffset()["_consumer"]
-                assert figures["skipped_bytes"] == {"A": end - planned["A"]}
-                assert figures["skipped_records"] == {"A": after(planned["A"])}
+                assert figures["skipped_bytes"] == {"A": end - planned_at}
+                assert figures["skipped_records"] == {"A": after(planned_at)}
                 assert figures["lag_records"] == {"A": 0}
             finally:
                 first.stop()
