@@ -48,7 +48,7 @@ def main() -> None:
     empty = None
     for _ in range(5):
         start = time.perf_counter_ns()
-        for end in ends:
+        for _end in ends:
             pass
         spent = time.perf_counter_ns() - start
         empty = spent if empty is None else min(empty, spent)
