@@ -244,3 +244,87 @@ def test_a_local_spark_read_reports_its_exact_lag_and_skipped_records(tmp_path: 
                 restarted.stop()
 
     run(scenario(), timeout=40)
+
+
+def test_count_records_answers_the_index_and_a_spark_read_through_the_gateway_uses_it(
+    tmp_path: Path,
+) -> None:
+    """CountRecords over the wire, and the source's progress planned through ``gateway``."""
+    pytest.importorskip("pyspark")
+    from headgate.spark.planning import offset_position
+    from headgate.spark.source import HeadgateStreamReader, SourceOptions
+
+    config = tmp_path / "gateway.toml"
+    config.write_text(
+        "[gateway]\nterm_length = 65536\nmax_message_size = 16384\n"
+        "[streams.s.consumers.main]\n"
+        '[streams.s.consumers.live]\nblocking = false\non_data_loss = "skip"\n'
+    )
+    proc, address = serve(tmp_path / "data", "--config", str(config))
+    try:
+
+        async def produce(values: list[bytes]) -> None:
+            async with Producer(address, linger_ms=1, max_batch_bytes=600) as p:
+                for i, value in enumerate(values):
+                    await p.send("s", value)
+                    if i % 83 == 0:
+                        await p.flush("s")
+                await p.flush("s")
+
+        run(produce(records("c" * 40, 3000)), timeout=60)
+        frames = ask(frames_of(address, "s"), timeout=30)
+
+        def after(position: int) -> int:
+            return sum(n for end, n in frames if end > position)
+
+        total = after(0)
+        ends = [end for end, _ in frames]
+
+        async def count(positions: list[int]) -> tuple[int, tuple[int | None, ...]]:
+            async with Reader(address) as reader:
+                return await reader.count_records("s", positions)
+
+        picked = [0, *ends[:: len(ends) // 20], ends[-1]]
+        epoch, counts = ask(count(picked))
+        assert epoch == 1  # a new data directory: the first epoch
+        assert counts == tuple(total - after(p) for p in picked)
+        assert ask(count([ends[3] + 8]))[1] == (None,)  # inside a frame: not countable
+
+        live_at = ends[len(ends) // 4]
+        with ReleaseClient(address, consumer="live") as client:
+            client.release("s", live_at)
+            assert client.flush(10)
+
+        def source(**extra: str) -> HeadgateStreamReader:
+            options = {"gateway": address, "consumer": "live", "failOnDataLoss": "false"}
+            return HeadgateStreamReader(SourceOptions.parse({**options, **extra}))
+
+        first = source(maxRecordsPerTrigger="300")
+        try:
+            planned = first.latestOffset({"s": live_at}, first.getDefaultReadLimit())
+            planned_at = offset_position(planned["s"])
+            figures = first.reportLatestOffset()["_consumer"]
+            assert figures["lag_records"] == {"s": after(planned_at)}
+            with ReleaseClient(address, consumer="main") as client:
+                client.release("s", ends[-1])
+                assert client.flush(10)
+            run(freed_to(address, "s", ends[-1]), timeout=10)
+            # Freed: only the counts kept (the consumer's) reach live_at now.
+            assert ask(count([live_at]))[1] == (total - after(live_at),)
+            run(produce(records("d", 40)), timeout=30)
+            first.latestOffset(planned, first.getDefaultReadLimit())
+            figures = first.reportLatestOffset()["_consumer"]
+            assert figures["skipped_records"] == {"s": after(planned_at)}
+        finally:
+            first.stop()
+        restarted = source()
+        try:
+            restarted.latestOffset({"s": live_at}, restarted.getDefaultReadLimit())
+            figures = restarted.reportLatestOffset()["_consumer"]
+            assert figures["skipped_bytes"] == {"s": ends[-1] - live_at}
+            assert figures["skipped_records"] == {"s": after(live_at)}
+            assert figures["lag_records"] == {"s": 0}
+        finally:
+            restarted.stop()
+    finally:
+        stop(proc)

@@ -574,6 +574,8 @@ class Stream:
         self.records = RecordIndex.in_memory()
         # Whether a failed write of the record marks was logged (once).
         self._records_unsaved_logged = False
+        #: Frame headers read to count records (what a peer that asked is charged).
+        self.records_scanned = 0
         # Whether a failed save of the consumers was logged (once per spell).
         self._consumers_unsaved_logged = False
         #: When a Release last moved one of this stream's consumers forward, in
@@ -1042,6 +1044,7 @@ class Stream:
     def scan_records(self, start: int, end: int) -> Iterator[tuple[int, int]]:
         """``(end_position, record_count)`` of the frames in ``[start, end)`` (headers only)."""
         for header in self.log.scan_headers(start, end, verify=False):
+            self.records_scanned += 1
             yield header.end_position, header.record_count
 
     def count_at(self, position: int) -> int | None:
@@ -1057,6 +1060,18 @@ class Stream:
             )
         except LogError:
             return None  # not a frame boundary of the log: no count
+
+    def count_known(self, position: int) -> int | None:
+        """:meth:`count_at`, or the count stored with a consumer committed at ``position``."""
+        count = self.count_at(position)
+        if count is not None:
+            return count
+        epoch = self.records.epoch
+        for consumer in self.consumers.consumers.values():
+            counted = consumer.counted
+            if counted is not None and counted[:2] == (position, epoch):
+                return counted[2]
+        return None
 
     def _count_consumers(self, consumers: Iterable[Consumer]) -> None:
         """Take each consumer's count at its position while the log still holds it."""

@@ -7,6 +7,10 @@ and the same rule (:meth:`~headgate.log.record_index.Marks.count_at`): the
 nearest mark, plus at most a stride of frame headers read from the log. A
 count is ``(epoch, C)``; two counts are subtracted only within one epoch.
 
+Through a gateway (``gateway`` or ``cluster``) the driver asks it
+(CountRecords, :class:`RemoteRecordCounts`): the same counts, taken by the
+gateway from its index.
+
 What the log freed is countable from a count taken while it was held: the
 planner remembers the count at each end it planned (:class:`PlannedCounts`),
 and the gateway stores one with a non-blocking consumer's committed position
@@ -20,17 +24,24 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from headgate.log.record_index import StoredMarks, read_marks, record_index_file
 
-__all__ = ["LocalRecordCounts", "PlannedCounts"]
+__all__ = ["LocalRecordCounts", "PlannedCounts", "RecordCounter", "RemoteRecordCounts"]
 
 #: Counts remembered per stream (the ends of the last few planned batches).
 REMEMBERED = 16
 
 Count = tuple[int, int]
 """``(epoch, C)``: the record index's count at a position, in its epoch."""
+
+
+class RecordCounter(Protocol):
+    """Where the planner gets counts: a data directory or a gateway."""
+
+    def count_at(self, stream: str, position: int) -> Count | None: ...
+    def consumer_count(self, stream: str, consumer: str | None, position: int) -> Count | None: ...
 
 
 class PlannedCounts:
@@ -113,4 +124,31 @@ class LocalRecordCounts:
                     return int(epoch), int(count)
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        return None
+
+
+class RemoteRecordCounts:
+    """Counts asked of the gateway that holds each stream (CountRecords).
+
+    ``logs`` is the planner's :class:`~headgate.spark.remote.GatewayLogs` or
+    :class:`~headgate.spark.fleet.FleetLogs`. A gateway that cannot answer
+    (down, or older than CountRecords) gives no count: progress never fails
+    a query.
+    """
+
+    def __init__(self, logs: Any) -> None:
+        self._logs = logs
+
+    def count_at(self, stream: str, position: int) -> Count | None:
+        from headgate.spark.decode import SourceError
+
+        try:
+            epoch, counts = self._logs.count_records(stream, (position,))
+        except SourceError:
+            return None
+        count = counts[0] if counts else None
+        return None if count is None else (int(epoch), int(count))
+
+    def consumer_count(self, stream: str, consumer: str | None, position: int) -> Count | None:
+        """None: the gateway's answer to :meth:`count_at` already includes it."""
         return None

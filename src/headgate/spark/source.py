@@ -132,10 +132,11 @@ stream's durable end, when it was planned (0: the query is caught up).
 ``failOnDataLoss`` false (what the log freed before the query read it).
 ``skipped_records``: the records in those bytes.
 Records are counted from the gateway's record index
-(:mod:`headgate.spark.record_counts`); ``null`` where they cannot be:
-a read through ``gateway`` or ``cluster`` (not counted yet), or a skip
-from a position whose count nobody took while the log held it (a
-checkpoint's start that is not the consumer's committed position).
+(:mod:`headgate.spark.record_counts`: read from the data directory, or
+asked of the gateway with CountRecords); ``null`` where they cannot be: a
+skip from a position whose count nobody took while the log held it (a
+checkpoint's start that is not the consumer's committed position), or a
+gateway that cannot answer.
 """
 
 from __future__ import annotations
@@ -188,7 +189,12 @@ from headgate.spark.planning import (
     plan_slices,
     sorted_offset,
 )
-from headgate.spark.record_counts import LocalRecordCounts, PlannedCounts
+from headgate.spark.record_counts import (
+    LocalRecordCounts,
+    PlannedCounts,
+    RecordCounter,
+    RemoteRecordCounts,
+)
 
 if TYPE_CHECKING:
     from headgate.spark.fleet import FleetLogs
@@ -624,10 +630,12 @@ class _Planner:
         self.skips: dict[str, dict[int, int]] = {}
         #: Per stream, the records of each skip: from -> (to, records or None).
         self.skipped_counts: dict[str, dict[int, tuple[int, int | None]]] = {}
-        #: Record counts from a local data directory (None: a remote read).
-        self.counts: LocalRecordCounts | None = None
+        #: Record counts: from the data directory, or asked of the gateways.
+        self.counts: RecordCounter
         if isinstance(self.logs, StreamLogs):
             self.counts = LocalRecordCounts(self.logs.data_dir, self.logs.reader)
+        else:
+            self.counts = RemoteRecordCounts(self.logs)
         #: The counts at the ends this query planned (a skip from one is countable).
         self.planned_counts = PlannedCounts()
 
@@ -739,7 +747,7 @@ class _Planner:
         (the gateway stores its count while the log holds it).
         """
         remembered = self.planned_counts.get(stream, position)
-        if remembered is not None or self.counts is None:
+        if remembered is not None:
             return remembered
         return self.counts.count_at(stream, position) or self.counts.consumer_count(
             stream, self.options.consumer, position
