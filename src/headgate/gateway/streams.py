@@ -1062,7 +1062,19 @@ class Stream:
             return None  # not a frame boundary of the log: no count
 
     def count_known(self, position: int) -> int | None:
-        """:meth:`count_at`, or the count stored with a consumer committed at ``position``."""
+        """:meth:`count_at`, or the count stored with a consumer committed at ``position``.
+
+        For a position a peer names (CountRecords): one the log holds must
+        be a frame boundary (a header scan from inside a frame would read
+        payload as headers), checked first.
+        """
+        log_ = self.log
+        if log_.release_position <= position <= log_.tail_position:
+            if position > log_.durable_position:
+                if position != log_.tail_position:
+                    return None
+            elif log_.boundary_problem(position) is not None:
+                return None
         count = self.count_at(position)
         if count is not None:
             return count

@@ -25,7 +25,9 @@ committed position; the Spark source remembers it for the ends it planned).
 
 Memory: at most :data:`MAX_HELD_MARKS` marks over what the log holds (the
 stride grows with the log's capacity) plus :data:`MAX_FREED_MARKS` behind
-its release position, 16 bytes each: at most 288 KiB per stream.
+its release position, 16 bytes each: at most 256 KiB per stream (the
+stride is fixed when the stream opens: a reload that raises its capacity
+raises the held marks in proportion until the next start).
 
 The marks are stored in ``<data_dir>/state/<stream>.records`` (little-endian)::
 
@@ -362,7 +364,9 @@ class RecordIndex:
         if self._fd >= 0:
             os.pwrite(self._fd, RELEASE_POINT.pack(position, count), RELEASE_OFFSET)
         freed = bisect.bisect_left(self.marks.positions, position)
-        extra = freed - MAX_FREED_MARKS
+        # Only marks already in the file may go from memory (the log frees
+        # only what is durable, so in practice all of them are).
+        extra = min(freed - MAX_FREED_MARKS, self._written - self._dropped)
         if extra > 0:
             self.marks.drop_before(extra)
             self._dropped += extra
