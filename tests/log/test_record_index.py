@@ -145,12 +145,12 @@ def test_an_index_that_cannot_reach_the_release_position_counts_anew_in_a_new_ep
     log = StreamLog.open(tmp_path / "log", term_length=TERM, capacity=64 * TERM)
     with caplog.at_level("WARNING", logger="headgate.log"):
         again = open_index(path, log)
-    assert again.epoch == 2
+    assert again.epoch == index.epoch + 1
     assert "counting anew" in caplog.text
     assert count(again, log, tail) == 0
     assert count(again, log, 0) is None  # the old marks are gone with their epoch
     stored = read_marks(path)
-    assert stored is not None and stored.epoch == 2
+    assert stored is not None and stored.epoch == index.epoch + 1
     again.close()
     log.close()
 
@@ -183,4 +183,24 @@ def test_marks_stay_bounded_however_long_the_stream_runs(
     # within a few times what memory keeps (the run took about 1,200 marks).
     assert len(truth) > 5000 and max(sizes) < ri.HEADER.size + 3 * (8 + held_marks) * 16
     index.close(log.durable_position)
+    log.close()
+
+
+def test_a_damaged_index_is_rebuilt_in_an_epoch_no_stored_count_can_share(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "s.records"
+    log = StreamLog.open(tmp_path / "log", term_length=TERM, capacity=64 * TERM)
+    index = open_index(path, log)
+    truth: dict[int, int] = {0: 0}
+    append_random(log, index, random.Random(5), 100, truth)
+    log.sync()
+    index.close(log.durable_position)
+    path.write_bytes(b"garbage")
+    with caplog.at_level("WARNING", logger="headgate.log"):
+        again = open_index(path, log)
+    assert "rebuilt from the log" in caplog.text
+    assert again.epoch != index.epoch
+    assert count(again, log, log.tail_position) == truth[log.tail_position]
+    again.close()
     log.close()

@@ -45,8 +45,9 @@ the page cache). At open, marks beyond the recovered tail are dropped, and
 ``C`` at the log's release position is derived from the release point or
 the first mark after it. If nothing can give it (a power loss lost the file's
 last writes, or the file is gone while the log freed data), the index starts
-a new *epoch*: counts taken in another epoch are not compared with the
-new ones (a count across them is unknown, never wrong).
+a new *epoch* (the old one plus one; a new or replaced file takes the
+clock's microseconds): counts taken in another epoch are not compared with
+the new ones (a count across them is unknown, never wrong).
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import logging
 import os
 import struct
 import sys
+import time
 from array import array
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -251,7 +253,10 @@ class RecordIndex:
         except ValueError as exc:
             log.warning("%s; rebuilt from the log", exc)
             stored = None
-        epoch = 1
+        # A new file (or one replacing a damaged one) may meet counts stored
+        # elsewhere under an older epoch (a consumer's): a clock-made epoch
+        # never equals one of them; a known one only moves up.
+        epoch = time.time_ns() // 1000
         marks = Marks()
         c_release: int | None = 0
         if stored is not None:
