@@ -1802,6 +1802,7 @@ class Stream:
         end = self.count_at(self.log.durable_position)
         if end is None:
             return {}
+        consumers = list(consumers)
         epoch = self.records.epoch
         held = [c for c in consumers if c.position >= self.log.release_position]
         self._count_consumers(held)
