@@ -47,6 +47,9 @@ def test_consumers_lists_each_consumer_with_its_lag_and_state(tmp_path: Path) ->
         ]
         archive = rows[0]
         assert archive["position"] == 0 and archive["lag_bytes"] > 0
+        # Every record sent is in the lag, counted exactly (not estimated from bytes).
+        assert archive["lag_records"] == 100 and rows[1]["lag_records"] == 100
+        assert rows[2]["lag_records"] == 100
         assert archive["blocking"] is True and archive["state"] == "ok"
         assert rows[1]["blocking"] is False and rows[1]["on_data_loss"] == "skip"
         end = archive["lag_bytes"]
@@ -58,9 +61,10 @@ def test_consumers_lists_each_consumer_with_its_lag_and_state(tmp_path: Path) ->
         assert table.exit_code == 0, table.output
         lines = table.output.splitlines()
         assert lines[0].split() == [
-            "stream", "consumer", "position", "lag", "lag_s", "blocking", "state",
+            "stream", "consumer", "position", "lag", "lag_records", "lag_s", "blocking", "state",
         ]  # fmt: skip
-        assert lines[1].split()[:4] == ["clicks", "archive", f"{end:,}", "0"]
+        assert lines[1].split()[:6] == ["clicks", "archive", f"{end:,}", "0", "B", "0"]
+        assert lines[2].split()[5] == "100"  # live: "<lag> B 100 ..."
         assert lines[1].split()[-2:] == ["yes", "ok"]
         assert lines[2].split()[:2] == ["clicks", "live"] and "no (skip)" in lines[2]
 

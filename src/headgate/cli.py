@@ -837,7 +837,9 @@ def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: An
     """The named consumers of every stream (or of the streams NAMES), with their lag.
 
     position: what the consumer committed; lag: the durable bytes after it,
-    and the age of the oldest of them; blocking: whether it holds the
+    the records in them ("?" where the gateway cannot count them: a
+    non-blocking consumer's position freed before it was counted), and the
+    age of the oldest of them; blocking: whether it holds the
     producers back; state: ok, idle (blocking and not releasing past
     idle_release_seconds) or detached (made non-blocking for idling).
     """
@@ -856,13 +858,14 @@ def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: An
     if not rows:
         click.echo("no consumers", err=True)
         return
-    header = ("stream", "consumer", "position", "lag", "lag_s", "blocking", "state")
+    header = ("stream", "consumer", "position", "lag", "lag_records", "lag_s", "blocking", "state")
     table = [header] + [
         (
             r.stream,
             r.consumer,
             f"{r.position:,}",
             _bytes_text(r.lag_bytes),
+            _count_text(r.lag_records),
             f"{r.lag_seconds:,.1f}",
             "yes" if r.blocking else f"no ({r.on_data_loss})",
             r.state,
@@ -876,6 +879,11 @@ def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: An
             for i, (c, w) in enumerate(zip(line, widths, strict=True))
         ]
         click.echo("  ".join(cells).rstrip())
+
+
+def _count_text(count: int | None) -> str:
+    """A count of records for a table; ``?`` where the gateway could not count them."""
+    return "?" if count is None else f"{count:,}"
 
 
 def _reset_target(text: str) -> Any:
@@ -1000,7 +1008,11 @@ def cluster_status(cluster_file: Path, timeout: float, fmt: str, **options: Any)
         for p in partitions:
             name = partition_name(p.stream, p.partition)
             fill = "?" if p.retained_bytes is None else _bytes_text(p.retained_bytes)
-            lags = ", ".join(f"{c} ({_bytes_text(lag)})" for c, lag in sorted(p.consumers.items()))
+            counts = p.consumer_lag_records
+            lags = ", ".join(
+                f"{c} ({_bytes_text(lag)}, {_count_text(counts.get(c))} records)"
+                for c, lag in sorted(p.consumers.items())
+            )
             click.echo(f"{name:<24} {p.gateway:<12} {fill:>12}  {lags}".rstrip())
     if not all(g.up for g in gateways):
         sys.exit(1)

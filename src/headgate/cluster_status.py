@@ -9,7 +9,7 @@ down, with the reason, and its partitions are shown as unknown.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.security import ClientSecurity
@@ -42,6 +42,8 @@ class PartitionRow:
     durable_position: int | None
     #: Per consumer, its lag in bytes.
     consumers: dict[str, int]
+    #: Per consumer, its lag in records (None: the gateway cannot count it).
+    consumer_lag_records: dict[str, int | None] = field(default_factory=dict)
 
 
 async def _ask(
@@ -62,11 +64,9 @@ async def _ask(
             rows = []
             for p in partitions:
                 info = described.get(p.name)
-                consumers = {}
-                if info is not None:
-                    consumers = {
-                        c.consumer: c.lag_bytes for c in await reader.list_consumers(p.name)
-                    }
+                listed = [] if info is None else await reader.list_consumers(p.name)
+                consumers = {c.consumer: c.lag_bytes for c in listed}
+                lag_records = {c.consumer: c.lag_records for c in listed}
                 rows.append(
                     PartitionRow(
                         p.stream,
@@ -75,6 +75,7 @@ async def _ask(
                         None if info is None else info.durable_position - info.start_position,
                         None if info is None else info.durable_position,
                         consumers,
+                        lag_records,
                     )
                 )
         return GatewayRow(gateway.name, gateway.address, True, None), rows

@@ -18,6 +18,7 @@ from headgate.gateway.consumers import consumers_file
 from headgate.gateway.server import DATA_LOCK_FILE_NAME
 from headgate.gateway.streams import stream_files
 from headgate.log.lock import DirectoryLock
+from headgate.log.record_index import record_index_file
 from headgate.protocol import messages as m
 
 
@@ -161,6 +162,9 @@ class ConsumerRow:
     on_data_loss: str
     #: ``ok``, ``idle`` (blocking, holding the producers) or ``detached``.
     state: str
+    #: Records in the durable log after its position; None where the gateway
+    #: cannot count them (or is older than the field).
+    lag_records: int | None = None
 
     @classmethod
     def of(cls, stream: str, info: m.ConsumerInfo) -> ConsumerRow:
@@ -174,14 +178,16 @@ class ConsumerRow:
             info.blocking,
             "skip" if info.skip_data_loss else "fail",
             state,
+            info.lag_records,
         )
 
-    def as_dict(self) -> dict[str, int | str | float | bool]:
+    def as_dict(self) -> dict[str, int | str | float | bool | None]:
         return {
             "stream": self.stream,
             "consumer": self.consumer,
             "position": self.position,
             "lag_bytes": self.lag_bytes,
+            "lag_records": self.lag_records,
             "lag_seconds": self.lag_seconds,
             "blocking": self.blocking,
             "on_data_loss": self.on_data_loss,
@@ -243,7 +249,8 @@ def delete_stream(data_dir: Path, name: str) -> Deleted:
             raise LookupError(f"{data_dir} holds no stream {name!r}")
         size = sum(f.stat().st_size for f in log_dir.rglob("*") if f.is_file())
         paths = [log_dir]
-        for extra in (state, consumers_file(data_dir, name)):
+        extras = (state, consumers_file(data_dir, name), record_index_file(data_dir, name))
+        for extra in extras:
             if extra.exists():
                 size += extra.stat().st_size
                 paths.append(extra)
@@ -251,8 +258,10 @@ def delete_stream(data_dir: Path, name: str) -> Deleted:
         # without its state: both are what a stream that never existed has.
         shutil.rmtree(log_dir)
         state.unlink(missing_ok=True)
-        # Its consumers go with it: a new stream of that name starts afresh.
+        # Its consumers and record counts go with it: a new stream of that
+        # name starts afresh.
         consumers_file(data_dir, name).unlink(missing_ok=True)
+        record_index_file(data_dir, name).unlink(missing_ok=True)
         return Deleted(name, size, tuple(paths))
     finally:
         lock.release()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 from collections import defaultdict
 from pathlib import Path
@@ -358,6 +359,16 @@ def test_an_unreachable_gateway_holds_back_only_its_partitions(fleet: Fleet) -> 
         [f"events.p{k}" for k in range(6)] + [f"orders.p{k}" for k in range(6)]
     )
     assert rows["events.p2"][1:3] == ["gw3", "?"]
+    # Each consumer's lag in bytes and in records: every record sent to
+    # "events" is in the lag of a partition on gw1 or gw2 (none on gw3 is up).
+    lags = [
+        int(found.group(1).replace(",", ""))
+        for line in lines
+        if line.startswith("events.p")
+        for found in [re.search(r"default \(.*, ([\d,]+) records\)", line)]
+        if found is not None
+    ]
+    assert sum(lags) == 200, lines
 
 
 def test_bootstrap_errors_are_one_line(tmp_path: Path) -> None:

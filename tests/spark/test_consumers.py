@@ -6,7 +6,8 @@ real connections (:class:`~headgate.spark.pipeline.GatewayReleases`), each
 naming its consumer. Both consumers block: the slower one alone decides
 what the log frees, and so the producer's pace, and both outputs hold every
 acknowledged record exactly once. With retention, a consumer reset to
-``earliest`` replays the very same records.
+``earliest`` replays the very same records. A non-blocking ``skip``
+pipeline that the log left behind reports exactly the records it skipped.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ def test_two_blocking_pipelines_the_slow_one_throttles_and_both_get_every_record
             assert set(got) == set(sent), name
         # Each query's progress names its consumer and its lag.
         latest = fast.queries["s"].lastProgress.sources[0].latestOffset
-        assert consumer_progress(latest) == {"s": ConsumerProgress("fast", 0, 0)}
+        assert consumer_progress(latest) == {"s": ConsumerProgress("fast", 0, 0, 0, 0)}
         assert slow.consumer_progress["s"].consumer == "slow"
     finally:
         for each in pipelines:
@@ -216,6 +217,67 @@ def test_a_consumer_reset_to_earliest_inside_the_retention_replays_the_same_reco
                 break
             time.sleep(0.05)
         assert gw.on_loop(lambda: stream.consumers.consumers["archive"].position) == end
+    finally:
+        producer_loop.stop()
+        gw.stop()
+
+
+def wait_on(gw: RunningGateway, read: Any, expected: Any, seconds: float = 10) -> None:
+    """Poll ``read()`` on the gateway's loop until it gives ``expected`` (bounded)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and gw.on_loop(read) != expected:
+        time.sleep(0.05)
+    assert gw.on_loop(read) == expected
+
+
+def test_a_skip_pipeline_left_behind_reports_the_exact_records_it_skipped(
+    spark: Any, tmp_path: Path
+) -> None:
+    # "archive" blocks and is released by hand; the pipeline's "live" does not.
+    gw = RunningGateway(
+        tmp_path / "data", {"s": StreamSettings(consumers=(("archive", ConsumerSettings()),))}
+    )
+    producer_loop = BackgroundLoop("test-producer")
+    first = [b"first-%05d" % i for i in range(300)]
+    gone = [b"gone-%05d" % i for i in range(1000)]
+    later = [b"later-%05d" % i for i in range(50)]
+    try:
+
+        async def send(batch: list[bytes]) -> None:
+            async with Producer(gw.address, max_batch_bytes=512, linger_ms=1) as producer:
+                for value in batch:
+                    await producer.send("s", value)
+                await producer.flush()
+
+        def live() -> Pipeline:
+            return pipeline(spark, gw, tmp_path, "live", blocking=False, fail_on_data_loss=False)
+
+        producer_loop.run(send(first), 30)
+        run = live()
+        run.start(available_now=True)
+        run.await_done(120)
+        run.stop()
+        stream = gw.gateway.streams["s"]
+        read_to = gw.on_loop(lambda: stream.log.durable_position)
+        wait_on(gw, lambda: stream.consumers.consumers["live"].position, read_to)
+        # While the pipeline is away, the blocking consumer frees everything:
+        # "gone" is deleted before "live" reads it.
+        producer_loop.run(send(gone), 30)
+        end = gw.on_loop(lambda: stream.log.durable_position)
+        gw.on_loop(lambda: gw.gateway.release("s", end, "archive"))
+        wait_on(gw, lambda: stream.log.release_position, end)
+        producer_loop.run(send(later), 30)
+
+        again = live()  # from its checkpoint, at read_to: freed
+        again.start(available_now=True)
+        again.await_done(120)
+        again.stop()
+        figures = again.consumer_progress["s"]
+        assert figures.consumer == "live"
+        assert figures.skipped_bytes == end - read_to
+        assert figures.skipped_records == len(gone)  # exactly the records freed unread
+        assert figures.lag_records == 0
+        assert sorted(values(tmp_path, "live")) == sorted(first + later)
     finally:
         producer_loop.stop()
         gw.stop()

@@ -26,7 +26,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -228,6 +228,7 @@ class Reader:
         self._lists: dict[int, asyncio.Future[m.StreamList | m.StreamDescriptions]] = {}
         self._consumer_requests: dict[int, asyncio.Future[int]] = {}
         self._consumer_lists: dict[int, asyncio.Future[m.ConsumerList]] = {}
+        self._record_counts: dict[int, asyncio.Future[m.RecordCounts]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
         #: The session's next timer (keepalive, idle: its lifecycle's clocks).
@@ -411,6 +412,10 @@ class Reader:
                 listed = self._consumer_lists.pop(request_id, None)
                 if listed is not None and not listed.done():
                     listed.set_result(message)
+            case m.RecordCounts(request_id=request_id):
+                counted = self._record_counts.pop(request_id, None)
+                if counted is not None and not counted.done():
+                    counted.set_result(message)
             case m.ConsumerPosition(request_id=request_id, position=position):
                 declared = self._consumer_requests.pop(request_id, None)
                 if declared is not None and not declared.done():
@@ -467,6 +472,10 @@ class Reader:
             if not listed.done():
                 listed.set_exception(error)
         self._consumer_lists.clear()
+        for counted in self._record_counts.values():
+            if not counted.done():
+                counted.set_exception(error)
+        self._record_counts.clear()
         self._changed.set()
         for channel in [*self._by_handle.values(), *self._to_bind]:
             channel.wake.set()
@@ -696,6 +705,26 @@ class Reader:
         self._write()
         return list((await future).consumers)
 
+    async def count_records(
+        self, stream: str, positions: Sequence[int]
+    ) -> tuple[int, tuple[int | None, ...]]:
+        """The gateway's record counts at ``positions`` of ``stream``: ``(epoch, counts)``.
+
+        Records between two positions are the difference of their counts
+        (of one epoch); None where the gateway cannot count (CountRecords).
+        At most :data:`~headgate.protocol.messages.MAX_COUNTED_POSITIONS`.
+        """
+        self._check()
+        request_id = next(self._ids)
+        future: asyncio.Future[m.RecordCounts] = asyncio.get_running_loop().create_future()
+        self._record_counts[request_id] = future
+        self._session.send_global(
+            m.CountRecords(request_id=request_id, stream=stream, positions=tuple(positions))
+        )
+        self._write()
+        answer = await future
+        return answer.epoch, answer.counts
+
     async def declare_consumer(
         self, stream: str, consumer: str, *, blocking: bool = True, skip_data_loss: bool = False
     ) -> int:
@@ -820,6 +849,12 @@ class SyncReader:
 
     def release(self, stream: str, position: int) -> None:
         self._run(self._fresh().release(stream, position))
+
+    def count_records(
+        self, stream: str, positions: Sequence[int]
+    ) -> tuple[int, tuple[int | None, ...]]:
+        """As :meth:`Reader.count_records`."""
+        return self._run(self._fresh().count_records(stream, positions))
 
     def close(self) -> None:
         if self._loop.is_closed():

@@ -139,6 +139,12 @@ class Consumer:
     lost_records: dict[int, int | None] = field(default_factory=dict)
     #: How often the idle rule detached it.
     detached_total: int = 0
+    #: ``(position, epoch, count)``: the record index's count at a position
+    #: of it, taken while the log held it (see
+    #: :mod:`headgate.log.record_index`); stored with a non-blocking
+    #: consumer's position, so that the records the log frees after it stay
+    #: countable across a restart.
+    counted: tuple[int, int, int] | None = None
 
     def anchors(self) -> set[int]:
         """Where its next read likely starts: where it committed, or where its last read ended."""
@@ -146,7 +152,7 @@ class Consumer:
 
     def record(self) -> dict[str, Any]:
         """What the consumers file stores of it (its committed position)."""
-        return {
+        entry: dict[str, Any] = {
             "name": self.name,
             "position": self.position,
             "blocking": self.blocking,
@@ -154,6 +160,10 @@ class Consumer:
             "detached": self.detached,
             "origin": self.origin,
         }
+        counted = self.counted
+        if counted is not None and counted[0] == self.position and not self.blocking:
+            entry["records"] = [counted[1], counted[2]]  # [epoch, count]
+        return entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +186,9 @@ class ConsumerStatistics:
     #: Records among the skipped bytes, where they could be counted.
     skipped_records: int
     detached_total: int
+    #: Records in the durable log after its position; None where they
+    #: cannot be counted (or were not asked for).
+    lag_records: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,7 +528,9 @@ class ConsumerBook:
         if consumer is not None:
             consumer.read_to = end
 
-    def read_from(self, name: str, start: int, oldest: int) -> tuple[int, int, int | None]:
+    def read_from(
+        self, name: str, start: int, oldest: int, counted: tuple[int, int | None] = (0, None)
+    ) -> tuple[int, int, int | None]:
         """Where consumer ``name`` reads, asking for ``start`` while the log holds from ``oldest``.
 
         Returns ``(position, skipped_bytes, skipped_records)``: ``start``, 0
@@ -523,6 +538,10 @@ class ConsumerBook:
         log, ``oldest``, the bytes freed before it read them, and the records
         among them when ``start`` is one of its anchors (where it committed,
         or where its last read ended), else None (counted on it).
+        ``counted``: ``(epoch, count)``, the record index's count at
+        ``oldest``: with the count stored at the consumer's committed
+        position (:attr:`Consumer.counted`, same epoch) it gives the skipped
+        records where the frees did not count them (after a restart).
 
         Raises:
             ProtocolError: an unknown consumer; DATA_LOST for a ``fail`` one
@@ -539,6 +558,15 @@ class ConsumerBook:
                 code=ErrorCode.DATA_LOST,
             )
         records = consumer.lost_records.get(start)
+        epoch, oldest_count = counted
+        stored = consumer.counted
+        if (
+            records is None
+            and oldest_count is not None
+            and stored is not None
+            and stored[:2] == (start, epoch)
+        ):
+            records = max(0, oldest_count - stored[2])
         consumer.skipped_bytes += oldest - start
         consumer.skipped_records += records or 0
         # It reads on from the oldest held position: nothing is lost after it yet.
@@ -638,14 +666,19 @@ class ConsumerBook:
         self.unsaved = True
 
     def statistics(
-        self, durable: int, ages: tuple[int, Callable[[int], int | None]] | None = None
+        self,
+        durable: int,
+        ages: tuple[int, Callable[[int], int | None]] | None = None,
+        lag_records: Callable[[Iterable[Consumer]], Mapping[str, int]] | None = None,
     ) -> tuple[ConsumerStatistics, ...]:
         """Each consumer's snapshot, by name.
 
         ``ages``: ``(now_us, timestamp_at)``, where ``timestamp_at(position)``
         is the timestamp of the first durable record at or after it; then
         each consumer's lag in seconds is ``now_us`` minus that.
+        ``lag_records``: each consumer's lag in records, by name, where known.
         """
+        records = {} if lag_records is None else lag_records(self.consumers.values())
 
         def lag_seconds(position: int) -> float | None:
             if ages is None:
@@ -666,6 +699,7 @@ class ConsumerBook:
                 skipped_bytes=c.skipped_bytes,
                 skipped_records=c.skipped_records,
                 detached_total=c.detached_total,
+                lag_records=records.get(c.name),
             )
             for c in sorted(self.consumers.values(), key=lambda c: c.name)
         )
@@ -684,6 +718,7 @@ def _parse(path: Path, raw: object) -> list[Consumer]:
             on_data_loss = entry["on_data_loss"]
             detached = entry.get("detached", False)
             origin = entry.get("origin", "runtime")
+            records = entry.get("records")
             if not (isinstance(name, str) and m.is_valid_name(name)):
                 raise ValueError(f"invalid consumer name {name!r}")
             if isinstance(position, bool) or not isinstance(position, int) or position < 0:
@@ -694,9 +729,18 @@ def _parse(path: Path, raw: object) -> list[Consumer]:
                 raise ValueError(f"consumer {name}: invalid on_data_loss {on_data_loss!r}")
             if origin not in ("config", "runtime", "default"):
                 raise ValueError(f"consumer {name}: invalid origin {origin!r}")
-            out.append(
-                Consumer(name, position, position, blocking, on_data_loss, detached, origin=origin)
+            consumer = Consumer(
+                name, position, position, blocking, on_data_loss, detached, origin=origin
             )
+            if records is not None:
+                if not (
+                    isinstance(records, list)
+                    and len(records) == 2
+                    and all(type(n) is int and n >= 0 for n in records)
+                ):
+                    raise ValueError(f"consumer {name}: invalid records {records!r}")
+                consumer.counted = (position, records[0], records[1])
+            out.append(consumer)
         return out
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: consumers file damaged: {exc}") from None

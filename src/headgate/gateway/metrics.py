@@ -17,7 +17,8 @@ Metrics, all prefixed ``headgate_`` (labels in brackets)::
     stream_duplicate_batches_total, stream_dropped_batches_total       [stream]
     stream_fsync_seconds (histogram, one observation per group commit) [stream]
     ack_latency_seconds (histogram, one observation per acked batch)   [stream]
-    consumer_position, consumer_lag_bytes, consumer_lag_seconds, consumer_blocking (0/1),
+    consumer_position, consumer_lag_bytes, consumer_lag_seconds, consumer_lag_records
+    (absent where not countable), consumer_blocking (0/1),
     consumer_idle (0/1: idle, producers held), consumer_detached_total,
     consumer_skipped_bytes_total, consumer_skipped_records_total      [stream, consumer]
     connection_debt, connection_debt_threshold, connection_peak_debt   [connection, peer, producer]
@@ -133,6 +134,9 @@ class GatewayCollector(Collector):
         lag_seconds = gauge(
             "consumer_lag_seconds", "Age of the oldest durable record not committed.", k
         )
+        lag_records = gauge(
+            "consumer_lag_records", "Durable records after the consumer's position.", k
+        )
         blocking = gauge("consumer_blocking", "1 if the consumer holds producers back.", k)
         idle = gauge(
             "consumer_idle",
@@ -157,13 +161,15 @@ class GatewayCollector(Collector):
                 lag.add_metric(labels, consumer.lag_bytes)
                 if consumer.lag_seconds is not None:
                     lag_seconds.add_metric(labels, consumer.lag_seconds)
+                if consumer.lag_records is not None:
+                    lag_records.add_metric(labels, consumer.lag_records)
                 blocking.add_metric(labels, 1 if consumer.blocking else 0)
                 idle.add_metric(labels, 1 if consumer.idle else 0)
                 detached.add_metric(labels, consumer.detached_total)
                 skipped.add_metric(labels, consumer.skipped_bytes)
                 skipped_records.add_metric(labels, consumer.skipped_records)
         yield from (position, lag, lag_seconds, blocking, idle, detached, skipped)
-        yield skipped_records
+        yield from (skipped_records, lag_records)
 
         c = ["connection", "peer", "producer"]
         debt = gauge("connection_debt", "Units of work in flight charged to the connection.", c)

@@ -1052,9 +1052,31 @@ class GatewayConnection(asyncio.BufferedProtocol):
                         f"token {self.rights.name!r} may not read stream {name!r}",
                         code=ErrorCode.FORBIDDEN,
                     )
+                scanned = gw.records_scanned(name)
                 infos = gw.consumer_infos(name)
-                self.charge(Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(infos))
+                scanned = gw.records_scanned(name) - scanned
+                self.charge(
+                    Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(infos) + Cost.READ_FRAME * scanned
+                )
                 self.session.send_global(m.ConsumerList(request_id=request_id, consumers=infos))
+            case MessageReceived(
+                message=m.CountRecords(request_id=request_id, stream=name, positions=positions)
+            ):
+                assert self.rights is not None
+                if not self.rights.can_read(name):
+                    raise ProtocolError(
+                        f"token {self.rights.name!r} may not read stream {name!r}",
+                        code=ErrorCode.FORBIDDEN,
+                    )
+                scanned = gw.records_scanned(name)
+                epoch, counts = gw.record_counts(name, positions)
+                scanned = gw.records_scanned(name) - scanned
+                self.charge(
+                    Cost.LIST_STREAMS + Cost.LIST_ENTRY * len(positions) + Cost.READ_FRAME * scanned
+                )
+                self.session.send_global(
+                    m.RecordCounts(request_id=request_id, epoch=epoch, counts=counts)
+                )
             case MessageReceived(message=m.DeclareConsumer() as declare):
                 assert self.rights is not None
                 if not self.rights.can_consume(declare.stream, declare.consumer):
@@ -1959,9 +1981,22 @@ class Gateway:
                 skip_data_loss=settings[c.name].on_data_loss == "skip",
                 detached=c.detached,
                 idle=c.idle,
+                lag_records=c.lag_records,
             )
             for c in stream.statistics(time.time_ns() // 1000).consumers
         )
+
+    def records_scanned(self, name: str) -> int:
+        """Frame headers read so far to count stream ``name``'s records (0: no such stream)."""
+        stream = self.streams.get(name)
+        return 0 if stream is None else stream.records_scanned
+
+    def record_counts(
+        self, name: str, positions: tuple[int, ...]
+    ) -> tuple[int, tuple[int | None, ...]]:
+        """The record index's epoch, and its count at each of ``positions`` (CountRecords)."""
+        stream = self._consumers_stream(name)
+        return stream.records.epoch, tuple(stream.count_known(p) for p in positions)
 
     def check_consumers(self, now: float) -> None:
         """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""

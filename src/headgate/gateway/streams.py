@@ -71,7 +71,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -81,6 +81,7 @@ from typing import Any
 from headgate.config import ConsumerSettings, Retention
 from headgate.gateway.accounts import Account
 from headgate.gateway.consumers import (
+    Consumer,
     ConsumerBook,
     ConsumerStatistics,
     IdleAction,
@@ -104,6 +105,7 @@ from headgate.log import (
     StreamLog,
     frame_cost,
 )
+from headgate.log.record_index import RecordIndex, record_index_file, stride_for
 from headgate.protocol import messages as m
 from headgate.protocol.channel import ServerChannel
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -568,6 +570,12 @@ class Stream:
         self._appends: deque[tuple[int, int, int]] = deque()  # (end, producer, next_seq)
         #: The stream's named consumers (set by :meth:`open`).
         self.consumers = ConsumerBook(name, state_file.with_name(f"{name}.consumers.json"), {})
+        #: Cumulative record counts by position (set by :meth:`open`): lag in records.
+        self.records = RecordIndex.in_memory()
+        # Whether a failed write of the record marks was logged (once).
+        self._records_unsaved_logged = False
+        #: Frame headers read to count records (what a peer that asked is charged).
+        self.records_scanned = 0
         # Whether a failed save of the consumers was logged (once per spell).
         self._consumers_unsaved_logged = False
         #: When a Release last moved one of this stream's consumers forward, in
@@ -649,6 +657,17 @@ class Stream:
         if stream.consumers.unsaved:
             stream._save_consumers()
         stream._recover_dedup()
+        try:
+            stream.records = RecordIndex.open(
+                record_index_file(data_dir, name),
+                stride=stride_for(stream_log.capacity),
+                release=stream_log.release_position,
+                tail=stream_log.tail_position,
+                scan=stream.scan_records,
+            )
+        except OSError as exc:
+            stream_log.close()
+            raise LogError(f"stream {name}: record index not opened: {exc}") from None
         # A consumer deleted or detached since the last life: free what it held.
         stream._free_to_floor()
         return stream
@@ -965,6 +984,11 @@ class Stream:
             self._await_release(writer, result.end_position, records)
         self.appended_batches += 1
         self.appended_records += record_count
+        # RecordIndex.appended, inlined: the append path's whole cost of lag in records.
+        index = self.records
+        index.total += record_count
+        if result.end_position >= index.next_mark:
+            index.mark(result.end_position)
         if self.on_append is not None:
             self.on_append(self, writer, first_sequence, records, timestamp_us)
         return AppendOutcome.STORED
@@ -1002,10 +1026,77 @@ class Stream:
                 w.session.send_global(
                     m.Ack(handle=w.handle, next_sequence=acked, durable_position=durable)
                 )
+        self._store_marks(durable)
         # Consumers may have committed past what was durable: free on as it
         # is (a save of their positions goes on off the loop, see
         # begin_consumer_save; a failed one is retried after each commit).
         self._free_to_floor()
+
+    def _store_marks(self, durable: int) -> None:
+        """Store the record marks the log is now durable up to (a pwrite when one is due)."""
+        try:
+            self.records.durable(durable)
+        except OSError as exc:
+            if not self._records_unsaved_logged:
+                log.warning("stream %s: record marks not stored: %s", self.name, exc)
+                self._records_unsaved_logged = True
+
+    def scan_records(self, start: int, end: int) -> Iterator[tuple[int, int]]:
+        """``(end_position, record_count)`` of the frames in ``[start, end)`` (headers only)."""
+        for header in self.log.scan_headers(start, end, verify=False):
+            self.records_scanned += 1
+            yield header.end_position, header.record_count
+
+    def count_at(self, position: int) -> int | None:
+        """Records in the frames before ``position`` (the index's count), if it can be known.
+
+        Exact for what the log holds (a bounded header scan from the
+        nearest mark); for a freed position only where a mark is.
+        """
+        log_ = self.log
+        try:
+            return self.records.count_at(
+                position, log_.release_position, log_.tail_position, self.scan_records
+            )
+        except LogError:
+            return None  # not a frame boundary of the log: no count
+
+    def count_known(self, position: int) -> int | None:
+        """:meth:`count_at`, or the count stored with a consumer committed at ``position``.
+
+        For a position a peer names (CountRecords): one the log holds must
+        be a frame boundary (a header scan from inside a frame would read
+        payload as headers), checked first.
+        """
+        log_ = self.log
+        if log_.release_position <= position <= log_.tail_position:
+            if position > log_.durable_position:
+                if position != log_.tail_position:
+                    return None
+            elif log_.boundary_problem(position) is not None:
+                return None
+        count = self.count_at(position)
+        if count is not None:
+            return count
+        epoch = self.records.epoch
+        for consumer in self.consumers.consumers.values():
+            counted = consumer.counted
+            if counted is not None and counted[:2] == (position, epoch):
+                return counted[2]
+        return None
+
+    def _count_consumers(self, consumers: Iterable[Consumer]) -> None:
+        """Take each consumer's count at its position while the log still holds it."""
+        epoch = self.records.epoch
+        for consumer in consumers:
+            counted = consumer.counted
+            if counted is not None and counted[:2] == (consumer.position, epoch):
+                continue
+            count = self.count_at(consumer.position)
+            if count is not None:
+                consumer.counted = (consumer.position, epoch, count)
+                if not consumer.blocking:
+                    self.consumers.unsaved = True  # stored with its position
 
     # -- release and credit --------------------------------------------------------
 
@@ -1041,6 +1132,9 @@ class Stream:
             return False
         self._check_release(consumer, position)
         self.consumers.commit(target, position, now)
+        if not target.blocking:
+            # The log may free its position before it reads on: count it now.
+            self._count_consumers((target,))
         if store:
             self._save_consumers()
             self._free_to_floor()
@@ -1195,7 +1289,16 @@ class Stream:
                 # (the next commit of this stream tries again).
                 log.warning("stream %s: release to %d deferred: %s", self.name, position, exc)
                 return False
-        if self.consumers.behind(position):
+        behind = self.consumers.behind(position)
+        if behind:
+            self._count_consumers(behind)
+        count = self.count_at(position)
+        if count is not None:
+            try:
+                self.records.freeing(position, count)
+            except OSError as exc:
+                log.warning("stream %s: record release point not stored: %s", self.name, exc)
+        if behind:
             # A non-blocking consumer loses these frames: count their records.
             try:
                 self.consumers.freeing(
@@ -1315,7 +1418,10 @@ class Stream:
             ProtocolError: an unknown consumer, or DATA_LOST (see
                 :meth:`~headgate.gateway.consumers.ConsumerBook.read_from`).
         """
-        return self.consumers.read_from(consumer, start, self.log.release_position)
+        oldest = self.log.release_position
+        return self.consumers.read_from(
+            consumer, start, oldest, (self.records.epoch, self.count_at(oldest))
+        )
 
     def consumer_read(self, consumer: str, end: int) -> None:
         """A Fetch naming ``consumer`` ended at ``end`` (where its next read likely starts)."""
@@ -1680,10 +1786,36 @@ class Stream:
             consumers=self.consumers.statistics(
                 self.log.durable_position,
                 None if now_us is None else (now_us, self._oldest_unreleased_timestamp),
+                self._lag_records,
             ),
             retained_bytes=self.consumed_position - self.log.release_position,
             freed_position=self.log.release_position,
         )
+
+    def _lag_records(self, consumers: Iterable[Consumer]) -> dict[str, int]:
+        """Records between each consumer's position and the durable end, where countable.
+
+        A consumer's count is taken once per position it commits (cached on
+        it, see :meth:`_count_consumers`); a freed position is countable
+        only from the count stored with it (the same epoch) or a mark.
+        """
+        end = self.count_at(self.log.durable_position)
+        if end is None:
+            return {}
+        consumers = list(consumers)
+        epoch = self.records.epoch
+        held = [c for c in consumers if c.position >= self.log.release_position]
+        self._count_consumers(held)
+        lags: dict[str, int] = {}
+        for consumer in consumers:
+            counted = consumer.counted
+            if counted is not None and counted[:2] == (consumer.position, epoch):
+                lags[consumer.name] = max(0, end - counted[2])
+            elif consumer.position < self.log.release_position:
+                count = self.count_at(consumer.position)  # a mark, if there is one
+                if count is not None:
+                    lags[consumer.name] = max(0, end - count)
+        return lags
 
     def _oldest_unreleased_timestamp(self, position: int) -> int | None:
         """The timestamp (µs) of the first durable frame at or after ``position``, if any.
@@ -1718,4 +1850,8 @@ class Stream:
         if self.consumers.unsaved:
             # Releases since the last save (the gateway waited for any in flight).
             self._save_consumers()
+        try:
+            self.records.close(self.log.durable_position)
+        except OSError as exc:
+            log.warning("stream %s: record marks not stored at close: %s", self.name, exc)
         self.log.close()

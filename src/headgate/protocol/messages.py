@@ -46,6 +46,7 @@ __all__ = [
     "BATCH_HEADER_SIZE",
     "DEFAULT_CONSUMER",
     "FIRST_DATA_CHANNEL",
+    "MAX_COUNTED_POSITIONS",
     "MAX_METADATA_GATEWAYS",
     "MAX_METADATA_PARTITIONS",
     "MAX_NAME_BYTES",
@@ -68,6 +69,7 @@ __all__ = [
     "ConsumerInfo",
     "ConsumerList",
     "ConsumerPosition",
+    "CountRecords",
     "DeclareConsumer",
     "DeleteConsumer",
     "DescribeStreams",
@@ -90,6 +92,7 @@ __all__ = [
     "Missed",
     "Ping",
     "Pong",
+    "RecordCounts",
     "Release",
     "ResetConsumer",
     "ResetTime",
@@ -206,6 +209,9 @@ class MessageType(IntEnum):
     CONSUMER_LIST = 0x33
     RESET_CONSUMER = 0x34
     DELETE_CONSUMER = 0x35
+    #: Record counts at positions of a stream (for a reader's lag in records).
+    COUNT_RECORDS = 0x36
+    RECORD_COUNTS = 0x37
     # --- a fleet of gateways (0x40 to 0x47) ---
     #: What cluster does the gateway run under? (any peer)
     METADATA = 0x40
@@ -627,6 +633,10 @@ class ConsumerInfo:
     detached: bool = False
     #: Whether it is idle and holding the producers (``idle_policy = "hold"``).
     idle: bool = False
+    #: Records in the durable log after its position; None where the gateway
+    #: cannot count them (a position in data freed before it was counted, or
+    #: a gateway from before this field). On the wire: flag bit 4, then a c64.
+    lag_records: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -637,6 +647,39 @@ class ConsumerList:
     request_id: int
     #: One entry per consumer.
     consumers: tuple[ConsumerInfo, ...]
+
+
+#: Most positions one CountRecords may ask about.
+MAX_COUNTED_POSITIONS = 64
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CountRecords:
+    """Asks for the record index's counts at positions of one stream (the ``read`` right).
+
+    A reader that plans by position (the Spark source through a gateway)
+    subtracts two counts of one epoch to get the records between them.
+    """
+
+    #: Chosen by the client; RecordCounts echoes it.
+    request_id: int
+    #: The stream name.
+    stream: str
+    #: Log positions (frame boundaries), at most :data:`MAX_COUNTED_POSITIONS`.
+    positions: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecordCounts:
+    """The answer to CountRecords: per position, the records in the frames before it."""
+
+    #: The request_id of the CountRecords.
+    request_id: int
+    #: The index's epoch: counts of different epochs are not comparable.
+    epoch: int
+    #: One per position asked, in order; None where the gateway cannot count
+    #: (freed data with no count kept, or not a frame boundary).
+    counts: tuple[int | None, ...]
 
 
 # --- a fleet of gateways ---------------------------------------------------
@@ -739,6 +782,8 @@ GlobalMessage = (
     | ConsumerList
     | ResetConsumer
     | DeleteConsumer
+    | CountRecords
+    | RecordCounts
     | Metadata
     | ClusterMetadata
 )
@@ -1044,7 +1089,29 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
                     | (2 if entry.skip_data_loss else 0)
                     | (4 if entry.detached else 0)
                     | (8 if entry.idle else 0)
+                    | (16 if entry.lag_records is not None else 0)
                 )
+                if entry.lag_records is not None:
+                    _put_u64(out, entry.lag_records, "lag_records")
+        case CountRecords():
+            if len(message.positions) > MAX_COUNTED_POSITIONS:
+                raise ValueError(f"at most {MAX_COUNTED_POSITIONS} positions")
+            out.append(MessageType.COUNT_RECORDS)
+            _put_u64(out, message.request_id, "request_id")
+            _put_name(out, message.stream, "stream name")
+            _put_u64(out, len(message.positions), "position count")
+            for position in message.positions:
+                _put_u64(out, position, "position")
+        case RecordCounts():
+            if len(message.counts) > MAX_COUNTED_POSITIONS:
+                raise ValueError(f"at most {MAX_COUNTED_POSITIONS} counts")
+            out.append(MessageType.RECORD_COUNTS)
+            _put_u64(out, message.request_id, "request_id")
+            _put_u64(out, message.epoch, "epoch")
+            _put_u64(out, len(message.counts), "count count")
+            for count in message.counts:
+                # c64 count + 1; 0: not countable.
+                _put_u64(out, 0 if count is None else count + 1, "count")
         case ListStreams():
             out.append(MessageType.LIST_STREAMS)
             _put_u64(out, message.request_id, "request_id")
@@ -1446,8 +1513,9 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                 lag_bytes = reader.u64("lag_bytes")
                 lag_ms = reader.u64("lag_ms")
                 flags = reader.u8("flags")
-                if flags & ~15:
+                if flags & ~31:
                     raise MessageError(f"CONSUMER_LIST: undefined flags {flags:#04x}")
+                lag_records = reader.u64("lag_records") if flags & 16 else None
                 entries.append(
                     ConsumerInfo(
                         consumer=name,
@@ -1458,6 +1526,7 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                         skip_data_loss=bool(flags & 2),
                         detached=bool(flags & 4),
                         idle=bool(flags & 8),
+                        lag_records=lag_records,
                     )
                 )
             message = ConsumerList(request_id=request_id, consumers=tuple(entries))
@@ -1497,6 +1566,33 @@ def decode_global(payload: Buffer) -> GlobalMessage:
                     )
                 described.append(StreamDescription(info=info, released_at_us=released_at_us))
             message = StreamDescriptions(request_id=request_id, streams=tuple(described))
+        case MessageType.COUNT_RECORDS:
+            request_id = reader.u64("request_id")
+            stream = reader.name("stream name")
+            count = reader.u64("position count")
+            if count > MAX_COUNTED_POSITIONS:
+                raise MessageError(
+                    f"COUNT_RECORDS: {count} positions, at most {MAX_COUNTED_POSITIONS}"
+                )
+            message = CountRecords(
+                request_id=request_id,
+                stream=stream,
+                positions=tuple(reader.u64("position") for _ in range(count)),
+            )
+        case MessageType.RECORD_COUNTS:
+            request_id = reader.u64("request_id")
+            epoch = reader.u64("epoch")
+            count = reader.u64("count count")
+            if count > MAX_COUNTED_POSITIONS:
+                raise MessageError(
+                    f"RECORD_COUNTS: {count} counts, at most {MAX_COUNTED_POSITIONS}"
+                )
+            counts = tuple(reader.u64("count") for _ in range(count))
+            message = RecordCounts(
+                request_id=request_id,
+                epoch=epoch,
+                counts=tuple(None if c == 0 else c - 1 for c in counts),
+            )
         case MessageType.METADATA:
             message = Metadata(request_id=reader.u64("request_id"))
         case MessageType.CLUSTER_METADATA:

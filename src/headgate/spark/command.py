@@ -249,9 +249,15 @@ def _status_line(pipeline: Pipeline) -> str:
         )
         figures = pipeline.consumer_progress.get(name)
         if figures is not None:
-            line += f", consumer {figures.consumer} {figures.lag_bytes:,} bytes behind"
+            line += f", consumer {figures.consumer} {figures.lag_bytes:,} bytes"
+            if figures.lag_records is not None:
+                line += f" ({figures.lag_records:,} records)"
+            line += " behind"
             if figures.skipped_bytes:
-                line += f" ({figures.skipped_bytes:,} bytes skipped: freed unread)"
+                line += f" ({figures.skipped_bytes:,} bytes"
+                if figures.skipped_records is not None:
+                    line += f", {figures.skipped_records:,} records"
+                line += " skipped: freed unread)"
         parts.append(line)
     return " | ".join(parts)
 

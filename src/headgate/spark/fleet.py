@@ -103,6 +103,12 @@ class FleetLogs:
     def earliest(self, stream: str) -> int:
         return self._logs(stream).earliest(stream)
 
+    def count_records(
+        self, stream: str, positions: tuple[int, ...]
+    ) -> tuple[int, tuple[int | None, ...]]:
+        """The record counts of the gateway that holds ``stream`` (CountRecords)."""
+        return self._logs(stream).count_records(stream, positions)
+
     def latest(self, stream: str, *, read_up_to: int | None = None) -> int:
         """The durable end of ``stream``; while its gateway is down, where the query
         has read it to (the partition waits, the others go on)."""

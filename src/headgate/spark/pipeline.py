@@ -1232,6 +1232,10 @@ class ConsumerProgress:
     lag_bytes: int
     #: Bytes skipped (freed before they were read) with fail_on_data_loss false.
     skipped_bytes: int
+    #: Records in ``lag_bytes``; None where the source could not count them.
+    lag_records: int | None = None
+    #: Records in ``skipped_bytes``; None where the source could not count them.
+    skipped_records: int | None = None
 
 
 def consumer_progress(latest_offset: object) -> dict[str, ConsumerProgress]:
@@ -1247,11 +1251,19 @@ def consumer_progress(latest_offset: object) -> dict[str, ConsumerProgress]:
         return {}
     skipped = figures.get("skipped_bytes")
     skipped = skipped if isinstance(skipped, dict) else {}
+
+    def count(key: str, stream: object) -> int | None:
+        table = figures.get(key)
+        value = table.get(stream) if isinstance(table, dict) else None
+        return value if isinstance(value, int) else None
+
     return {
         str(stream): ConsumerProgress(
             consumer=str(figures.get("name") or DEFAULT_CONSUMER),
             lag_bytes=int(lag),
             skipped_bytes=int(skipped.get(stream, 0)),
+            lag_records=count("lag_records", stream),
+            skipped_records=count("skipped_records", stream),
         )
         for stream, lag in figures["lag_bytes"].items()
         if isinstance(lag, int)

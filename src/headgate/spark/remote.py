@@ -135,6 +135,14 @@ class GatewayLogs:
                 f"{self.gateway} ({info.tail_position}); was the log recreated?"
             )
 
+    def count_records(
+        self, stream: str, positions: tuple[int, ...]
+    ) -> tuple[int, tuple[int | None, ...]]:
+        """The gateway's record counts at ``positions`` (CountRecords); SourceError if it fails."""
+        return self._call(  # type: ignore[no-any-return]
+            "counting records", lambda r: r.count_records(stream, positions)
+        )
+
     def frames(self, stream: str, start: int, end: int) -> Iterator[Any]:
         """Frames in ``[start, end)``, fetched a page at a time (admission stops early)."""
         from headgate.client.reader import ReaderError

@@ -123,12 +123,22 @@ stream can have (names start with a letter or digit), ``_consumer``::
     {"orders": 81920,
      "_consumer": {"name": "archive",
                    "lag_bytes": {"orders": 4096},
-                   "skipped_bytes": {"orders": 0}}}
+                   "lag_records": {"orders": 37},
+                   "skipped_bytes": {"orders": 0},
+                   "skipped_records": {"orders": 0}}}
 
 ``lag_bytes``: log bytes between the end of the batch just planned and the
 stream's durable end, when it was planned (0: the query is caught up).
+``lag_records``: the records in those bytes.
 ``skipped_bytes``: bytes this run of the query skipped with
 ``failOnDataLoss`` false (what the log freed before the query read it).
+``skipped_records``: the records in those bytes.
+Records are counted from the gateway's record index
+(:mod:`headgate.spark.record_counts`: read from the data directory, or
+asked of the gateway with CountRecords); ``null`` where they cannot be: a
+skip from a position whose count nobody took while the log held it (a
+checkpoint's start that is not the consumer's committed position), or a
+gateway that cannot answer.
 """
 
 from __future__ import annotations
@@ -181,6 +191,12 @@ from headgate.spark.planning import (
     offset_value,
     plan_slices,
     sorted_offset,
+)
+from headgate.spark.record_counts import (
+    LocalRecordCounts,
+    PlannedCounts,
+    RecordCounter,
+    RemoteRecordCounts,
 )
 
 if TYPE_CHECKING:
@@ -647,6 +663,16 @@ class _Planner:
         self._first: dict[str, OffsetValue] = {}
         #: Per stream, what ``failOnDataLoss`` false skipped: from -> to.
         self.skips: dict[str, dict[int, int]] = {}
+        #: Per stream, the records of each skip: from -> (to, records or None).
+        self.skipped_counts: dict[str, dict[int, tuple[int, int | None]]] = {}
+        #: Record counts: from the data directory, or asked of the gateways.
+        self.counts: RecordCounter
+        if isinstance(self.logs, StreamLogs):
+            self.counts = LocalRecordCounts(self.logs.data_dir, self.logs.reader)
+        else:
+            self.counts = RemoteRecordCounts(self.logs)
+        #: The counts at the ends this query planned (a skip from one is countable).
+        self.planned_counts = PlannedCounts()
 
     def refuse_missing_streams(self, known: Iterable[str] = ()) -> None:
         """Fail if a stream that option ``streams`` names does not exist (``missingStreams``).
@@ -727,11 +753,56 @@ class _Planner:
             )
         skipped = self.skips.setdefault(stream, {})
         skipped[position] = max(earliest, skipped.get(position, earliest))
+        counted = self.skipped_counts.setdefault(stream, {})
+        if counted.get(position, (-1, None))[0] != skipped[position]:
+            counted[position] = (
+                skipped[position],
+                self.records_between(stream, position, earliest),
+            )
         return earliest
 
     def skipped_bytes(self, stream: str) -> int:
         """Bytes of ``stream`` skipped so far because the log freed them unread."""
         return sum(to - begin for begin, to in self.skips.get(stream, {}).items())
+
+    def skipped_records(self, stream: str) -> int | None:
+        """Records of ``stream`` skipped so far; None if one skip could not be counted."""
+        total = 0
+        for _, records in self.skipped_counts.get(stream, {}).values():
+            if records is None:
+                return None
+            total += records
+        return total
+
+    def count_at(self, stream: str, position: int) -> tuple[int, int] | None:
+        """``(epoch, C(position))`` of the record index, wherever it can be had.
+
+        A position this query planned (counted then), one the log holds (the
+        index and the frame headers), or the consumer's committed position
+        (the gateway stores its count while the log holds it).
+        """
+        remembered = self.planned_counts.get(stream, position)
+        if remembered is not None:
+            return remembered
+        return self.counts.count_at(stream, position) or self.counts.consumer_count(
+            stream, self.options.consumer, position
+        )
+
+    def records_between(self, stream: str, start: int, end: int) -> int | None:
+        """Records of ``stream`` in ``[start, end)``; None where they cannot be counted."""
+        if start >= end:
+            return 0
+        first, last = self.count_at(stream, start), self.count_at(stream, end)
+        if first is None or last is None or first[0] != last[0]:
+            return None
+        return max(0, last[1] - first[1])
+
+    def remember_planned(self, stream: str, position: int) -> tuple[int, int] | None:
+        """Count ``position`` (an end just planned) now, while the log holds it."""
+        count = self.count_at(stream, position)
+        if count is not None:
+            self.planned_counts.remember(stream, position, count)
+        return count
 
     def _checked_start(self, stream: str, address: RecordAddress) -> OffsetValue:
         """``startingOffsets``' address for ``stream``, once the log shows a record is there.
@@ -934,17 +1005,27 @@ class HeadgateStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """
         logs = self.planner.logs
         latest = sorted_offset({s: logs.latest(s) for s in logs.discover()})
+        planner = self.planner
         planned = self._planned or {}
         lag = {
             stream: max(0, offset_position(end) - offset_position(planned[stream]))
             for stream, end in latest.items()
             if stream in planned
         }
+        lag_records: dict[str, int | None] = {}
+        for stream in sorted(lag):
+            end = offset_position(planned[stream])
+            planner.remember_planned(stream, end)
+            lag_records[stream] = planner.records_between(
+                stream, end, offset_position(latest[stream])
+            )
         report: dict[str, Any] = dict(latest)
         report[PROGRESS_KEY] = {
             "name": self._options.consumer,
             "lag_bytes": lag,
-            "skipped_bytes": {s: self.planner.skipped_bytes(s) for s in sorted(lag)},
+            "lag_records": lag_records,
+            "skipped_bytes": {s: planner.skipped_bytes(s) for s in sorted(lag)},
+            "skipped_records": {s: planner.skipped_records(s) for s in sorted(lag)},
         }
         return report
 
