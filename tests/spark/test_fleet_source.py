@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -40,6 +43,7 @@ from headgate.spark.pipeline import (
 )
 from headgate.spark.source import FLEET_SCHEMA, SCHEMA, HeadgateDataSource, SourceOptions
 from tests.client.test_fleet import GATEWAYS, Fleet, run, write_cluster
+from tests.spark.test_gateway_source import local_cluster_environment
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -323,3 +327,55 @@ def test_run_takes_gateways_from_1_to_9() -> None:
     assert shown.exit_code == 0 and "--gateways" in shown.output
     refused = CliRunner().invoke(main, ["run", "--gateways", "0"])
     assert refused.exit_code == 2 and "--gateways" in refused.output
+
+
+FLEET_CHILD = Path(__file__).with_name("_fleet_cluster_child.py")
+
+
+@pytest.mark.timeout(300)
+def test_local_cluster_executors_read_keyed_and_keyless_records_of_three_gateways_once(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Executors in their own JVMs and Pythons read the fleet: nothing lost or twice,
+    keyed records in their key's partition in send order, keyless ones spread."""
+    keyed_values = keyed(list(range(12)), 40)
+    keyless_values = [b"free:%05d" % i + b"." * 200 for i in range(600)]
+
+    async def send() -> None:
+        async with FleetProducer(
+            cluster=fleet.cluster, linger_ms=1, max_batch_bytes=1024
+        ) as producer:
+            for index, value in enumerate(keyed_values):
+                await producer.send("orders", value, key=value.split(b":")[0])
+                await producer.send("orders", keyless_values[index])
+            await producer.send_many("orders", keyless_values[len(keyed_values) :])
+
+    run(send())
+    output = tmp_path / "fleet.json"
+    child = subprocess.run(
+        [sys.executable, str(FLEET_CHILD), str(fleet.cluster), str(output)],
+        env=local_cluster_environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(output.read_text())
+    assert len(result["executor_pids"]) == 2
+    assert result["driver_pid"] not in result["executor_pids"]
+    assert os.getpid() not in result["executor_pids"]
+    rows = sorted(
+        (stream, partition, position, index, bytes.fromhex(value))
+        for stream, partition, position, index, value in result["rows"]
+    )
+    values = [r[4] for r in rows]
+    assert len(values) == len(keyed_values) + len(keyless_values)
+    assert sorted(values) == sorted(keyed_values + keyless_values)
+    for stream, partition, *_ in rows:
+        assert stream == partition_name("orders", partition)
+    for key in {v.split(b":")[0] for v in keyed_values}:
+        mine = [r for r in rows if r[4].split(b":")[0] == key]
+        assert {r[1] for r in mine} == {partition_of(key, PARTITIONS)}
+        assert [r[4] for r in mine] == [v for v in keyed_values if v.split(b":")[0] == key]
+    # Sticky batches of keyless records move among the partitions.
+    assert len({r[1] for r in rows if r[4].startswith(b"free:")}) >= 3
