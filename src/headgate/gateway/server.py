@@ -747,7 +747,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             now=now,
             timestamp_us=timestamp_us,
         )
-        gw.durability.add(stream.name, stream.log.tail_position, self.account.loan(1))
+        gw.durability.add(stream.name, stream.log.tail_position, self.account, gw.write_pass)
         gw.mark_dirty(stream)
         if stream.wants_credit(writer, now):
             gw.rebalance_soon(stream)
@@ -1257,6 +1257,8 @@ class Gateway:
         self.queue = MessageQueue(self._signal_writer)
         #: Loans of batches appended and not yet durable.
         self.durability = DurabilityLoans()
+        #: The log writer's pass (write_messages) under way: a run of durability loans.
+        self.write_pass = 0
         self._counters: dict[str, StreamCounters] = {}
         self._metrics: MetricsServer | None = None
         #: Where the Prometheus endpoint listens, once started (None: off).
@@ -1781,6 +1783,7 @@ class Gateway:
         queue = self.queue
         if not len(queue):
             return
+        self.write_pass += 1
         now = time.monotonic()
         timestamp_us = time.time_ns() // 1000
         origins: dict[int, GatewayConnection] = {}
