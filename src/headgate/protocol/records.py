@@ -400,6 +400,8 @@ def _small_block_count(block: memoryview) -> int | None:
     size = len(block)
     if size < HEADER_SIZE:
         return None
+    count: int
+    flags: int
     count, flags = _HEADER.unpack_from(block)
     if flags or count > SMALL_BLOCK_RECORDS:
         return None
