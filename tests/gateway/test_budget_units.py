@@ -355,3 +355,31 @@ async def test_a_debt_run_up_while_alone_is_forgiven_when_others_come() -> None:
     await asyncio.sleep(0)  # a new pass, still alone
     passes.visit(share)
     assert share.credit == QUANTUM_SECONDS
+
+
+async def test_time_a_turn_charges_to_other_causes_is_not_charged_to_its_own() -> None:
+    """A turn that writes the queued batches of another cause (before a control
+    message) charges those appends to that cause only, not to itself as well."""
+    import time
+
+    passes = Passes()
+    own, other = TurnShare(), TurnShare()
+    writes = 0.0
+
+    def step(limit: int) -> int:
+        nonlocal writes
+        started = time.monotonic()
+        while time.monotonic() - started < 0.01:
+            pass  # the appends of the other cause's batches
+        writes = time.monotonic() - started
+        passes.spent(other, writes)
+        return 0  # then nothing more to decode
+
+    taker = TurnTaker(
+        step, lambda: None, lambda backlogged: None, lambda: False, passes, lambda: own
+    )
+    taker.received()
+    assert writes >= 0.01
+    assert other.used == pytest.approx(writes)
+    assert own.used < 0.25 * writes, (own.used, writes)
+    assert passes.turn is None
