@@ -1480,6 +1480,10 @@ class Gateway:
         self._recovery_executor.shutdown(wait=True)
         self.write_messages()
         await self._commit(list(self.streams.values()))
+        try:
+            self.owners.sync()  # claims under which nothing was written yet
+        except OSError as exc:
+            log.warning("producer ids table not durable at stop: %s", exc)
         for conn in list(self.connections.values()):
             if not conn.session.closed:
                 with contextlib.suppress(RuntimeError):
@@ -2069,11 +2073,20 @@ class Gateway:
         woke = time.monotonic()
         # When the fsync thread began and ended (for the trace).
         thread_times = [0.0, 0.0]
+        owners = self.owners
 
         def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
             took: list[float | None] = []
             failed: dict[Stream, LogError] = {}
             thread_times[0] = time.monotonic()
+            # New producer ids first: the data about to be made durable (and
+            # so acknowledged) may be under them (identity.py).
+            try:
+                owners.sync()
+            except OSError as exc:
+                error = LogError(f"producer ids table {owners.path} not durable: {exc}")
+                thread_times[1] = time.monotonic()
+                return [None] * len(streams), dict.fromkeys(streams, error)
             for stream in streams:
                 start = time.perf_counter()
                 try:
@@ -2083,6 +2096,14 @@ class Gateway:
                     took.append(None)
                     continue
                 took.append(time.perf_counter() - start)
+            try:
+                # Claims made while the logs were synced, for data appended
+                # under them meanwhile (none: no fsync).
+                owners.sync()
+            except OSError as exc:
+                error = LogError(f"producer ids table {owners.path} not durable: {exc}")
+                failed = dict.fromkeys(streams, error)
+                took = [None] * len(streams)
             thread_times[1] = time.monotonic()
             return took, failed
 
