@@ -242,3 +242,19 @@ async def test_a_connection_with_no_work_in_flight_owes_nothing(tmp_path: Path) 
             await peer.close()
     finally:
         await gw.stop()
+
+
+def test_a_loan_for_a_queue_grows_and_is_repaid_in_parts() -> None:
+    """One loan stands for the batches of a connection in its ring: a unit each."""
+    account = Account("a", threshold=2)
+    ring = account.loan(1)
+    ring.grow(2)
+    assert account.debt == 3 and account.over
+    ring.repay_part(2)
+    assert account.debt == 1 and not account.over and not ring.repaid
+    with pytest.raises(RuntimeError):
+        ring.repay_part(2)  # more than it holds
+    ring.repay_part(1)
+    assert ring.repaid and account.debt == 0
+    with pytest.raises(RuntimeError):
+        ring.grow(1)  # a repaid loan is not reused: take a new one

@@ -18,9 +18,13 @@ A :class:`Loan` is repaid exactly once, explicitly with :meth:`Loan.repay` or
 by leaving its ``with`` block; never by a finaliser, so a leak shows as debt
 in the statistics instead of vanishing::
 
-    loan = account.loan(1)          # a batch enters the ring
+    loan = account.loan(1)          # a subscriber's delivery starts
     ...
-    loan.repay()                    # the log writer is done with it
+    loan.repay()                    # it is done
+
+    ring = account.loan(1)          # a batch enters the ring (then
+    ring.grow(1)                    #  another, on the same loan)
+    ring.repay_part(2)              # the log writer is done with both
 
     with account.loan(len(subscribers)):
         deliver(record, subscribers)
@@ -165,6 +169,21 @@ class Loan:
             raise RuntimeError("this loan was already repaid")
         account._borrow(units)
         self.units += units
+
+    def repay_part(self, units: int) -> None:
+        """``units`` of the work are done: give them back; the loan is repaid at 0 left.
+
+        For a loan that stands for a queue (grown as pieces join it,
+        repaid as they leave), which a loan per piece would cost a loan
+        object, a borrowing and a repayment each.
+        """
+        account = self.account
+        if account is None or not 0 < units <= self.units:
+            raise RuntimeError(f"cannot repay {units} units of a loan of {self.units}")
+        self.units -= units
+        if not self.units:
+            self.account = None
+        account._repay(units)
 
     def repay(self) -> None:
         """The work is done: give the units back. Repaying twice is a bug and raises."""

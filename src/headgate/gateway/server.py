@@ -73,7 +73,7 @@ from headgate.config import (
 )
 from headgate.costs import batch_cost
 from headgate.gateway import commit_trace
-from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
+from headgate.gateway.accounts import Account, DurabilityLoans, Loan, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import (
     UNITS_PER_MS,
@@ -260,6 +260,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.account = Account(
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
+        #: The debt of this connection's batches in the ring, a unit each
+        #: (grown as they are decoded, repaid as the log writer handles them).
+        self._ring_loan: Loan | None = None
         self.reads = ReadPauses(self._pause_transport, self._resume_transport)
         #: What the peer may do; None until its Hello is accepted.
         self.rights: Rights | None = None
@@ -684,7 +687,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     message = ring.message(event.end, len(event.records))
                     message.origin = self
                     message.event = event
-                    message.loan = self.account.loan(1)
+                    # A unit of debt per batch in the ring, on one loan
+                    # for all of them (repaid by the log writer's pass).
+                    ring_loan = self._ring_loan
+                    if ring_loan is None or ring_loan.repaid:
+                        self._ring_loan = self.account.loan(1)
+                    else:
+                        ring_loan.grow(1)
                     # The latest read, which is no earlier than the frame's
                     # first byte and no later than its header being parsed.
                     message.arrived = self.last_received
@@ -751,6 +760,12 @@ class GatewayConnection(asyncio.BufferedProtocol):
         gw.mark_dirty(stream)
         if stream.wants_credit(writer, now):
             gw.rebalance_soon(stream)
+
+    def written(self, batches: int) -> None:
+        """The log writer handled ``batches`` of this connection's batches in the ring."""
+        loan = self._ring_loan
+        assert loan is not None
+        loan.repay_part(batches)
 
     def after_write(self) -> None:
         """The writer handled some of our messages: reclaim, answer, maybe read again.
@@ -1790,7 +1805,8 @@ class Gateway:
         self.write_pass += 1
         now = time.monotonic()
         timestamp_us = time.time_ns() // 1000
-        origins: dict[int, GatewayConnection] = {}
+        # Each origin's batches written in this pass: its ring loan's units.
+        origins: dict[GatewayConnection, int] = {}
         # The appends' time is charged to the cause of each run of batches
         # from one connection (``turns``: causes share the loop's time).
         run_origin: GatewayConnection | None = None
@@ -1816,12 +1832,12 @@ class Gateway:
             finally:
                 message.status = HANDLED
                 message.event = None
-                message.loan.repay()
-                origins[conn.conn_id] = conn
+                origins[conn] = origins.get(conn, 0) + 1
         ended = self._charge_appends(run_origin, run_started)
         if self._trace is not None:
             self._trace.appends(now, ended, len(origins))
-        for conn in origins.values():
+        for conn, written in origins.items():
+            conn.written(written)
             conn.after_write()
 
     def _charge_appends(self, conn: GatewayConnection | None, since: float) -> float:
