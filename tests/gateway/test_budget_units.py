@@ -383,3 +383,15 @@ async def test_time_a_turn_charges_to_other_causes_is_not_charged_to_its_own() -
     assert other.used == pytest.approx(writes)
     assert own.used < 0.25 * writes, (own.used, writes)
     assert passes.turn is None
+
+
+def test_a_flood_of_one_record_batches_costs_few_dedup_snapshots() -> None:
+    """Each dedup snapshot is two fsyncs on the event loop: 20,000 one-record
+    batches (under half a second of a flood) call for none."""
+    from headgate.gateway.dedup import snapshot_due
+    from headgate.log import frame_cost
+    from headgate.protocol.records import encode_records
+
+    one_record = frame_cost(len(encode_records([b"n" * 100])))
+    assert not snapshot_due(20_000, 20_000 * one_record)
+    assert snapshot_due(40_000, 40_000 * one_record), "but the frames a restart reads stay bounded"
