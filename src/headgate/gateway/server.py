@@ -1566,6 +1566,7 @@ class Gateway:
         self.flows[stream.name] = self._make_flow(stream)
         stream.on_append = self._offer_to_tails
         stream.on_acks_written = self._acks_written
+        stream.max_party_credit = self.config.max_stream_credit
         self.streams[stream.name] = stream
 
     async def _recover_streams(self) -> None:
