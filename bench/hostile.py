@@ -25,6 +25,15 @@ a machine that is busy for other reasons slows both alike). Per attack:
 
 Exits non-zero if the gateway died in any attack (it is restarted, with fresh
 data, for the next one).
+
+``--cpu-per-batch`` measures something else: each named attack that counts
+the batches it had acknowledged (the noisy writers) runs alone, with no good
+producer, for ``--seconds`` at a time (``--rounds`` times), and the gateway's
+CPU seconds (all its threads, user and system) per 1,000 of those batches
+are printed. Unlike a ratio, CPU per batch means something on a busy machine
+too: it is what a fair split of the gateway's time has to work with.
+
+    .venv/bin/python bench/hostile.py --cpu-per-batch --attack noisy_writers_16 --seconds 4
 """
 
 from __future__ import annotations
@@ -32,8 +41,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,6 +146,37 @@ async def run(
         return 0
 
 
+async def cpu_per_batch(names: list[str], rounds: int, seconds: float) -> int:
+    """The gateway's CPU per 1,000 acknowledged batches of each attack, run alone."""
+    print("| attack | batches/s | gateway CPU s per 1,000 batches | load (1 min) |")
+    print("|---|---:|---:|---:|", flush=True)
+    with tempfile.TemporaryDirectory(prefix="headgate-hostile-cpu-") as tmp:
+        arena = Arena(Path(tmp), capacity_mib=256)
+        attacker = Attacker()
+        try:
+            for name in names:
+                for _ in range(rounds):
+                    arena.ensure_up()
+                    cpu, wall = arena.cpu(), time.monotonic()
+                    await attacker.start(name, arena.target())
+                    await asyncio.sleep(seconds)
+                    report = await attacker.stop()
+                    cpu, wall = arena.cpu() - cpu, time.monotonic() - wall
+                    batches = report["facts"].get("batches")
+                    if not batches:
+                        print(f"| {name} | (counts no batches) | | |", flush=True)
+                        break
+                    print(
+                        f"| {name} | {batches / wall:,.0f} | {1000 * cpu / batches:.4f} "
+                        f"| {os.getloadavg()[0]:.1f} |",
+                        flush=True,
+                    )
+        finally:
+            await attacker.close()
+            arena.stop()
+    return 0
+
+
 def default_names(control: bool) -> list[str]:
     """Every attack; with ``control``, the control at the start, the middle and the end."""
     names = list(ATTACKS)
@@ -180,6 +222,12 @@ def main() -> None:
         "--verbose", action="store_true", help="print each attack's facts and cases too"
     )
     parser.add_argument("--list", action="store_true", help="list the attacks and exit")
+    parser.add_argument(
+        "--cpu-per-batch",
+        action="store_true",
+        help="instead: the gateway's CPU per 1,000 acknowledged batches of each attack "
+        "run alone (default: the noisy writers)",
+    )
     args = parser.parse_args()
     if args.list:
         for name, attack in {**ATTACKS, **CONTROLS}.items():
@@ -187,6 +235,9 @@ def main() -> None:
         return
     if args.rounds < 1 or args.seconds <= 0:
         parser.error("--rounds must be at least 1 and --seconds positive")
+    if args.cpu_per_batch:
+        names = args.attack or ["noisy_writers_16", "noisy_writers_4"]
+        sys.exit(asyncio.run(cpu_per_batch(names, args.rounds, args.seconds)))
     sys.exit(
         asyncio.run(
             run(

@@ -224,3 +224,14 @@ def test_the_readme_names_every_config_key() -> None:
     keys = [f.name for f in dataclasses.fields(GatewayConfig) if f.name != "streams"]
     keys += [f.name for f in dataclasses.fields(StreamSettings)]
     assert [key for key in keys if f"`{key}`" not in readme] == []
+
+
+def test_max_stream_credit_is_a_size_and_at_least_two_messages(tmp_path: Path) -> None:
+    path = tmp_path / "gw.toml"
+    path.write_text('[gateway]\nmax_stream_credit = "8MiB"\n')
+    assert load_gateway_config(path).max_stream_credit == 8 * 1024**2
+    path.write_text("[gateway]\nmax_stream_credit = 0\n")
+    assert load_gateway_config(path).max_stream_credit == 0, "0: no cap"
+    path.write_text('[gateway]\nmax_stream_credit = "1MiB"\nmax_message_size = "1MiB"\n')
+    with pytest.raises(ConfigError, match="max_stream_credit"):
+        load_gateway_config(path)

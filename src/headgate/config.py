@@ -29,6 +29,7 @@ Example ``headgate.toml``::
     handshake_timeout_ms = 10000
     max_write_buffer = "1MiB"
     bind_budget = "16KiB"
+    max_stream_credit = "32MiB"     # per token and stream (credit policy)
     max_streams = 256
     streams_per_token = 64
     max_producer_ids = 100000
@@ -326,6 +327,15 @@ class GatewayConfig:
     #: Bind-channel guarantees per connection: the bytes of stream-name
     #: bindings one connection may hold at once.
     bind_budget: int = 16 * 1024
+    #: Under the credit policy, the most credit the writers of one token (of
+    #: one connection without a tokens file) hold on one stream at a time:
+    #: guarantees not yet used, plus batches sent under them and not yet
+    #: received. A fair share of a big stream is otherwise hundreds of MiB
+    #: that a token can send ahead, and that keep arriving (and taking the
+    #: gateway's time) for seconds after it stops. Credit is granted again as
+    #: it is used, so it bounds what is in flight, not throughput (a writer
+    #: asks for more at most every 50 ms: 32 MiB is 640 MiB/s). 0: no cap.
+    max_stream_credit: int = 32 * 1024**2
     #: Largest number of streams the gateway opens; a bind of a new stream
     #: beyond it is refused. Each stream reserves two terms on disk as soon
     #: as it exists, and up to its capacity when used: size this so that
@@ -501,6 +511,12 @@ class GatewayConfig:
             )
         if not 256 <= self.bind_budget <= 1 << 30:
             raise ConfigError(f"bind_budget must be from 256 bytes to 1GiB, got {self.bind_budget}")
+        if self.max_stream_credit and self.max_stream_credit < 2 * self.max_message_size:
+            raise ConfigError(
+                f"max_stream_credit must be 0 (no cap) or at least two messages "
+                f"(2 x max_message_size = {2 * self.max_message_size}), "
+                f"got {self.max_stream_credit}"
+            )
         if self.max_streams < 1:
             raise ConfigError("max_streams must be at least 1")
         if self.streams_per_token < 0:
@@ -552,6 +568,7 @@ _GATEWAY_KEYS = {
     "plead_deadline_ms",
     "max_write_buffer",
     "bind_budget",
+    "max_stream_credit",
     "max_streams",
     "streams_per_token",
     "max_producer_ids",
@@ -630,6 +647,7 @@ def _gateway_from_table(table: dict[str, Any], where: str) -> dict[str, Any]:
             "max_message_size",
             "max_write_buffer",
             "bind_budget",
+            "max_stream_credit",
         ):
             out[key] = parse_size(value, what=what)
         elif key in ("group_commit_interval_ms", "handshake_timeout_ms", "work_budget_ms"):

@@ -116,13 +116,32 @@ def test_durability_loans_are_repaid_in_log_order_as_the_log_becomes_durable() -
     account = Account("a", threshold=100)
     loans = DurabilityLoans()
     for end in (64, 128, 192):
-        loans.add("s", end, account.loan(1))
-    loans.add("t", 64, account.loan(1))
+        loans.add("s", end, account)
+    loans.add("t", 64, account)
     assert loans.settle("s", 130) == 2 and account.debt == 2
     assert loans.settle("missing", 1000) == 0
     assert loans.outstanding() == 2
     assert loans.settle("s", 192) == 1 and loans.settle("t", 64) == 1
     assert account.debt == 0 and loans.outstanding() == 0
+
+
+def test_a_run_of_one_accounts_batches_shares_a_loan_repaid_when_the_run_is_durable() -> None:
+    """One loan per run (not per batch), and a run never grows past its pass."""
+    account = Account("a", threshold=100)
+    other = Account("b", threshold=100)
+    loans = DurabilityLoans()
+    for end in (64, 128, 192):
+        loans.add("s", end, account, run=1)
+    assert account.debt == 3 and loans.outstanding() == 3
+    loans.add("s", 256, other, run=1)  # another account: a loan of its own
+    loans.add("s", 320, account, run=1)  # after it: not merged into the first run
+    loans.add("s", 384, account, run=2)  # the next pass: a loan of its own
+    assert account.debt == 5 and other.debt == 1
+    assert loans.settle("s", 130) == 0 and account.debt == 5  # the run ends at 192
+    assert loans.settle("s", 256) == 4 and account.debt == 2 and other.debt == 0
+    assert loans.settle("s", 320) == 1 and loans.settle("s", 384) == 1
+    assert account.debt == 0 and loans.outstanding() == 0
+    assert account.statistics().loans == 5  # a unit per batch, as before
 
 
 # --- in the gateway, over real sockets ------------------------------------------
@@ -223,3 +242,19 @@ async def test_a_connection_with_no_work_in_flight_owes_nothing(tmp_path: Path) 
             await peer.close()
     finally:
         await gw.stop()
+
+
+def test_a_loan_for_a_queue_grows_and_is_repaid_in_parts() -> None:
+    """One loan stands for the batches of a connection in its ring: a unit each."""
+    account = Account("a", threshold=2)
+    ring = account.loan(1)
+    ring.grow(2)
+    assert account.debt == 3 and account.over
+    ring.repay_part(2)
+    assert account.debt == 1 and not account.over and not ring.repaid
+    with pytest.raises(RuntimeError):
+        ring.repay_part(2)  # more than it holds
+    ring.repay_part(1)
+    assert ring.repaid and account.debt == 0
+    with pytest.raises(RuntimeError):
+        ring.grow(1)  # a repaid loan is not reused: take a new one

@@ -355,3 +355,43 @@ async def test_a_debt_run_up_while_alone_is_forgiven_when_others_come() -> None:
     await asyncio.sleep(0)  # a new pass, still alone
     passes.visit(share)
     assert share.credit == QUANTUM_SECONDS
+
+
+async def test_time_a_turn_charges_to_other_causes_is_not_charged_to_its_own() -> None:
+    """A turn that writes the queued batches of another cause (before a control
+    message) charges those appends to that cause only, not to itself as well."""
+    import time
+
+    passes = Passes()
+    own, other = TurnShare(), TurnShare()
+    writes = 0.0
+
+    def step(limit: int) -> int:
+        nonlocal writes
+        started = time.monotonic()
+        while time.monotonic() - started < 0.01:
+            pass  # the appends of the other cause's batches
+        writes = time.monotonic() - started
+        passes.spent(other, writes)
+        return 0  # then nothing more to decode
+
+    taker = TurnTaker(
+        step, lambda: None, lambda backlogged: None, lambda: False, passes, lambda: own
+    )
+    taker.received()
+    assert writes >= 0.01
+    assert other.used == pytest.approx(writes)
+    assert own.used < 0.25 * writes, (own.used, writes)
+    assert passes.turn is None
+
+
+def test_a_flood_of_one_record_batches_costs_few_dedup_snapshots() -> None:
+    """Each dedup snapshot is two fsyncs on the event loop: 20,000 one-record
+    batches (under half a second of a flood) call for none."""
+    from headgate.gateway.dedup import snapshot_due
+    from headgate.log import frame_cost
+    from headgate.protocol.records import encode_records
+
+    one_record = frame_cost(len(encode_records([b"n" * 100])))
+    assert not snapshot_due(20_000, 20_000 * one_record)
+    assert snapshot_due(40_000, 40_000 * one_record), "but the frames a restart reads stay bounded"

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import socket
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -371,6 +373,60 @@ def test_claims_are_durable_and_the_first_owner_keeps_the_id(tmp_path: Path) -> 
     assert again.owner(1) == alice
     assert again.claim(1, 'token:"mallory"') is not None
     assert path.read_text() == '1 token:"alice"\n', "one line per claim, nothing else"
+
+
+def test_a_claim_is_written_at_once_and_made_durable_by_sync_not_by_claim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """claim() (on the event loop) never fsyncs; sync() (the group commit's thread) does,
+    the table file and its new directory entry, and only when a claim waits for it."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    path = tmp_path / "state" / "producers.log"
+    owners = ProducerOwners.open(path, limit=10)
+    assert owners.durable
+    assert owners.claim(1, 'token:"alice"') is None
+    assert path.read_text() == '1 token:"alice"\n', "written before the bind is accepted"
+    assert synced == [] and not owners.durable
+    owners.sync()
+    assert synced == [str(path), str(path.parent)] and owners.durable
+    owners.sync()
+    assert len(synced) == 2, "nothing new: no fsync"
+    assert owners.claim(2, 'token:"bob"') is None and not owners.durable
+    owners.sync()
+    assert synced[2:] == [str(path)] and owners.durable
+
+
+async def test_a_new_producer_ids_claim_is_durable_before_its_first_ack_and_not_fsynced_on_the_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = tmp_path / "data" / "state" / "producers.log"
+    on_loop: list[bool] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}") == str(table):
+            on_loop.append(threading.current_thread() is threading.main_thread())
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    gw = Gateway(config(tmp_path))
+    await gw.start()
+    try:
+        async with Producer(gw.address, producer_id=VICTIM_ID, linger_ms=1) as producer:
+            await producer.send("s", b"first")
+            await producer.flush()
+            # Acknowledged: the id's claim was made durable first, off the loop.
+            assert gw.owners.durable and on_loop == [False]
+            assert ProducerOwners.open(table, limit=10).owner(VICTIM_ID) is not None
+    finally:
+        await gw.stop()
 
 
 def test_a_token_name_cannot_break_a_line_of_the_table(tmp_path: Path) -> None:

@@ -512,3 +512,33 @@ async def test_a_peer_cannot_free_a_handle_the_gateway_bound(tmp_path: Path) -> 
         await producer.close()
     finally:
         await gw.stop()
+
+
+async def test_a_token_holds_at_most_max_stream_credit_of_a_big_stream(tmp_path: Path) -> None:
+    """A fair share of a big stream is not all sent ahead: what one writer holds
+    unused or in flight stays under max_stream_credit, granted again as it is
+    used, so that it writes far more than the cap all the same."""
+    from headgate.client import Producer
+
+    cap = 256 * 1024
+    gw = Gateway(
+        config(tmp_path, stream_capacity=64 * 1024**2, term_length=1024**2, max_stream_credit=cap)
+    )
+    await gw.start()
+    try:
+        async with Producer(gw.address, linger_ms=1) as producer:
+            most_held = 0
+            for i in range(12_000):  # ~1.6 MiB of log: six times the cap
+                await producer.send("s", b"%099d" % i)
+                if i % 500 == 0:
+                    await asyncio.sleep(0)
+                    stream = gw.streams.get("s")
+                    for w in stream.writers if stream is not None else ():
+                        held = w.inbound.capacity - w.inbound.buffered_bytes
+                        most_held = max(most_held, held)
+            await asyncio.wait_for(producer.flush(), 20)
+            assert 0 < most_held <= cap, most_held
+        assert gw.streams["s"].appended_records == 12_000
+        assert gw.streams["s"].log.tail_position > 4 * cap
+    finally:
+        await gw.stop()

@@ -1096,6 +1096,8 @@ async def _noisy_writers(target: Target, run: Run, connections: int, records: in
         engaged.cancel()
         run.engage()
     report.facts["acked"] = sum(p.acks.get(0, 0) for p in peers)
+    # Each peer's sequences count from 0: acked records over records a batch.
+    report.facts["batches"] = report.facts["acked"] // records
     close_all(peers)
     return report
 

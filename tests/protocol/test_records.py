@@ -303,3 +303,44 @@ def test_any_corrupted_word_is_rejected_or_still_safe(
         if keys is not None:
             keys.validate(full=True)
         assert len(values) == view.record_count
+
+
+# --- the small-block fast path ---------------------------------------------------
+
+
+def test_a_small_block_is_checked_without_numpy() -> None:
+    """A one-record batch (the smallest a flood can send) never pays numpy's fixed cost."""
+
+    def no_numpy() -> None:
+        raise AssertionError("numpy was asked to check a small block")
+
+    with mock.patch.object(records, "_numpy", no_numpy):
+        assert validate_records(encode_records([b"n" * 100])) == 1
+        assert validate_records(encode_records([b"x"] * records.SMALL_BLOCK_RECORDS)) == (
+            records.SMALL_BLOCK_RECORDS
+        )
+        assert validate_records(encode_records([])) == 0
+
+
+@given(batch=batches(), data=st.data())
+def test_the_fast_path_agrees_with_the_full_check(
+    batch: tuple[list[bytes], list[bytes | None] | None], data: st.DataObject
+) -> None:
+    """Whatever the bytes, the fast path accepts only what the full check accepts,
+    with the same count, and accepts every small keyless block the full check does."""
+    block = bytearray(encode_records(*batch))
+    if data.draw(st.booleans()):
+        at = data.draw(st.integers(0, max(0, len(block) - 4)))
+        word = data.draw(st.sampled_from([0, 1, 3, 2**31 - 1, 2**32 - 1, 0x80000000]))
+        block[at : at + 4] = word.to_bytes(4, "little")[: len(block) - at]
+    view = memoryview(bytes(block))
+    fast = records._small_block_count(view)
+    try:
+        full: int | None = records._Layout(view).count
+    except MessageError:
+        full = None
+    if fast is not None:
+        assert fast == full
+    elif full is not None:
+        flags = struct.unpack_from("<I", view, 4)[0]
+        assert flags or full > records.SMALL_BLOCK_RECORDS

@@ -496,3 +496,15 @@ def test_tail_records_flow_down_within_the_subscribers_own_guarantees() -> None:
     pair.producer.issue(m.data_channel(0))
     pair.flush_up()
     assert pair.gateway.send_tail(0, header, block)
+
+
+def test_a_batch_event_built_the_fast_way_is_the_dataclass_event() -> None:
+    """The session's per-batch shortcut makes exactly the event the dataclass would."""
+    from headgate.protocol.session import _batch_received
+
+    records = memoryview(b"\1\0\0\0\0\0\0\0\0\0\0\0\1\0\0\0x")
+    fast = _batch_received(3, "s", 7, 1, records, 48, 21)
+    assert fast == BatchReceived(
+        handle=3, stream="s", first_sequence=7, record_count=1, records=records, size=48, end=21
+    )
+    assert type(fast) is BatchReceived and repr(fast).startswith("BatchReceived(handle=3,")

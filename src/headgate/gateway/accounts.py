@@ -18,9 +18,13 @@ A :class:`Loan` is repaid exactly once, explicitly with :meth:`Loan.repay` or
 by leaving its ``with`` block; never by a finaliser, so a leak shows as debt
 in the statistics instead of vanishing::
 
-    loan = account.loan(1)          # a batch enters the ring
+    loan = account.loan(1)          # a subscriber's delivery starts
     ...
-    loan.repay()                    # the log writer is done with it
+    loan.repay()                    # it is done
+
+    ring = account.loan(1)          # a batch enters the ring (then
+    ring.grow(1)                    #  another, on the same loan)
+    ring.repay_part(2)              # the log writer is done with both
 
     with account.loan(len(subscribers)):
         deliver(record, subscribers)
@@ -104,6 +108,10 @@ class Account:
 
     def loan(self, units: int = 1) -> Loan:
         """Borrow ``units`` for one piece of work; repay the loan when it is done."""
+        self._borrow(units)
+        return Loan(self, units)
+
+    def _borrow(self, units: int) -> None:
         if units < 0:
             raise ValueError(f"a loan cannot be negative, got {units}")
         self.debt += units
@@ -116,7 +124,6 @@ class Account:
             self.overdrafts += 1
             if self._on_over is not None:
                 self._on_over(True)
-        return Loan(self, units)
 
     def _repay(self, units: int) -> None:
         self.debt -= units
@@ -150,6 +157,33 @@ class Loan:
     @property
     def repaid(self) -> bool:
         return self.account is None
+
+    def grow(self, units: int) -> None:
+        """Borrow ``units`` more for work that ends with this loan's (one repayment for all).
+
+        Cheaper than a loan per piece when the pieces are settled together:
+        the account is charged the same units at the same moments.
+        """
+        account = self.account
+        if account is None:
+            raise RuntimeError("this loan was already repaid")
+        account._borrow(units)
+        self.units += units
+
+    def repay_part(self, units: int) -> None:
+        """``units`` of the work are done: give them back; the loan is repaid at 0 left.
+
+        For a loan that stands for a queue (grown as pieces join it,
+        repaid as they leave), which a loan per piece would cost a loan
+        object, a borrowing and a repayment each.
+        """
+        account = self.account
+        if account is None or not 0 < units <= self.units:
+            raise RuntimeError(f"cannot repay {units} units of a loan of {self.units}")
+        self.units -= units
+        if not self.units:
+            self.account = None
+        account._repay(units)
 
     def repay(self) -> None:
         """The work is done: give the units back. Repaying twice is a bug and raises."""
@@ -208,34 +242,62 @@ class ReadPauses:
                 self._resume()
 
 
+class _DurableAt:
+    """Loans of :class:`DurabilityLoans`, repaid once their stream is durable up to ``end``."""
+
+    __slots__ = ("end", "loan", "run")
+
+    def __init__(self, end: int, loan: Loan, run: int | None) -> None:
+        self.end = end
+        self.loan = loan
+        self.run = run
+
+
 class DurabilityLoans:
     """Loans of batches appended to a log and not yet durable, per stream.
 
     Appends to one stream happen in log order, so each stream's loans are a
     queue ordered by end position; a group commit repays its durable prefix.
+
+    Consecutive batches of one account on one stream appended in one run
+    (one pass of the log writer) share one loan, grown by a unit per batch
+    and repaid when the last of them is durable: a flood of one-record
+    batches would otherwise make, queue and repay a loan per record. A run
+    ends with its pass, so a loan never grows past a commit that began
+    after the pass: a connection that never stops writing still has its
+    units repaid commit by commit.
     """
 
     __slots__ = ("_streams",)
 
     def __init__(self) -> None:
-        self._streams: dict[str, deque[tuple[int, Loan]]] = {}
+        self._streams: dict[str, deque[_DurableAt]] = {}
 
-    def add(self, stream: str, end_position: int, loan: Loan) -> None:
-        """``loan`` is repaid once ``stream`` is durable up to ``end_position``."""
+    def add(self, stream: str, end_position: int, account: Account, run: int | None = None) -> None:
+        """A batch of ``account`` is in ``stream`` up to ``end_position``: one unit
+        borrowed until the stream is durable up to there. Batches given the same
+        ``run`` (not None) one after the other share a loan."""
         queue = self._streams.get(stream)
         if queue is None:
             queue = self._streams[stream] = deque()
-        queue.append((end_position, loan))
+        elif run is not None and queue:
+            last = queue[-1]
+            if last.run == run and last.loan.account is account:
+                last.loan.grow(1)
+                last.end = end_position
+                return
+        queue.append(_DurableAt(end_position, account.loan(1), run))
 
     def settle(self, stream: str, durable_position: int) -> int:
-        """Repay the loans of ``stream`` up to ``durable_position``; return how many."""
+        """Repay the loans of ``stream`` up to ``durable_position``; return how many batches."""
         queue = self._streams.get(stream)
         repaid = 0
-        while queue and queue[0][0] <= durable_position:
-            queue.popleft()[1].repay()
-            repaid += 1
+        while queue and queue[0].end <= durable_position:
+            loan = queue.popleft().loan
+            repaid += loan.units
+            loan.repay()
         return repaid
 
     def outstanding(self) -> int:
-        """Loans still waiting for the disk."""
-        return sum(len(q) for q in self._streams.values())
+        """Batches still waiting for the disk."""
+        return sum(entry.loan.units for q in self._streams.values() for entry in q)

@@ -91,8 +91,9 @@ class Cost:
     BIND = 20.0
     #: A Hello: the token's hash, the Welcome.
     HELLO = 50.0
-    #: A new producer id's claim: a line appended to the owners' table and
-    #: fsynced on the event loop (``headgate.gateway.identity``).
+    #: A new producer id's claim: a line appended to the owners' table on the
+    #: event loop, and an fsync of it in the group commit's thread
+    #: (``headgate.gateway.identity``).
     CLAIM = 1000.0
     #: A DeclareConsumer that creates a consumer, a reset or a delete: the
     #: stream's consumers file rewritten and fsynced on the event loop

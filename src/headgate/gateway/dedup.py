@@ -34,9 +34,11 @@ from typing import Final
 
 #: After this many frames became durable since the last snapshot, a stream
 #: writes a new one: a restart then reads at most about this many frame
-#: headers per stream (plus those appended after the last group commit), a
-#: few milliseconds warm. Each snapshot costs two fsyncs.
-SNAPSHOT_EVERY_FRAMES: Final = 4096
+#: headers per stream (plus those appended after the last group commit),
+#: about a tenth of a second warm. Each snapshot costs two fsyncs, on the
+#: event loop (about 5 ms on the test machine): at 4,096 a flood of
+#: one-record batches (50,000 a second) made it wait about 60 ms a second.
+SNAPSHOT_EVERY_FRAMES: Final = 32768
 #: ... or after this many bytes, whichever comes first: a cold restart reads
 #: a page per header, and big frames bring more pages through readahead.
 SNAPSHOT_EVERY_BYTES: Final = 64 * 1024 * 1024

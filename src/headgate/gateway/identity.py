@@ -26,16 +26,20 @@ The table is durable, so a restart does not free the ids: the file
     owner:  token:<the token's name, as a JSON string>
          |  secret:<the secret's SHA-256, 64 hex digits>
 
-A claim is appended and fsynced before its bind is accepted (one small write
-and one fsync per new id, never a rewrite of the table). The fsync runs on
-the event loop, so a new id costs every connection about one fsync of
-latency once. A connection claims at most once (its first bind), so what a
-peer can make of that is bounded by the connections it may open and the
-budgets that charge Hellos, binds and each new claim (``Cost.CLAIM``, about
-a millisecond of work), and in all by ``max_producer_ids``.
-Ids already known cost nothing. A last line without
-its newline is a claim a crash tore: its bind was never accepted, so it is
-dropped. Any other damage stops the gateway at start with a clear error, as
+A claim is appended (one small write per new id, never a rewrite of the
+table) before its bind is accepted, and made durable off the event loop by
+the group commit (:meth:`ProducerOwners.sync`, in its thread), which fsyncs
+the table before it syncs the stream logs, and again after them if a claim
+came in meanwhile. Nothing is acknowledged under an id before a group commit
+has ended, so the claim is durable before anything acknowledged under it:
+the crash rule of the earlier fsync on the loop (where a new id cost every
+connection an fsync of latency), without the wait. A connection claims at
+most once (its first bind), so what a peer can make of that is bounded by the
+connections it may open and the budgets that charge Hellos, binds and each
+new claim (``Cost.CLAIM``), and in all by ``max_producer_ids``. Ids already
+known cost nothing. A last line without its newline is a claim a crash tore
+(and a claim not yet fsynced may be lost whole): nothing was acknowledged
+under it, so it is dropped. Any other damage stops the gateway at start with a clear error, as
 a broken stream log does: guessing would hand ids to whoever asks first.
 A data directory from before this table has none: its ids are claimed anew,
 by their first writer after the upgrade.
@@ -94,6 +98,12 @@ class ProducerOwners:
         self.path = path
         self._owners = owners
         self._limit = limit
+        # Claims appended (on the loop), and how many of them an fsync made
+        # durable (in the group commit's thread): plain counters, each
+        # written by one side only.
+        self._written = 0
+        self._synced = 0
+        self._directory_unsynced = False
 
     @classmethod
     def open(cls, path: Path, *, limit: int) -> ProducerOwners:
@@ -145,7 +155,8 @@ class ProducerOwners:
         """Tie ``producer_id`` to ``owner`` if it is free; why the bind is refused if not.
 
         None when ``owner`` owns the id (from before, or from now: the claim
-        is then on disk before this returns). Otherwise the error to scope to
+        is then written, and durable after the next :meth:`sync`, which every
+        group commit runs before any Ack goes out). Otherwise the error to scope to
         the stream: ``PRODUCER_FENCED`` when another owner holds the id (the
         text names the id, never a secret), ``RESOURCE_EXHAUSTED`` when the
         table is full, ``STORAGE_UNAVAILABLE`` when the claim cannot be written.
@@ -178,12 +189,46 @@ class ProducerOwners:
                 code=ErrorCode.STORAGE_UNAVAILABLE,
             )
         self._owners[producer_id] = owner
+        self._written += 1
         return None
+
+    @property
+    def durable(self) -> bool:
+        """Whether every claim written so far has been made durable."""
+        return self._synced >= self._written
+
+    def sync(self) -> None:
+        """Make every claim written so far durable (an fsync; from any thread).
+
+        Nothing to do (no fsync) when no claim was written since the last one.
+
+        Raises:
+            OSError: the fsync failed; the claims count as not durable, and
+                the next sync tries again.
+        """
+        target = self._written
+        if self._synced >= target:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if self._directory_unsynced:
+            # The file's directory entry must survive a crash as well.
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            self._directory_unsynced = False
+        self._synced = target
 
     def _append(self, line: bytes) -> None:
         new = not self.path.exists()
         if new:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._directory_unsynced = True
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
             size = os.fstat(fd).st_size
@@ -191,17 +236,9 @@ class ProducerOwners:
                 written = os.write(fd, line)
                 if written != len(line):
                     raise OSError(errno.ENOSPC, "short write")
-                os.fsync(fd)
             except OSError:
                 # Leave no partial claim behind to be read as damage.
                 os.ftruncate(fd, size)
                 raise
         finally:
             os.close(fd)
-        if new:
-            # The file's directory entry must survive a crash as well.
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)

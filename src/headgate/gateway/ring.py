@@ -67,12 +67,12 @@ class Message:
     Fields are plain slots, reused from message to message: ``status`` (FREE,
     QUEUED, HANDLED), the ``ring`` and the ``offset`` and ``length`` of the
     batch's bytes in it, the ``origin`` (who owns it, to tell when handled),
-    the decoded ``event`` that describes the batch, the ``loan`` it holds
-    on its origin's account, and when it ``arrived`` (``time.monotonic()``,
-    what its Ack's latency is measured from).
+    the decoded ``event`` that describes the batch, and when it ``arrived``
+    (``time.monotonic()``, what its Ack's latency is measured from). (Its
+    unit of debt is on its origin's ring loan, one for all of its batches.)
     """
 
-    __slots__ = ("arrived", "event", "length", "loan", "offset", "origin", "ring", "status")
+    __slots__ = ("arrived", "event", "length", "offset", "origin", "ring", "status")
 
     def __init__(self) -> None:
         self.status = FREE
@@ -81,7 +81,6 @@ class Message:
         self.length = 0
         self.origin: Any = None
         self.event: Any = None
-        self.loan: Any = None
         self.arrived = 0.0
 
     @property
@@ -124,7 +123,6 @@ class HeaderSlab:
         message.ring = None
         message.origin = None
         message.event = None
-        message.loan = None
         self._free.append(message)
 
 

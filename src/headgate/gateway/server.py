@@ -76,7 +76,7 @@ from headgate.config import (
 )
 from headgate.costs import batch_cost
 from headgate.gateway import commit_trace
-from headgate.gateway.accounts import Account, DurabilityLoans, ReadPauses
+from headgate.gateway.accounts import Account, DurabilityLoans, Loan, ReadPauses
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import (
     UNITS_PER_MS,
@@ -278,6 +278,9 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.account = Account(
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
+        #: The debt of this connection's batches in the ring, a unit each
+        #: (grown as they are decoded, repaid as the log writer handles them).
+        self._ring_loan: Loan | None = None
         self.reads = ReadPauses(self._pause_transport, self._resume_transport)
         #: What the peer may do; None until its Hello is accepted.
         self.rights: Rights | None = None
@@ -697,7 +700,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     message = ring.message(event.end, len(event.records))
                     message.origin = self
                     message.event = event
-                    message.loan = self.account.loan(1)
+                    # A unit of debt per batch in the ring, on one loan
+                    # for all of them (repaid by the log writer's pass).
+                    ring_loan = self._ring_loan
+                    if ring_loan is None or ring_loan.repaid:
+                        self._ring_loan = self.account.loan(1)
+                    else:
+                        ring_loan.grow(1)
                     # The latest read, which is no earlier than the frame's
                     # first byte and no later than its header being parsed.
                     message.arrived = self.last_received
@@ -760,10 +769,16 @@ class GatewayConnection(asyncio.BufferedProtocol):
             now=now,
             timestamp_us=timestamp_us,
         )
-        gw.durability.add(stream.name, stream.log.tail_position, self.account.loan(1))
+        gw.durability.add(stream.name, stream.log.tail_position, self.account, gw.write_pass)
         gw.mark_dirty(stream)
         if stream.wants_credit(writer, now):
             gw.rebalance_soon(stream)
+
+    def written(self, batches: int) -> None:
+        """The log writer handled ``batches`` of this connection's batches in the ring."""
+        loan = self._ring_loan
+        assert loan is not None
+        loan.repay_part(batches)
 
     def after_write(self) -> None:
         """The writer handled some of our messages: reclaim, answer, maybe read again.
@@ -1292,6 +1307,8 @@ class Gateway:
         self.queue = MessageQueue(self._signal_writer)
         #: Loans of batches appended and not yet durable.
         self.durability = DurabilityLoans()
+        #: The log writer's pass (write_messages) under way: a run of durability loans.
+        self.write_pass = 0
         self._counters: dict[str, StreamCounters] = {}
         self._metrics: MetricsServer | None = None
         #: Where the Prometheus endpoint listens, once started (None: off).
@@ -1513,6 +1530,10 @@ class Gateway:
         self._recovery_executor.shutdown(wait=True)
         self.write_messages()
         await self._commit(list(self.streams.values()))
+        try:
+            self.owners.sync()  # claims under which nothing was written yet
+        except OSError as exc:
+            log.warning("producer ids table not durable at stop: %s", exc)
         for conn in list(self.connections.values()):
             if not conn.session.closed:
                 with contextlib.suppress(RuntimeError):
@@ -1580,6 +1601,7 @@ class Gateway:
         self.flows[stream.name] = self._make_flow(stream)
         stream.on_append = self._offer_to_tails
         stream.on_acks_written = self._acks_written
+        stream.max_party_credit = self.config.max_stream_credit
         self.streams[stream.name] = stream
 
     async def _recover_streams(self) -> None:
@@ -1816,9 +1838,11 @@ class Gateway:
         queue = self.queue
         if not len(queue):
             return
+        self.write_pass += 1
         now = time.monotonic()
         timestamp_us = time.time_ns() // 1000
-        origins: dict[int, GatewayConnection] = {}
+        # Each origin's batches written in this pass: its ring loan's units.
+        origins: dict[GatewayConnection, int] = {}
         # The appends' time is charged to the cause of each run of batches
         # from one connection (``turns``: causes share the loop's time).
         run_origin: GatewayConnection | None = None
@@ -1844,12 +1868,12 @@ class Gateway:
             finally:
                 message.status = HANDLED
                 message.event = None
-                message.loan.repay()
-                origins[conn.conn_id] = conn
+                origins[conn] = origins.get(conn, 0) + 1
         ended = self._charge_appends(run_origin, run_started)
         if self._trace is not None:
             self._trace.appends(now, ended, len(origins))
-        for conn in origins.values():
+        for conn, written in origins.items():
+            conn.written(written)
             conn.after_write()
 
     def _charge_appends(self, conn: GatewayConnection | None, since: float) -> float:
@@ -2114,11 +2138,20 @@ class Gateway:
         woke = time.monotonic()
         # When the fsync thread began and ended (for the trace).
         thread_times = [0.0, 0.0]
+        owners = self.owners
 
         def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
             took: list[float | None] = []
             failed: dict[Stream, LogError] = {}
             thread_times[0] = time.monotonic()
+            # New producer ids first: the data about to be made durable (and
+            # so acknowledged) may be under them (identity.py).
+            try:
+                owners.sync()
+            except OSError as exc:
+                error = LogError(f"producer ids table {owners.path} not durable: {exc}")
+                thread_times[1] = time.monotonic()
+                return [None] * len(streams), dict.fromkeys(streams, error)
             for stream in streams:
                 start = time.perf_counter()
                 try:
@@ -2128,6 +2161,14 @@ class Gateway:
                     took.append(None)
                     continue
                 took.append(time.perf_counter() - start)
+            try:
+                # Claims made while the logs were synced, for data appended
+                # under them meanwhile (none: no fsync).
+                owners.sync()
+            except OSError as exc:
+                error = LogError(f"producer ids table {owners.path} not durable: {exc}")
+                failed = dict.fromkeys(streams, error)
+                took = [None] * len(streams)
             thread_times[1] = time.monotonic()
             return took, failed
 

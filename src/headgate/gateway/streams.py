@@ -313,6 +313,11 @@ def _split(
     return parts, capped
 
 
+def party_of(writer: Writer) -> Hashable:
+    """Who a writer's credit is shared and capped by: its token, or its connection without one."""
+    return writer.party if writer.party is not None else ("connection", id(writer.session))
+
+
 def fair_shares(
     total: int,
     floor: int,
@@ -357,8 +362,7 @@ def fair_shares(
         return {}
     parties: dict[Hashable, dict[int, list[Writer]]] = {}
     for w in writers:
-        party = w.party if w.party is not None else ("connection", id(w.session))
-        parties.setdefault(party, {}).setdefault(id(w.session), []).append(w)
+        parties.setdefault(party_of(w), {}).setdefault(id(w.session), []).append(w)
 
     def active(group: Sequence[Writer]) -> bool:
         return now is None or any(now - w.last_active <= IDLE_AFTER_S for w in group)
@@ -551,6 +555,11 @@ class Stream:
         self._start = self._first_grant(stream_log.capacity)
         #: When the gateway last rebalanced this stream's credit (``Gateway.rebalance``; its clock).
         self.rebalanced_at = float("-inf")
+        #: The most credit the writers of one party (token) may hold here at
+        #: once, under the credit policy: guarantees not yet used plus what
+        #: was sent under them and not yet received (0: no cap). The gateway
+        #: sets it (``max_stream_credit``).
+        self.max_party_credit = 0
         # When a writer's use last asked for a rebalance (wants_credit).
         self._asked_at = float("-inf")
         self.writers: list[Writer] = []
@@ -1550,14 +1559,33 @@ class Stream:
             return
         unassigned = self.unassigned()
         starving = False
+        # What each party holds beyond what the log holds for it (its credit
+        # and the batches in flight under it), against max_party_credit: a
+        # share of a big stream is otherwise megabytes a party can send
+        # ahead, which keep arriving for seconds after it stops.
+        cap = self.max_party_credit
+        held: dict[Hashable, int] = {}
+        if cap:
+            for w in self.writers:
+                party = party_of(w)
+                held[party] = held.get(party, 0) + w.inbound.capacity - w.inbound.buffered_bytes
         for w in self.writers:
             state = w.inbound
             want = shares[id(w)] - state.capacity
             if want > 0:
+                if cap:
+                    party = party_of(w)
+                    room = max(0, cap - held[party])
+                    if want > room:
+                        # Capped, not starved: it asks again as it uses it.
+                        want = room
+                        limited.add(id(w))
                 grant = min(want, unassigned)
                 if grant:
                     state.grow(grant)
                     unassigned -= grant
+                    if cap:
+                        held[party] += grant
                 if grant < want:
                     starving = True
         for w in self.writers:

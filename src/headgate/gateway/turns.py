@@ -116,10 +116,13 @@ class Passes:
     loop runs callbacks scheduled in one pass in the next one).
     """
 
-    __slots__ = ("_scheduled", "heavy", "heavy_before", "number")
+    __slots__ = ("_scheduled", "heavy", "heavy_before", "number", "turn")
 
     def __init__(self) -> None:
         self.number = 0
+        #: The turn being taken now, if any: time charged to a cause while it
+        #: runs (:meth:`spent`) is not its own (see :meth:`TurnTaker.exclude`).
+        self.turn: TurnTaker | None = None
         #: Causes that used a fair part of this pass (:data:`HEAVY_SECONDS`,
         #: or a quarter of a turn's bytes or cost), and of the one before.
         self.heavy = 0
@@ -140,11 +143,18 @@ class Passes:
         self._end_later()
 
     def spent(self, share: TurnShare, seconds: float) -> None:
-        """The cause's bytes cost ``seconds`` more (the log writer's appends)."""
+        """The cause's bytes cost ``seconds`` more (the log writer's appends).
+
+        Done inside a turn (a turn writes the queued batches, other
+        connections' too, before it acts on a control message), those
+        seconds are charged here and not again to the turn's own cause.
+        """
         # Bounded, so that a cause that was alone a moment ago and used the
         # whole loop does not wait for many passes once others come.
         share.credit = max(-MAX_DEBT_PASSES * QUANTUM_SECONDS, share.credit - seconds)
         self.used(share, seconds)
+        if self.turn is not None:
+            self.turn.exclude(seconds)
 
     def used(self, share: TurnShare, seconds: float, *, put_off: bool = False) -> None:
         """The cause used ``seconds`` of this pass (a turn, appends, reads, writes).
@@ -213,6 +223,7 @@ class TurnTaker:
     __slots__ = (
         "_closing",
         "_done",
+        "_excluded",
         "_handle",
         "_held_until",
         "_parked",
@@ -253,6 +264,8 @@ class TurnTaker:
         #: When the budget last held this connection (monotonic seconds; 0: never).
         self.last_hold = 0.0
         self._turn_cost = 0.0
+        #: Seconds of the turn under way already charged to some cause (:meth:`exclude`).
+        self._excluded = 0.0
         #: Whether a turn is being taken now: its time is charged to the
         #: cause when it ends, output flushed in it included.
         self.busy = False
@@ -308,24 +321,35 @@ class TurnTaker:
                 return
         started = time.monotonic()
         self._turn_cost = 0.0
+        self._excluded = 0.0
         self.busy = True
+        outer = None
+        if passes is not None:
+            outer, passes.turn = passes.turn, self
         try:
             more, fed = self._decode_turn(passes, share, started)
             # The turn's output is written now: its cause pays for that too.
             self._done()
         finally:
             self.busy = False
+            if passes is not None:
+                passes.turn = outer
         if share is not None:
             assert passes is not None
             share.bytes += fed
             share.cost += self._turn_cost
-            elapsed = time.monotonic() - started
+            elapsed = max(0.0, time.monotonic() - started - self._excluded)
             share.credit -= elapsed
             passes.used(share, elapsed)
         if more and not self._closing():
             self._schedule()
         else:
             self._set_backlogged(False)
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of the turn under way were charged to a cause already
+        (:meth:`Passes.spent`): its own cause does not pay them again."""
+        self._excluded += seconds
 
     def _decode_turn(
         self, passes: Passes | None, share: TurnShare | None, started: float
@@ -343,7 +367,10 @@ class TurnTaker:
                 # (its budget is in debt): then the rest waits for later.
                 more = self._held_until > time.monotonic()
                 break
-            now = time.monotonic()
+            # Time charged elsewhere (appends of queued batches) is not this
+            # turn's: not in its slices' rate, nor in its length.
+            clock = time.monotonic()
+            now = clock - self._excluded
             fed += took
             fits = min(
                 (TURN_SECONDS / 4) * took / max(now - before, 1e-9),
@@ -354,7 +381,7 @@ class TurnTaker:
                 fed >= TURN_BYTES
                 or now - started >= TURN_SECONDS
                 or self._turn_cost >= TURN_COST
-                or self._held_until > now
+                or self._held_until > clock
                 or (
                     share is not None
                     and (

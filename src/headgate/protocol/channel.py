@@ -262,6 +262,7 @@ class ServerChannel(Generic[T]):
         # The bound of the last LimitReceiving sent (the client's estimate
         # is no lower than what it says minus what counted since).
         self._receive_bound_sent: int | None = None
+        self._last_buffered: MessageBuffered | None = None
 
     # -- read-only view --
 
@@ -434,7 +435,11 @@ class ServerChannel(Generic[T]):
             self._send_bound -= size
         # Issuable stays as it is, even above the free space: the message
         # consumed the client's guarantees (or pushed it into debt), not ours.
-        return MessageBuffered(size=size)
+        buffered = self._last_buffered
+        if buffered is None or buffered.size != size:
+            # (Immutable: the answer to a run of equal sizes is made once.)
+            buffered = self._last_buffered = MessageBuffered(size=size)
+        return buffered
 
     def _start_dropping(self, size: int, reason: DropReason) -> MessageDropped:
         # Issue and announce in the same step as the drop. Guarantees issued

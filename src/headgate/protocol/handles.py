@@ -245,6 +245,9 @@ class _Binding(Generic[V]):
     # For handles we created: whether the bind is certain to be (or have
     # been) bound by the peer, i.e. was not sent optimistically.
     confirmed: bool = True
+    # What :meth:`HandleTable.on_reference` answers for this binding (it is
+    # immutable): made once at the bind, not once per message.
+    reference: Referenced[V] | None = None
 
 
 # --- one table ---------------------------------------------------------------
@@ -351,7 +354,12 @@ class HandleTable(Generic[V]):
             raise ValueError(f"size must not be negative, got {size}")
         handle = self._next_handle
         self._next_handle += 1
-        self._bindings[handle] = _Binding(value=value, size=size, confirmed=confirmed)
+        self._bindings[handle] = _Binding(
+            value=value,
+            size=size,
+            confirmed=confirmed,
+            reference=Referenced(handle=handle, value=value),
+        )
         return handle
 
     def confirm(self, handle: int) -> None:
@@ -477,7 +485,10 @@ class HandleTable(Generic[V]):
                 code=ErrorCode.HANDLE_FREED,
             )
         binding.references += 1
-        return Referenced(handle=handle, value=binding.value)
+        reference = binding.reference
+        if reference is None:
+            reference = binding.reference = Referenced(handle=handle, value=binding.value)
+        return reference
 
     def dereference(self, handle: int) -> V:
         """The value of a handle that a buffered message references.

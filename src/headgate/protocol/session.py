@@ -158,6 +158,40 @@ class BatchDropped:
     size: int
 
 
+# The session builds BatchReceived events through their slot descriptors (as
+# the codec builds SendChannel frames): what the frozen dataclass __init__
+# does, minus its per-field object.__setattr__ lookups, at a third of the
+# cost, for the event made once per batch (a flood of one-record batches).
+_BATCH_RECEIVED_SETTERS = tuple(
+    BatchReceived.__dict__[name].__set__
+    for name in ("handle", "stream", "first_sequence", "record_count", "records", "size", "end")
+)
+
+
+def _batch_received(
+    handle: int,
+    stream: str,
+    first_sequence: int,
+    record_count: int,
+    records: memoryview,
+    size: int,
+    end: int,
+) -> BatchReceived:
+    """``BatchReceived(handle=handle, stream=stream, ...)``, the same event, made faster."""
+    event: BatchReceived = object.__new__(BatchReceived)
+    set_handle, set_stream, set_first, set_count, set_records, set_size, set_end = (
+        _BATCH_RECEIVED_SETTERS
+    )
+    set_handle(event, handle)
+    set_stream(event, stream)
+    set_first(event, first_sequence)
+    set_count(event, record_count)
+    set_records(event, records)
+    set_size(event, size)
+    set_end(event, end)
+    return event
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TailReceived:
     """Records of a stream that the gateway delivers live (subscriber side)."""
@@ -698,15 +732,7 @@ class Session:
             return
         if self.role is Role.GATEWAY:
             events.append(
-                BatchReceived(
-                    handle=handle,
-                    stream=stream,
-                    first_sequence=first,
-                    record_count=count,
-                    records=records,
-                    size=size,
-                    end=self._frame_end,
-                )
+                _batch_received(handle, stream, first, count, records, size, self._frame_end)
             )
         else:
             events.append(
