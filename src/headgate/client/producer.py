@@ -34,7 +34,6 @@ before they were sent, for the next producer on the spool.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import os
@@ -44,12 +43,12 @@ import time
 from collections import deque
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
+from headgate.client.batches import encode_blocks, keyed_switch_extra
 from headgate.client.errors import (
     BufferFull,
     PendingBatch,
@@ -58,13 +57,19 @@ from headgate.client.errors import (
     SessionRefused,
     StreamRefused,
 )
+from headgate.client.producer_core import Batch, StreamBatches
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
 from headgate.costs import batch_cost
-from headgate.latency import LatencyWindow
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
-from headgate.protocol.records import encode_arrow, encode_records
+from headgate.protocol.records import (
+    BLOCK_BASE,
+    KEYED_BLOCK_BASE,
+    RECORD_OVERHEAD,
+    encode_records,
+    record_cost,
+)
 from headgate.protocol.session import (
     AckReceived,
     GuaranteesReceived,
@@ -116,15 +121,6 @@ class ProducerOptions(TypedDict, total=False):
     spool_max_bytes: int
     cluster: str | os.PathLike[str] | None
 
-
-# Records-block size accounting (see headgate.protocol.records): a block
-# without keys is exactly 12 bytes plus 4 + len(value) per record. With keys
-# each record also needs a key offset, a bitmap bit and its key bytes, and
-# the sections are padded to 4 bytes; these constants over-estimate that.
-_BLOCK_BASE = 12
-_KEYED_BLOCK_BASE = 32
-_RECORD_OVERHEAD = 4
-_KEYED_RECORD_OVERHEAD = 9
 
 _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
@@ -230,6 +226,10 @@ class Delivery:
         if self._first == first_sequence:
             self._first = None
 
+    def _split(self, extra: int) -> None:
+        """One of our batches was cut into ``extra`` more (the gateway's frames are smaller)."""
+        self._pending += extra
+
     def _acked(self, durable_position: int) -> None:
         self._pending -= 1
         if self._pending == 0 and not self.done():
@@ -328,92 +328,45 @@ class ProducerStatistics:
 # --- internal state -------------------------------------------------------------
 
 
-class _Batch:
-    """One sealed batch: its records block and where its records go in the sequence."""
+class _Stream(StreamBatches):
+    """One stream of the producer: its sans-IO batches, its open batch, and its waiters."""
 
-    __slots__ = ("block", "count", "delivery", "first_sequence", "opened_at", "spooled")
-
-    def __init__(
-        self, block: bytes, count: int, delivery: Delivery | None, opened_at: float
-    ) -> None:
-        self.block = block
-        self.count = count
-        self.delivery = delivery
-        # When its first record was sent (the loop's clock): its Ack's latency
-        # is measured from there.
-        self.opened_at = opened_at
-        # Numbered at first transmission, once the gateway said where the
-        # stream's sequence resumes; kept for every resend after that.
-        self.first_sequence = -1
-        # Written to the spool (under first_sequence, once numbered).
-        self.spooled = False
-
-
-class _Stream:
     __slots__ = (
-        "acked_batches",
-        "batches_dropped",
-        "buffered",
-        "bytes_acked",
-        "bytes_sent",
         "failure",
         "flush_waiters",
         "handle",
         "keys",
-        "latency",
         "linger",
-        "name",
-        "next_sequence",
         "open_bytes",
         "opened_at",
-        "queue",
-        "ready",
         "rebind",
-        "records_acked",
-        "records_sent",
         "records_spooled",
         "recovery_backoff",
         "refusal_reported",
         "room",
         "scheduled",
-        "sealed_batches",
         "space_waiters",
         "storage_full",
-        "stored_end",
-        "unacked",
         "values",
     )
 
     def __init__(self, name: str, room: int) -> None:
-        self.name = name
+        super().__init__(name)
         # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
         # The open batch.
         self.values: list[bytes] = []
         self.keys: list[bytes | None] | None = None
-        self.open_bytes = _BLOCK_BASE
+        self.open_bytes = BLOCK_BASE
         self.linger: asyncio.TimerHandle | None = None
         # When the open batch's first record was sent (the loop's clock).
         self.opened_at = 0.0
-        # Send-to-durable-ack times of the latest acked batches.
-        self.latency = LatencyWindow()
-        # Sealed batches: waiting to be sent on this connection, then sent.
-        self.queue: deque[_Batch] = deque()
-        self.unacked: deque[_Batch] = deque()
-        # Bytes of the sealed batches' blocks, queued or in flight.
-        self.buffered = 0
         # What send's fast path lets buffered plus the open batch reach:
         # max_buffered_bytes, or 0 while a send waits for room, so that
         # later sends queue behind it (see Producer._admit).
         self.room = room
-        self.sealed_batches = 0
-        self.acked_batches = 0
-        self.next_sequence: int | None = None
-        # Where the gateway's acknowledged copy of our sequence ends, once known.
-        self.stored_end: int | None = None
-        # Per connection: our handle, and whether its initial Ack arrived.
+        # Per connection: our handle (its initial Ack sets ``ready``).
         self.handle: int | None = None
-        self.ready = False
         # While the gateway is still recovering the stream after a restart
         # (RECOVERING): the pauses between binds, and the next bind's timer.
         self.recovery_backoff: Backoff | None = None
@@ -425,12 +378,7 @@ class _Stream:
         # Sends waiting for room, in order, with the bytes each needs; the
         # first one's future is resolved when it may go.
         self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self.records_sent = 0
         self.records_spooled = 0
-        self.records_acked = 0
-        self.bytes_sent = 0
-        self.bytes_acked = 0
-        self.batches_dropped = 0
 
 
 class _ConnectionFailed(Exception):
@@ -708,8 +656,7 @@ class Producer:
         for name, batches in spool.recovered.items():
             s = self._stream(name)
             for spooled in batches:
-                self._enqueue(s, spooled.block, spooled.record_count, None, now)
-                batch = s.queue[-1]
+                batch = self._enqueue(s, spooled.block, spooled.record_count, None, now)
                 batch.spooled = True
                 if spooled.first_sequence is not None:
                     batch.first_sequence = spooled.first_sequence
@@ -857,7 +804,7 @@ class Producer:
             and s.failure is None
             and type(value) is bytes
         ):
-            size = s.open_bytes + len(value) + _RECORD_OVERHEAD
+            size = s.open_bytes + len(value) + RECORD_OVERHEAD
             if size <= self._limit and s.buffered + size <= s.room:
                 values = s.values
                 if not values:
@@ -877,7 +824,7 @@ class Producer:
         s = self._streams.get(stream)
         if s is None or s.keys is not None or s.failure is not None or type(value) is not bytes:
             return False
-        size = s.open_bytes + len(value) + _RECORD_OVERHEAD
+        size = s.open_bytes + len(value) + RECORD_OVERHEAD
         if size > self._limit or s.buffered + size > s.room:
             return False
         values = s.values
@@ -946,12 +893,10 @@ class Producer:
         Raises:
             ValueError: the record does not fit in any batch.
         """
-        if key is None and s.keys is None:
-            cost, extra = len(value) + _RECORD_OVERHEAD, 0
-        else:
-            cost = len(value) + (0 if key is None else len(key)) + _KEYED_RECORD_OVERHEAD
-            extra = 0 if s.keys is not None else self._keyed_extra(len(s.values))
-        if (_BLOCK_BASE if key is None else _KEYED_BLOCK_BASE) + cost > self._limit:
+        keyed = key is not None or s.keys is not None
+        cost = record_cost(len(value), None if key is None else len(key), keyed=keyed)
+        extra = keyed_switch_extra(len(s.values)) if keyed and s.keys is None else 0
+        if (BLOCK_BASE if key is None else KEYED_BLOCK_BASE) + cost > self._limit:
             raise ValueError(
                 f"a record of {len(value) + len(key or b'')} bytes does not fit in a "
                 f"batch of at most {self._limit} bytes (max_batch_bytes or the "
@@ -969,7 +914,7 @@ class Producer:
         if s.open_bytes + cost + extra > self._limit:
             self._seal(s)
             sealed = True
-            extra = 0 if key is None else self._keyed_extra(0)
+            extra = 0 if key is None else keyed_switch_extra(0)
         values = s.values
         if not values:
             self._arm_linger(s)
@@ -981,12 +926,6 @@ class Producer:
         values.append(value)
         s.open_bytes += cost + extra
         return sealed
-
-    @staticmethod
-    def _keyed_extra(count: int) -> int:
-        # Switching an open batch to the keyed layout adds the key sections'
-        # fixed part and each earlier record's share of them.
-        return _KEYED_BLOCK_BASE - _BLOCK_BASE + (_KEYED_RECORD_OVERHEAD - _RECORD_OVERHEAD) * count
 
     async def _after_seal(self, s: _Stream) -> None:
         self._pump()
@@ -1074,7 +1013,7 @@ class Producer:
         them, or holds nothing for a call larger than ``max_buffered_bytes``.
         """
         s = await self._stream_for_send(stream)
-        blocks = self._encode_many(values, keys)
+        blocks = encode_blocks(values, keys, self._limit)
         needed = sum(len(block) for block, _ in blocks)
         waited = bool(s.space_waiters) or not self._has_room(s, needed)
         if waited:
@@ -1091,97 +1030,6 @@ class Producer:
             self._admit(s)
         self._pump()
         return delivery
-
-    def _encode_many(self, values: object, keys: object) -> list[tuple[bytes, int]]:
-        if isinstance(values, list | tuple):
-            return self._encode_lists(values, cast("Sequence[bytes | None] | None", keys))
-        import pyarrow as pa
-
-        if isinstance(values, pa.RecordBatch | pa.Table):
-            if keys is not None:
-                raise ValueError("pass keys as the 'key' column of the RecordBatch, not keys=")
-            names = values.schema.names
-            if "value" not in names:
-                raise ValueError(f"a RecordBatch needs a 'value' column; it has {names}")
-            keys = values.column("key") if "key" in names else None
-            values = values.column("value")
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
-        if isinstance(keys, pa.ChunkedArray):
-            keys = keys.combine_chunks()
-        if not isinstance(values, pa.Array):
-            raise TypeError(
-                "values must be a list of bytes or a pyarrow Array, RecordBatch or Table, "
-                f"not {type(values).__name__}"
-            )
-        if keys is not None and not isinstance(keys, pa.Array):
-            keys = pa.array(keys, type=pa.binary())
-        return self._encode_arrow(values, keys)
-
-    def _encode_lists(
-        self, values: Sequence[bytes], keys: Sequence[bytes | None] | None
-    ) -> list[tuple[bytes, int]]:
-        if keys is not None and len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys for {len(values)} values")
-        if keys is None:
-            costs = [len(v) + _RECORD_OVERHEAD for v in values]
-            budget = self._limit - _BLOCK_BASE
-        else:
-            costs = [
-                len(v) + (0 if k is None else len(k)) + _KEYED_RECORD_OVERHEAD
-                for v, k in zip(values, keys, strict=True)
-            ]
-            budget = self._limit - _KEYED_BLOCK_BASE
-        cumulative = list(accumulate(costs))
-        blocks: list[tuple[bytes, int]] = []
-        start = 0
-        while start < len(values):
-            before = cumulative[start - 1] if start else 0
-            end = bisect.bisect_right(cumulative, before + budget, lo=start)
-            if end == start:
-                raise ValueError(f"record {start} does not fit in a batch of {self._limit} bytes")
-            chunk_keys = None if keys is None else list(keys[start:end])
-            blocks.append((encode_records(list(values[start:end]), chunk_keys), end - start))
-            start = end
-        return blocks
-
-    def _encode_arrow(self, values: pa.Array, keys: pa.Array | None) -> list[tuple[bytes, int]]:
-        import numpy as np
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        count = len(values)
-        if keys is not None and len(keys) != count:
-            raise ValueError(f"{len(keys)} keys for {count} values")
-        if count == 0:
-            return []
-        if not pa.types.is_binary(values.type):
-            # encode_arrow accepts these too; lengths are measured on the same bytes.
-            values = values.cast(pa.binary())
-        costs = pc.binary_length(values).to_numpy(zero_copy_only=False).astype(np.int64)
-        if keys is None:
-            costs += _RECORD_OVERHEAD
-            budget = self._limit - _BLOCK_BASE
-        else:
-            if not pa.types.is_binary(keys.type):
-                keys = keys.cast(pa.binary())
-            key_lengths = pc.fill_null(pc.binary_length(keys), 0)
-            costs += key_lengths.to_numpy(zero_copy_only=False).astype(np.int64)
-            costs += _KEYED_RECORD_OVERHEAD
-            budget = self._limit - _KEYED_BLOCK_BASE
-        cumulative = np.cumsum(costs)
-        blocks: list[tuple[bytes, int]] = []
-        start = 0
-        while start < count:
-            before = int(cumulative[start - 1]) if start else 0
-            end = int(np.searchsorted(cumulative, before + budget, side="right"))
-            if end <= start:
-                raise ValueError(f"record {start} does not fit in a batch of {self._limit} bytes")
-            length = end - start
-            chunk_keys = None if keys is None else keys.slice(start, length)
-            blocks.append((encode_arrow(values.slice(start, length), chunk_keys), length))
-            start = end
-        return blocks
 
     async def flush(self, stream: str | None = None) -> None:
         """Seal open batches and wait until everything sent so far is durable.
@@ -1271,12 +1119,9 @@ class Producer:
             if s.failure is not None:
                 continue
             self._seal(s)
+            if s.next_sequence is not None:
+                s.number_all()
             for batch in (*s.unacked, *s.queue):
-                if batch.first_sequence < 0 and s.next_sequence is not None:
-                    batch.first_sequence = s.next_sequence
-                    s.next_sequence += batch.count
-                    if batch.delivery is not None:
-                        batch.delivery._numbered(batch.first_sequence)
                 if not batch.spooled:
                     first = None if batch.first_sequence < 0 else batch.first_sequence
                     spool.append(s.name, first, batch.count, batch.block)
@@ -1355,9 +1200,9 @@ class Producer:
             s = self._stream(name)
             delivery = deliveries[name] = Delivery(name)
             for batch in stream_batches:
-                self._enqueue(s, batch.block, batch.record_count, delivery, now)
+                queued = self._enqueue(s, batch.block, batch.record_count, delivery, now)
                 if batch.first_sequence is not None:
-                    s.queue[-1].first_sequence = batch.first_sequence
+                    queued.first_sequence = batch.first_sequence
                     delivery._numbered(batch.first_sequence)
         if self._runner is None:
             self._start()
@@ -1386,7 +1231,7 @@ class Producer:
         block = encode_records(values, s.keys)
         s.values = []
         s.keys = None
-        s.open_bytes = _BLOCK_BASE
+        s.open_bytes = BLOCK_BASE
         if s.linger is not None:
             s.linger.cancel()
             s.linger = None
@@ -1394,13 +1239,12 @@ class Producer:
 
     def _enqueue(
         self, s: _Stream, block: bytes, count: int, delivery: Delivery | None, opened_at: float
-    ) -> None:
-        s.queue.append(_Batch(block, count, delivery, opened_at))
+    ) -> Batch:
+        batch = s.enqueue(block, count, delivery, opened_at)
         if delivery is not None:
             delivery._add(count)
-        s.sealed_batches += 1
-        s.buffered += len(block)
         self._mark(s)
+        return batch
 
     def _mark(self, s: _Stream) -> None:
         if not s.scheduled:
@@ -1437,19 +1281,17 @@ class Producer:
                         conn.handles[handle] = s
                 # Batches wait for the stream's initial Ack in any case.
                 continue
-            queue = s.queue
-            if not s.ready or not queue:
+            try:
+                batch = s.front(self._limit)
+            except ValueError:
+                self._too_large(s)
                 continue
-            batch = queue[0]
+            if batch is None:
+                continue
             spool = self._spool
             if spool is not None and not batch.spooled and not self._spool_room(s, batch):
                 continue  # an acknowledgement marks the stream again
-            if batch.first_sequence < 0:
-                assert s.next_sequence is not None
-                batch.first_sequence = s.next_sequence
-                s.next_sequence += batch.count
-                if batch.delivery is not None:
-                    batch.delivery._numbered(batch.first_sequence)
+            s.number(batch)
             if spool is not None and not batch.spooled:
                 # Durable before its bytes leave: _write syncs the spool first.
                 try:
@@ -1466,17 +1308,14 @@ class Producer:
             session.send_batch(handle, batch.first_sequence, batch.block, optimistic=optimistic)
             if self._slot:
                 self._spend_slot(session, handle, len(batch.block))
-            queue.popleft()
-            s.unacked.append(batch)
-            s.records_sent += batch.count
-            s.bytes_sent += len(batch.block)
-            if queue:
+            s.sent()
+            if s.queue:
                 self._mark(s)  # back of the line: one batch per stream per round
             if session.pending_output >= chunk:
                 self._write(conn)
         self._write(conn)
 
-    def _spool_room(self, s: _Stream, batch: _Batch) -> bool:
+    def _spool_room(self, s: _Stream, batch: Batch) -> bool:
         """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
         spool = self._spool
         assert spool is not None
@@ -1847,12 +1686,8 @@ class Producer:
         if conn.keepalive is not None:
             conn.keepalive.cancel()
         for s in self._streams.values():
-            if s.unacked:
-                # Not known durable: resent first, in order, on the next connection.
-                s.queue.extendleft(reversed(s.unacked))
-                s.unacked.clear()
+            s.connection_lost()
             s.handle = None
-            s.ready = False
             if s.rebind is not None:
                 # A new connection binds at once; the give-up deadline runs on.
                 s.rebind.cancel()
@@ -1868,82 +1703,52 @@ class Producer:
             return
         s.storage_full = None  # no Ack comes while the gateway cannot store
         next_sequence = ack.next_sequence
-        s.stored_end = next_sequence
         assert self._loop is not None
         now = self._loop.time()
         if not s.ready:
             # The stream's initial Ack: where the gateway's copy of our
-            # sequence ends. Batches below it were stored before (a lost
-            # ack, or an earlier run with this producer id).
-            s.ready = True
+            # sequence ends (see StreamBatches.resume).
             s.recovery_backoff = None
-            queue = s.queue
-            while queue and 0 <= queue[0].first_sequence < next_sequence:
-                self._acked(s, queue.popleft(), ack.durable_position, now)
-            self._continue_sequence(s, next_sequence)
+            renumbered = s.resume(next_sequence, ack.durable_position, now)
+            self._respool(s, renumbered)
             self._mark(s)
-        else:
-            unacked = s.unacked
-            if unacked and unacked[0].first_sequence < next_sequence:
-                conn.progressed = True
-            while unacked and unacked[0].first_sequence < next_sequence:
-                self._acked(s, unacked.popleft(), ack.durable_position, now)
+        elif s.ack(next_sequence, ack.durable_position, now):
+            conn.progressed = True
         if self._spool is not None:
             self._spool.acked(s.name, next_sequence)
             self._spool_freed()
         self._wake(s)
 
-    def _continue_sequence(self, s: _Stream, stored_end: int) -> None:
-        """Number on from where the gateway's copy of our sequence ends (``stored_end``).
+    def _respool(self, s: _Stream, renumbered: int) -> None:
+        """After an initial Ack: rewrite the stream's spool files if their numbers no longer hold.
 
-        The numbered batches still queued (after the stored ones were
-        dropped) must run on from ``stored_end`` without a gap: the gateway
-        refuses a batch that skips ahead. A gap means records the gateway
-        never had are missing from what we hold (batches handed to
-        :meth:`resend` with one missing, a damaged spool entry): since the
-        gateway stores each producer's sequence contiguously, nothing from
-        the gap on was stored, so those batches are numbered afresh.
+        Batches spooled under numbers the gateway's copy contradicts
+        (``renumbered``), or under none, are numbered now and the stream's
+        spool files replaced, so that the spool holds what will be sent.
         """
-        expected = stored_end
-        renumbered = 0
-        for batch in s.queue:
-            if batch.first_sequence < 0:
-                break
-            if renumbered or batch.first_sequence != expected:
-                if batch.delivery is not None:
-                    batch.delivery._unnumbered(batch.first_sequence)
-                batch.first_sequence = -1
-                renumbered += 1
-            else:
-                expected += batch.count
-        if s.next_sequence is None or renumbered or s.next_sequence < expected:
-            s.next_sequence = expected
         spool = self._spool
-        if spool is not None and (
+        if spool is None or not (
             renumbered or any(b.spooled and b.first_sequence < 0 for b in s.queue)
         ):
-            # Spooled under numbers that no longer hold, or under none: number
-            # every queued batch now and replace the stream's spool files.
-            for batch in s.queue:
-                if batch.first_sequence < 0:
-                    batch.first_sequence = s.next_sequence
-                    s.next_sequence += batch.count
-                    if batch.delivery is not None:
-                        batch.delivery._numbered(batch.first_sequence)
-                if not batch.spooled:
-                    batch.spooled = True
-                    s.records_spooled += batch.count
-            spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
+            return
+        for batch in s.queue:
+            s.number(batch)
+            if not batch.spooled:
+                batch.spooled = True
+                s.records_spooled += batch.count
+        spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
-    def _acked(self, s: _Stream, batch: _Batch, durable_position: int, now: float) -> None:
-        s.latency.observe(now - batch.opened_at, now)
-        size = len(batch.block)
-        s.acked_batches += 1
-        s.records_acked += batch.count
-        s.bytes_acked += size
-        s.buffered -= size
-        if batch.delivery is not None:
-            batch.delivery._acked(durable_position)
+    def _too_large(self, s: _Stream) -> None:
+        """A record of ``s`` exceeds the gateway's frame limit, learnt after it was taken."""
+        self._refuse(
+            s,
+            StreamRefused(
+                s.name,
+                ErrorCode.FRAME_TOO_LARGE,
+                f"a record does not fit in a batch of at most {self._limit} bytes "
+                "(the gateway's max_message_size)",
+            ),
+        )
 
     def _wake(self, s: _Stream) -> None:
         if s.flush_waiters:
@@ -1972,13 +1777,10 @@ class Producer:
             s.rebind = None
         s.values = []
         s.keys = None
-        s.open_bytes = _BLOCK_BASE
-        for batch in (*s.unacked, *s.queue):
+        s.open_bytes = BLOCK_BASE
+        for batch in s.clear():
             if batch.delivery is not None:
                 batch.delivery._fail(error)
-        s.unacked.clear()
-        s.queue.clear()
-        s.buffered = 0
         for _, waiter in s.flush_waiters:
             if not waiter.done():
                 waiter.set_exception(error)
