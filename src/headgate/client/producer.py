@@ -7,6 +7,11 @@ credit, and the batches sent but not yet acknowledged. Nothing is per record
 except a list append: the records block is encoded when a batch is sealed,
 and durability is tracked per batch.
 
+Which batch goes next, under which sequence number, and what an Ack or a
+lost connection does to the batches held is the sans-IO core's rule
+(:mod:`headgate.client.producer_core`); records are cut into blocks by
+:mod:`headgate.client.batches`. This module is their asyncio adapter.
+
 Sending is driven by :meth:`Producer._pump`, called whenever something could
 let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
 transport draining). It visits only the streams marked as having work, one
@@ -44,7 +49,7 @@ from collections import deque
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
@@ -57,6 +62,7 @@ from headgate.client.errors import (
     SessionRefused,
     StreamRefused,
 )
+from headgate.client.link import GatewayLink, describe_failure
 from headgate.client.producer_core import Batch, StreamBatches
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
@@ -72,6 +78,7 @@ from headgate.protocol.records import (
 )
 from headgate.protocol.session import (
     AckReceived,
+    Event,
     GuaranteesReceived,
     MessageReceived,
     MessagesDropped,
@@ -393,24 +400,23 @@ class _Fatal(Exception):
         self.error = error
 
 
-class _Connection(asyncio.Protocol):
-    """One TCP connection and its protocol session; the producer does the thinking."""
+class _Connection(GatewayLink):
+    """One connection to the gateway, with what the producer keeps per connection."""
 
     def __init__(self, producer: Producer, session: Session) -> None:
-        self.producer = producer
-        self.session = session
+        # Whole batches go to the transport; the default 64 KiB high-water
+        # mark would pause writing after every one of them.
+        super().__init__(
+            producer, session, write_buffer=max(1 << 20, 4 * producer._max_batch_bytes)
+        )
         loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
         self.opened: asyncio.Future[None] = loop.create_future()
         self.closed: asyncio.Future[str] = loop.create_future()
         self.welcome: m.Welcome | None = None
-        self.paused = False
         self.handles: dict[int, _Stream] = {}
         self.bind_blocked: list[_Stream] = []
         self.reason: str | None = None
         self.fatal: ProducerError | None = None
-        #: The session's next timer (keepalive, idle: its lifecycle's clocks).
-        self.keepalive: asyncio.TimerHandle | None = None
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
         self.progressed = False
@@ -419,42 +425,11 @@ class _Connection(asyncio.Protocol):
         self.held: list[bytes] = []
         self.syncing = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        # Whole batches go to the transport; the default 64 KiB high-water
-        # mark would pause writing after every one of them.
-        high = max(1 << 20, 4 * self.producer._max_batch_bytes)
-        transport.set_write_buffer_limits(high=high, low=high // 4)
-        transport.write(self.session.data_to_send())
-
-    def data_received(self, data: bytes) -> None:
-        self.producer._on_data(self, data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.producer._on_lost(self, exc)
-
-    def pause_writing(self) -> None:
-        self.paused = True
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        self.producer._pump()
-
-    def close(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """Close, remembering the first reason given (what the producer reports)."""
         if self.reason is None:
             self.reason = reason
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        self.close()
 
 
 def _as_bytes(value: object, what: str) -> bytes:
@@ -489,7 +464,9 @@ class Producer:
         linger_ms: an open batch is sealed this long after its first record,
             full or not.
         max_batch_bytes: the largest records block per batch (also bounded by
-            the gateway's max_message_size).
+            the gateway's max_message_size; batches sealed before its Welcome
+            said less are cut to it before they go, records and sequence
+            numbers in order).
         max_buffered_bytes: per stream, the most bytes of records the gateway
             has not acknowledged yet (the records blocks of sealed batches,
             queued or in flight, plus the open batch), however its batches
@@ -755,11 +732,11 @@ class Producer:
     async def _shutdown(self, *, goodbye: bool, delivered: bool = False) -> None:
         self._closed = True
         conn = self._conn
-        if conn is not None and conn.transport is not None and not conn.transport.is_closing():
+        if conn is not None and conn.writable:
             if goodbye:
                 conn.session.send_global(m.Goodbye(code=ErrorCode.NONE))
-                conn.transport.write(conn.session.data_to_send())
-            conn.close("the producer closed")
+                conn.flush()
+            conn.end("the producer closed")
         runner = self._runner
         if runner is not None and not runner.done():
             runner.cancel()
@@ -1254,10 +1231,7 @@ class Producer:
     def _pump(self) -> None:
         """Bind streams and send batches that may go now; write once."""
         conn = self._conn
-        if conn is None:
-            return
-        transport = conn.transport
-        if transport is None or transport.is_closing():
+        if conn is None or not conn.writable:
             return
         session = conn.session
         dirty = self._dirty
@@ -1339,7 +1313,7 @@ class Producer:
         where = "" if spool is None else f" {spool.directory}"
         self._fail(ProducerError(f"cannot write the spool{where}: {exc}"))
         if self._conn is not None:
-            self._conn.close("the spool failed")
+            self._conn.end("the spool failed")
 
     def _spool_freed(self) -> None:
         """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
@@ -1361,13 +1335,11 @@ class Producer:
 
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
-        if data and conn.transport is not None and not conn.transport.is_closing():
+        if data and conn.writable:
             if self._spool is not None and (conn.syncing or self._spool.needs_sync):
                 self._write_after_sync(conn, data)
                 return
-            conn.transport.write(data)
-            assert self._loop is not None
-            conn.session.lifecycle.sent(self._loop.time())
+            conn.send(data)
 
     def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
         """Write ``data`` once the spool entries of its batches are durable.
@@ -1394,19 +1366,16 @@ class Producer:
             error = done.exception() if not done.cancelled() else None
             self._spool_failed(error if isinstance(error, OSError) else OSError(str(error)))
             return
-        transport = conn.transport
-        if transport is None or transport.is_closing():
+        if not conn.writable:
             return  # those batches are resent on the next connection
-        transport.write(b"".join(covered))
-        assert self._loop is not None
-        conn.session.lifecycle.sent(self._loop.time())
+        conn.send(b"".join(covered))
         if conn.held:
             spool = self._spool
             if spool is not None and spool.needs_sync:
                 self._start_sync(conn)
             else:
                 held, conn.held = conn.held, []
-                transport.write(b"".join(held))
+                conn.send(b"".join(held))
 
     # -- connection management -------------------------------------------------------
 
@@ -1428,7 +1397,7 @@ class Producer:
                 self._fail(exc.error)
                 return
             except (OSError, TimeoutError, _ConnectionFailed) as exc:
-                self._last_error = _describe(exc)
+                self._last_error = describe_failure(exc)
                 pause = backoff.failed(loop.time())
             else:
                 opened = loop.time()
@@ -1502,19 +1471,11 @@ class Producer:
             raise
         return conn
 
-    def _on_data(self, conn: _Connection, data: bytes) -> None:
-        loop = self._loop
-        assert loop is not None
-        if conn.closed.done() or conn.session.closed:
-            return
-        try:
-            events = conn.session.receive_data(data, loop.time())
-        except ProtocolError as exc:
-            if conn.transport is not None:
-                conn.transport.write(conn.session.fail(exc))
-            conn.fatal = ProducerError(f"the gateway at {self._address} broke the protocol: {exc}")
-            conn.close(str(conn.fatal))
-            return
+    # The link's reports (headgate.client.link.LinkOwner); each names its
+    # connection, which is not the current one any more after it was lost.
+
+    def link_events(self, link: GatewayLink, events: Iterable[Event]) -> None:
+        conn = cast("_Connection", link)
         for event in events:
             if isinstance(event, AckReceived):
                 self._on_ack(conn, event.ack)
@@ -1536,12 +1497,22 @@ class Producer:
                 dropped = conn.handles.get(event.handle)
                 if dropped is not None:
                     dropped.batches_dropped += event.count
-        if conn.session.ending is not None:
-            self._on_ending(conn, conn.session.ending)
+        if conn.session.ending is None:  # else link_ending follows and closes
+            self._pump()
+
+    def link_broken(self, link: GatewayLink, error: ProtocolError) -> None:
+        conn = cast("_Connection", link)
+        conn.fatal = ProducerError(f"the gateway at {self._address} broke the protocol: {error}")
+        conn.end(str(conn.fatal))
+
+    def link_expired(self, link: GatewayLink, reason: str) -> None:
+        cast("_Connection", link).end(reason)
+
+    def link_drained(self, link: GatewayLink) -> None:
         self._pump()
 
     def _on_message(self, conn: _Connection, message: m.GlobalMessage) -> None:
-        # (An Error about the whole session is its ending: _on_ending.)
+        # (An Error about the whole session is its ending: link_ending.)
         if (
             isinstance(message, m.Error)
             and (scope := message.scope) is not None
@@ -1557,7 +1528,7 @@ class Producer:
             elif s is not None:
                 self._refuse(s, StreamRefused(s.name, message.code, message.text))
 
-    def _on_ending(self, conn: _Connection, message: m.Goodbye | m.Error) -> None:
+    def link_ending(self, link: GatewayLink, message: m.Goodbye | m.Error) -> None:
         """The gateway ended the session (the lifecycle's rule): close, maybe for good."""
         refused = isinstance(message, m.Error)
         if refused:
@@ -1566,9 +1537,10 @@ class Producer:
             text = f"the gateway said goodbye ({message.code.name})"
         if message.text:
             text += f": {message.text}"
+        conn = cast("_Connection", link)
         if refused and message.code not in _RETRYABLE:
             conn.fatal = SessionRefused(text, message.code, message.text)
-        conn.close(text)
+        conn.end(text)
 
     def _bind_again_later(self, conn: _Connection, s: _Stream, handle: int, text: str) -> None:
         """The gateway is still recovering stream ``s`` after its restart: bind it again soon.
@@ -1627,7 +1599,7 @@ class Producer:
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
-        self._arm_timer(conn)
+        conn.start_timer()
         for s in self._streams.values():
             if s.failure is None and (s.queue or s.values):
                 self._mark(s)
@@ -1638,34 +1610,12 @@ class Producer:
                 waiter.set_result(None)
         self._connect_waiters.clear()
 
-    def _arm_timer(self, conn: _Connection) -> None:
-        """Wake for the session's next timer (its lifecycle decides when and why)."""
-        loop = self._loop
-        assert loop is not None
-        due = conn.session.get_timer()
-        conn.keepalive = None if due is None else loop.call_at(due, self._on_timer, conn)
-
-    def _on_timer(self, conn: _Connection) -> None:
-        """A keepalive Ping, or the gateway's silence past the idle timeout."""
-        loop = self._loop
-        assert loop is not None
-        conn.keepalive = None
-        if self._conn is not conn:
-            return
-        expired = conn.session.handle_timer(loop.time())
-        if expired is not None:
-            conn.close(str(expired.args[0]))
-            if conn.transport is not None:
-                conn.transport.abort()
-            return
-        self._write(conn)  # the Ping, if one was due
-        self._arm_timer(conn)
-
-    def _on_lost(self, conn: _Connection, exc: Exception | None) -> None:
+    def link_lost(self, link: GatewayLink, exc: Exception | None) -> None:
+        conn = cast("_Connection", link)
         if conn.reason is not None:
             reason = conn.reason
         elif exc is not None:
-            reason = f"connection lost: {_describe(exc)}"
+            reason = f"connection lost: {describe_failure(exc)}"
         else:
             reason = "the gateway closed the connection"
         if self._conn is conn:
@@ -1683,8 +1633,7 @@ class Producer:
 
     def _detach(self, conn: _Connection) -> None:
         self._conn = None
-        if conn.keepalive is not None:
-            conn.keepalive.cancel()
+        conn.stop_timer()
         for s in self._streams.values():
             s.connection_lost()
             s.handle = None
