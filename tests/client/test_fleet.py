@@ -490,7 +490,9 @@ def test_batches_sealed_before_each_gateways_welcome_fit_its_smaller_frames(
     ids: dict[str, int] = {}
 
     async def scenario() -> None:
-        async with Producer(cluster=fleet.cluster, linger_ms=200) as producer:
+        producer = Producer(cluster=fleet.cluster, linger_ms=200)
+        assert isinstance(producer, FleetProducer)
+        async with producer:
             for i in range(4000):  # about 60 KiB per partition, in its first batch
                 key = b"k%d" % (i % 30)
                 value = key + b":%05d" % i + b"." * 40
