@@ -312,3 +312,24 @@ def test_blocks_are_cut_within_the_limit_and_the_size_rule_bounds_them(keyed: bo
         for piece, _ in split_block(encode_records(values, keys), 1000)
         for b in decode_records(piece).to_lists()[0]
     ] == values
+
+
+def test_a_batch_the_gateway_holds_a_prefix_of_sends_only_the_rest() -> None:
+    """A spooled batch went in pieces before a crash; the gateway stored the first pieces.
+
+    The producer that recovers the spool holds it whole, under its numbers:
+    the initial Ack falls inside it, and only the records after it go.
+    """
+    stream = StreamBatches("s")
+    recovered = stream.enqueue(batch_of("w", 0, 50), 50, None, opened_at=0.0)
+    recovered.first_sequence = 0
+    stream.enqueue(batch_of("w", 50, 10), 10, None, opened_at=0.0)
+    copy = GatewayCopy(values=[f"w-{i:05d}".encode() for i in range(30)])  # pieces of 0..29
+    assert stream.resume(copy.end, durable_position=0, now=0.0) == 0
+    sent = send_all(stream, copy)
+    assert [(b.first_sequence, b.count) for b in sent] == [(30, 20), (50, 10)]
+    assert copy.values == [f"w-{i:05d}".encode() for i in range(60)]
+    assert copy.duplicates == 0
+    stream.ack(60, durable_position=1, now=1.0)
+    assert stream.acked_batches == stream.sealed_batches == 2
+    assert stream.records_acked == 60 and stream.buffered == 0

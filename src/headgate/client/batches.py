@@ -34,7 +34,7 @@ from headgate.protocol.records import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["Block", "encode_blocks", "keyed_switch_extra", "split_block"]
+__all__ = ["Block", "encode_blocks", "keyed_switch_extra", "split_block", "without_first"]
 
 #: One encoded records block and how many records it holds.
 Block = tuple[bytes, int]
@@ -95,6 +95,12 @@ def split_block(block: bytes, limit: int) -> list[Block]:
     """
     values, keys = decode_records(block).to_lists()
     return _encode_lists(values, keys, limit)
+
+
+def without_first(block: bytes, skip: int) -> bytes:
+    """The block of the records of ``block`` after its first ``skip``, in order."""
+    values, keys = decode_records(block).to_lists()
+    return encode_records(values[skip:], None if keys is None else keys[skip:])
 
 
 def _encode_lists(

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from headgate.client.batches import split_block
+from headgate.client.batches import split_block, without_first
 from headgate.latency import LatencyWindow
 
 __all__ = ["Batch", "BatchWaiter", "StreamBatches"]
@@ -213,6 +213,13 @@ class StreamBatches:
         self.stored_end = stored_end
         queue = self.queue
         while queue and 0 <= queue[0].first_sequence < stored_end:
+            batch = queue[0]
+            if batch.first_sequence + batch.count > stored_end:
+                # The gateway holds a prefix of it: the batch went in pieces
+                # (cut to a smaller frame limit) while it stayed whole here,
+                # in the spool it was recovered from. The rest still goes.
+                self._drop_prefix(batch, stored_end - batch.first_sequence)
+                break
             self._acked(queue.popleft(), durable_position, now)
         expected = stored_end
         renumbered = 0
@@ -229,6 +236,15 @@ class StreamBatches:
         if self.next_sequence is None or renumbered or self.next_sequence < expected:
             self.next_sequence = expected
         return renumbered
+
+    def _drop_prefix(self, batch: Batch, stored: int) -> None:
+        block = without_first(batch.block, stored)
+        self.records_acked += stored
+        self.bytes_acked += len(batch.block) - len(block)
+        self.buffered += len(block) - len(batch.block)
+        batch.block = block
+        batch.count -= stored
+        batch.first_sequence += stored
 
     def ack(self, next_sequence: int, durable_position: int, now: float) -> int:
         """An Ack after the initial one: everything below ``next_sequence`` is durable.
