@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from headgate.client.batches import encode_blocks, split_block
-from headgate.client.producer_core import Batch, StreamBatches
+from headgate.client.producer_core import Batch, StreamBatches, check_resend_order
 from headgate.protocol.records import (
     BLOCK_BASE,
     KEYED_BLOCK_BASE,
@@ -333,3 +333,23 @@ def test_a_batch_the_gateway_holds_a_prefix_of_sends_only_the_rest() -> None:
     stream.ack(60, durable_position=1, now=1.0)
     assert stream.acked_batches == stream.sealed_batches == 2
     assert stream.records_acked == 60 and stream.buffered == 0
+
+
+def test_adopted_batches_keep_their_numbers_and_must_come_in_order() -> None:
+    check_resend_order("s", [(0, 5), (5, 3), (None, 4), (None, 1)])
+    for wrong in ([(5, 3), (0, 5)], [(None, 4), (9, 1)], [(0, 5), (3, 5)]):
+        with pytest.raises(ValueError, match="sequence order"):
+            check_resend_order("s", wrong)
+
+    waiter = Waiter()
+    stream = StreamBatches("s")
+    assert not stream.used
+    stream.adopt(batch_of("o", 0, 5), 5, waiter, opened_at=0.0, first_sequence=0)
+    stream.adopt(batch_of("o", 5, 2), 2, waiter, opened_at=0.0, first_sequence=None)
+    assert stream.used and waiter.first == 0
+    copy = GatewayCopy(values=[f"o-{i:05d}".encode() for i in range(3)])  # a lost Ack's worth
+    stream.resume(copy.end, durable_position=0, now=0.0)
+    # The gateway holds 3 of the first batch's 5: the rest and the unnumbered one go.
+    sent = send_all(stream, copy)
+    assert [(b.first_sequence, b.count) for b in sent] == [(3, 2), (5, 2)]
+    assert copy.values == [f"o-{i:05d}".encode() for i in range(7)]

@@ -63,7 +63,7 @@ from headgate.client.errors import (
     StreamRefused,
 )
 from headgate.client.link import GatewayLink, describe_failure
-from headgate.client.producer_core import Batch, StreamBatches
+from headgate.client.producer_core import Batch, StreamBatches, check_resend_order
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
 from headgate.costs import batch_cost
@@ -633,10 +633,11 @@ class Producer:
         for name, batches in spool.recovered.items():
             s = self._stream(name)
             for spooled in batches:
-                batch = self._enqueue(s, spooled.block, spooled.record_count, None, now)
+                batch = s.adopt(
+                    spooled.block, spooled.record_count, None, now, spooled.first_sequence
+                )
                 batch.spooled = True
-                if spooled.first_sequence is not None:
-                    batch.first_sequence = spooled.first_sequence
+                self._mark(s)
         if spool.recovered:
             count = sum(b.record_count for batches in spool.recovered.values() for b in batches)
             log.info("spool %s: %d records to send again", directory, count)
@@ -1098,7 +1099,7 @@ class Producer:
             self._seal(s)
             if s.next_sequence is not None:
                 s.number_all()
-            for batch in (*s.unacked, *s.queue):
+            for batch in s.held():
                 if not batch.spooled:
                     first = None if batch.first_sequence < 0 else batch.first_sequence
                     spool.append(s.name, first, batch.count, batch.block)
@@ -1119,7 +1120,7 @@ class Producer:
                     b.count,
                     b.block,
                 )
-                for b in (*s.unacked, *s.queue)
+                for b in s.held()
             ]
             if s.values:
                 block = encode_records(s.values, s.keys)
@@ -1155,32 +1156,21 @@ class Producer:
             by_stream.setdefault(batch.stream, []).append(batch)
         for name, stream_batches in by_stream.items():
             s = self._streams.get(name)
-            if s is not None and (s.next_sequence is not None or s.queue or s.unacked or s.values):
+            if s is not None and (s.used or s.values):
                 raise ValueError(
                     f"stream {name!r} was already used by this producer; resend() must "
                     "come before any other send on it"
                 )
-            expected: int | None = None
-            for batch in stream_batches:
-                if batch.first_sequence is None:
-                    expected = -1
-                elif expected == -1 or (expected is not None and batch.first_sequence < expected):
-                    raise ValueError(
-                        f"stream {name!r}: pending batches must be in sequence order, "
-                        "numbered ones first"
-                    )
-                else:
-                    expected = batch.first_sequence + batch.record_count
+            check_resend_order(name, ((b.first_sequence, b.record_count) for b in stream_batches))
         deliveries: dict[str, Delivery] = {}
         now = time.monotonic()  # the loop's clock; resent batches are timed from here
         for name, stream_batches in by_stream.items():
             s = self._stream(name)
             delivery = deliveries[name] = Delivery(name)
             for batch in stream_batches:
-                queued = self._enqueue(s, batch.block, batch.record_count, delivery, now)
-                if batch.first_sequence is not None:
-                    queued.first_sequence = batch.first_sequence
-                    delivery._numbered(batch.first_sequence)
+                delivery._add(batch.record_count)
+                s.adopt(batch.block, batch.record_count, delivery, now, batch.first_sequence)
+            self._mark(s)
         if self._runner is None:
             self._start()
         self._pump()

@@ -24,12 +24,13 @@ its records' order and cover its sequence range exactly.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from typing import Protocol
 
 from headgate.client.batches import split_block, without_first
 from headgate.latency import LatencyWindow
 
-__all__ = ["Batch", "BatchWaiter", "StreamBatches"]
+__all__ = ["Batch", "BatchWaiter", "StreamBatches", "check_resend_order"]
 
 
 class BatchWaiter(Protocol):
@@ -133,6 +134,35 @@ class StreamBatches:
         self.sealed_batches += 1
         self.buffered += len(block)
         return batch
+
+    def adopt(
+        self,
+        block: bytes,
+        count: int,
+        delivery: BatchWaiter | None,
+        opened_at: float,
+        first_sequence: int | None,
+    ) -> Batch:
+        """Queue a batch an earlier producer sealed (a spool, a give-up), under its own number.
+
+        A numbered batch keeps its sequence numbers, so the gateway drops
+        it if it stored it already; :meth:`resume` checks they run on.
+        """
+        batch = self.enqueue(block, count, delivery, opened_at)
+        if first_sequence is not None:
+            batch.first_sequence = first_sequence
+            if delivery is not None:
+                delivery._numbered(first_sequence)
+        return batch
+
+    @property
+    def used(self) -> bool:
+        """Whether anything was sealed or numbered on the stream (too late to adopt batches)."""
+        return self.next_sequence is not None or bool(self.queue) or bool(self.unacked)
+
+    def held(self) -> list[Batch]:
+        """Every batch not acknowledged, in sequence order."""
+        return [*self.unacked, *self.queue]
 
     # -- batches out --------------------------------------------------------------
 
@@ -289,3 +319,25 @@ class StreamBatches:
         self.queue.clear()
         self.buffered = 0
         return batches
+
+
+def check_resend_order(stream: str, batches: Iterable[tuple[int | None, int]]) -> None:
+    """Check batches handed to a producer to send again: numbered ones first, in order.
+
+    ``batches`` are (first sequence or None, record count) pairs. A
+    numbered batch after an unnumbered one, or before the end of the one
+    before it, could not be stored exactly once.
+
+    Raises:
+        ValueError: they are not in that order.
+    """
+    expected: int | None = None
+    for first, count in batches:
+        if first is None:
+            expected = -1
+        elif expected == -1 or (expected is not None and first < expected):
+            raise ValueError(
+                f"stream {stream!r}: pending batches must be in sequence order, numbered ones first"
+            )
+        else:
+            expected = first + count
