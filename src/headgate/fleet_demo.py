@@ -245,10 +245,6 @@ class FleetDemo(_Demo):
             cluster=self.cluster,
             client_name="headgate-demo",
             max_buffered_bytes=MAX_BUFFERED_PER_PARTITION,
-            # A fleet producer connects to each gateway in the background, so
-            # batches may be sealed before a gateway's Welcome tells its frame
-            # limit: they must fit the demo gateways' small one from the start.
-            max_batch_bytes=MAX_MESSAGE_SIZE // 2,
         )
 
     def load(self, stream: str, stop: asyncio.Event) -> Any:

@@ -65,7 +65,7 @@ class Fleet:
     def address(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, *extra: str) -> None:
         proc = subprocess.Popen(
             [
                 *HEADGATE,
@@ -82,6 +82,7 @@ class Fleet:
                 "8MiB",
                 "--term-length",
                 "2MiB",
+                *extra,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -474,3 +475,35 @@ def test_a_built_tls_context_serves_the_gateways_whose_entry_names_no_files() ->
     replaced = gateway_security(base, with_files)
     assert replaced.tls_context is None and replaced.ca_file == "fleet.pem"
     assert replaced.token == b"t"
+
+
+def test_batches_sealed_before_each_gateways_welcome_fit_its_smaller_frames(
+    fleet: Fleet,
+) -> None:
+    """Issue 19: a fleet producer connects in the background, so its first batches are
+    sealed at max_batch_bytes (256 KiB here) before each gateway's Welcome says 16 KiB."""
+    config = fleet.root / "small-frames.toml"
+    config.write_text('[gateway]\nmax_message_size = "16KiB"\n', encoding="utf-8")
+    for name in GATEWAYS:
+        fleet.start(name, "--config", str(config))
+    sent: list[bytes] = []
+    ids: dict[str, int] = {}
+
+    async def scenario() -> None:
+        producer = Producer(cluster=fleet.cluster, linger_ms=200)
+        assert isinstance(producer, FleetProducer)
+        async with producer:
+            for i in range(4000):  # about 60 KiB per partition, in its first batch
+                key = b"k%d" % (i % 30)
+                value = key + b":%05d" % i + b"." * 40
+                await producer.send("orders", value, key=key)
+                sent.append(value)
+            await producer.flush()
+            stats = producer.statistics()
+            assert sum(p.records_acked for p in stats.partitions.values()) == 4000
+            assert all(g.up for g in stats.gateways.values())
+            ids["id"] = producer.producer_id
+
+    run(scenario())
+    fleet.stop_all()
+    check_keyed_sequences(fleet.partition_values("orders", ids["id"]), sent)

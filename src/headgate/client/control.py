@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
-from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
+from headgate.client.link import describe_failure
+from headgate.client.security import ClientSecurity, SecurityError
 from headgate.config import ConsumerSettings
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
@@ -493,16 +494,5 @@ def _linger(sock: socket.socket) -> None:
 
 
 def _describe(exc: BaseException) -> str:
-    tls = describe_tls_failure(exc)
-    if tls is not None:
-        return tls
-    if isinstance(exc, SecurityError):
-        return str(exc)
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if isinstance(exc, FileNotFoundError):
-        return "no such socket"
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    text = str(exc)
-    return text if isinstance(exc, _Closed) else f"{type(exc).__name__}: {text}"
+    # Our own reasons (the gateway's words) as they are; the rest as every client words them.
+    return str(exc) if isinstance(exc, _Closed) else describe_failure(exc)

@@ -7,6 +7,11 @@ credit, and the batches sent but not yet acknowledged. Nothing is per record
 except a list append: the records block is encoded when a batch is sealed,
 and durability is tracked per batch.
 
+Which batch goes next, under which sequence number, and what an Ack or a
+lost connection does to the batches held is the sans-IO core's rule
+(:mod:`headgate.client.producer_core`); records are cut into blocks by
+:mod:`headgate.client.batches`. This module is their asyncio adapter.
+
 Sending is driven by :meth:`Producer._pump`, called whenever something could
 let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
 transport draining). It visits only the streams marked as having work, one
@@ -34,7 +39,6 @@ before they were sent, for the next producer on the spool.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import os
@@ -44,12 +48,12 @@ import time
 from collections import deque
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
+from headgate.client.batches import encode_blocks, keyed_switch_extra
 from headgate.client.errors import (
     BufferFull,
     PendingBatch,
@@ -58,15 +62,23 @@ from headgate.client.errors import (
     SessionRefused,
     StreamRefused,
 )
+from headgate.client.link import GatewayLink, describe_failure
+from headgate.client.producer_core import Batch, StreamBatches, check_resend_order
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
 from headgate.costs import batch_cost
-from headgate.latency import LatencyWindow
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
-from headgate.protocol.records import encode_arrow, encode_records
+from headgate.protocol.records import (
+    BLOCK_BASE,
+    KEYED_BLOCK_BASE,
+    RECORD_OVERHEAD,
+    encode_records,
+    record_cost,
+)
 from headgate.protocol.session import (
     AckReceived,
+    Event,
     GuaranteesReceived,
     MessageReceived,
     MessagesDropped,
@@ -116,15 +128,6 @@ class ProducerOptions(TypedDict, total=False):
     spool_max_bytes: int
     cluster: str | os.PathLike[str] | None
 
-
-# Records-block size accounting (see headgate.protocol.records): a block
-# without keys is exactly 12 bytes plus 4 + len(value) per record. With keys
-# each record also needs a key offset, a bitmap bit and its key bytes, and
-# the sections are padded to 4 bytes; these constants over-estimate that.
-_BLOCK_BASE = 12
-_KEYED_BLOCK_BASE = 32
-_RECORD_OVERHEAD = 4
-_KEYED_RECORD_OVERHEAD = 9
 
 _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
@@ -230,6 +233,10 @@ class Delivery:
         if self._first == first_sequence:
             self._first = None
 
+    def _split(self, extra: int) -> None:
+        """One of our batches was cut into ``extra`` more (the gateway's frames are smaller)."""
+        self._pending += extra
+
     def _acked(self, durable_position: int) -> None:
         self._pending -= 1
         if self._pending == 0 and not self.done():
@@ -328,92 +335,45 @@ class ProducerStatistics:
 # --- internal state -------------------------------------------------------------
 
 
-class _Batch:
-    """One sealed batch: its records block and where its records go in the sequence."""
+class _Stream(StreamBatches):
+    """One stream of the producer: its sans-IO batches, its open batch, and its waiters."""
 
-    __slots__ = ("block", "count", "delivery", "first_sequence", "opened_at", "spooled")
-
-    def __init__(
-        self, block: bytes, count: int, delivery: Delivery | None, opened_at: float
-    ) -> None:
-        self.block = block
-        self.count = count
-        self.delivery = delivery
-        # When its first record was sent (the loop's clock): its Ack's latency
-        # is measured from there.
-        self.opened_at = opened_at
-        # Numbered at first transmission, once the gateway said where the
-        # stream's sequence resumes; kept for every resend after that.
-        self.first_sequence = -1
-        # Written to the spool (under first_sequence, once numbered).
-        self.spooled = False
-
-
-class _Stream:
     __slots__ = (
-        "acked_batches",
-        "batches_dropped",
-        "buffered",
-        "bytes_acked",
-        "bytes_sent",
         "failure",
         "flush_waiters",
         "handle",
         "keys",
-        "latency",
         "linger",
-        "name",
-        "next_sequence",
         "open_bytes",
         "opened_at",
-        "queue",
-        "ready",
         "rebind",
-        "records_acked",
-        "records_sent",
         "records_spooled",
         "recovery_backoff",
         "refusal_reported",
         "room",
         "scheduled",
-        "sealed_batches",
         "space_waiters",
         "storage_full",
-        "stored_end",
-        "unacked",
         "values",
     )
 
     def __init__(self, name: str, room: int) -> None:
-        self.name = name
+        super().__init__(name)
         # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
         # The open batch.
         self.values: list[bytes] = []
         self.keys: list[bytes | None] | None = None
-        self.open_bytes = _BLOCK_BASE
+        self.open_bytes = BLOCK_BASE
         self.linger: asyncio.TimerHandle | None = None
         # When the open batch's first record was sent (the loop's clock).
         self.opened_at = 0.0
-        # Send-to-durable-ack times of the latest acked batches.
-        self.latency = LatencyWindow()
-        # Sealed batches: waiting to be sent on this connection, then sent.
-        self.queue: deque[_Batch] = deque()
-        self.unacked: deque[_Batch] = deque()
-        # Bytes of the sealed batches' blocks, queued or in flight.
-        self.buffered = 0
         # What send's fast path lets buffered plus the open batch reach:
         # max_buffered_bytes, or 0 while a send waits for room, so that
         # later sends queue behind it (see Producer._admit).
         self.room = room
-        self.sealed_batches = 0
-        self.acked_batches = 0
-        self.next_sequence: int | None = None
-        # Where the gateway's acknowledged copy of our sequence ends, once known.
-        self.stored_end: int | None = None
-        # Per connection: our handle, and whether its initial Ack arrived.
+        # Per connection: our handle (its initial Ack sets ``ready``).
         self.handle: int | None = None
-        self.ready = False
         # While the gateway is still recovering the stream after a restart
         # (RECOVERING): the pauses between binds, and the next bind's timer.
         self.recovery_backoff: Backoff | None = None
@@ -425,12 +385,7 @@ class _Stream:
         # Sends waiting for room, in order, with the bytes each needs; the
         # first one's future is resolved when it may go.
         self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self.records_sent = 0
         self.records_spooled = 0
-        self.records_acked = 0
-        self.bytes_sent = 0
-        self.bytes_acked = 0
-        self.batches_dropped = 0
 
 
 class _ConnectionFailed(Exception):
@@ -445,24 +400,23 @@ class _Fatal(Exception):
         self.error = error
 
 
-class _Connection(asyncio.Protocol):
-    """One TCP connection and its protocol session; the producer does the thinking."""
+class _Connection(GatewayLink):
+    """One connection to the gateway, with what the producer keeps per connection."""
 
     def __init__(self, producer: Producer, session: Session) -> None:
-        self.producer = producer
-        self.session = session
+        # Whole batches go to the transport; the default 64 KiB high-water
+        # mark would pause writing after every one of them.
+        super().__init__(
+            producer, session, write_buffer=max(1 << 20, 4 * producer._max_batch_bytes)
+        )
         loop = asyncio.get_running_loop()
-        self.transport: asyncio.Transport | None = None
         self.opened: asyncio.Future[None] = loop.create_future()
         self.closed: asyncio.Future[str] = loop.create_future()
         self.welcome: m.Welcome | None = None
-        self.paused = False
         self.handles: dict[int, _Stream] = {}
         self.bind_blocked: list[_Stream] = []
         self.reason: str | None = None
         self.fatal: ProducerError | None = None
-        #: The session's next timer (keepalive, idle: its lifecycle's clocks).
-        self.keepalive: asyncio.TimerHandle | None = None
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
         self.progressed = False
@@ -471,42 +425,11 @@ class _Connection(asyncio.Protocol):
         self.held: list[bytes] = []
         self.syncing = False
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        # Whole batches go to the transport; the default 64 KiB high-water
-        # mark would pause writing after every one of them.
-        high = max(1 << 20, 4 * self.producer._max_batch_bytes)
-        transport.set_write_buffer_limits(high=high, low=high // 4)
-        transport.write(self.session.data_to_send())
-
-    def data_received(self, data: bytes) -> None:
-        self.producer._on_data(self, data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.producer._on_lost(self, exc)
-
-    def pause_writing(self) -> None:
-        self.paused = True
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        self.producer._pump()
-
-    def close(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """Close, remembering the first reason given (what the producer reports)."""
         if self.reason is None:
             self.reason = reason
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError):
-        return "timed out"
-    if isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        self.close()
 
 
 def _as_bytes(value: object, what: str) -> bytes:
@@ -541,7 +464,9 @@ class Producer:
         linger_ms: an open batch is sealed this long after its first record,
             full or not.
         max_batch_bytes: the largest records block per batch (also bounded by
-            the gateway's max_message_size).
+            the gateway's max_message_size; batches sealed before its Welcome
+            said less are cut to it before they go, records and sequence
+            numbers in order).
         max_buffered_bytes: per stream, the most bytes of records the gateway
             has not acknowledged yet (the records blocks of sealed batches,
             queued or in flight, plus the open batch), however its batches
@@ -708,11 +633,11 @@ class Producer:
         for name, batches in spool.recovered.items():
             s = self._stream(name)
             for spooled in batches:
-                self._enqueue(s, spooled.block, spooled.record_count, None, now)
-                batch = s.queue[-1]
+                batch = s.adopt(
+                    spooled.block, spooled.record_count, None, now, spooled.first_sequence
+                )
                 batch.spooled = True
-                if spooled.first_sequence is not None:
-                    batch.first_sequence = spooled.first_sequence
+                self._mark(s)
         if spool.recovered:
             count = sum(b.record_count for batches in spool.recovered.values() for b in batches)
             log.info("spool %s: %d records to send again", directory, count)
@@ -808,11 +733,11 @@ class Producer:
     async def _shutdown(self, *, goodbye: bool, delivered: bool = False) -> None:
         self._closed = True
         conn = self._conn
-        if conn is not None and conn.transport is not None and not conn.transport.is_closing():
+        if conn is not None and conn.writable:
             if goodbye:
                 conn.session.send_global(m.Goodbye(code=ErrorCode.NONE))
-                conn.transport.write(conn.session.data_to_send())
-            conn.close("the producer closed")
+                conn.flush()
+            conn.end("the producer closed")
         runner = self._runner
         if runner is not None and not runner.done():
             runner.cancel()
@@ -857,7 +782,7 @@ class Producer:
             and s.failure is None
             and type(value) is bytes
         ):
-            size = s.open_bytes + len(value) + _RECORD_OVERHEAD
+            size = s.open_bytes + len(value) + RECORD_OVERHEAD
             if size <= self._limit and s.buffered + size <= s.room:
                 values = s.values
                 if not values:
@@ -877,7 +802,7 @@ class Producer:
         s = self._streams.get(stream)
         if s is None or s.keys is not None or s.failure is not None or type(value) is not bytes:
             return False
-        size = s.open_bytes + len(value) + _RECORD_OVERHEAD
+        size = s.open_bytes + len(value) + RECORD_OVERHEAD
         if size > self._limit or s.buffered + size > s.room:
             return False
         values = s.values
@@ -946,12 +871,10 @@ class Producer:
         Raises:
             ValueError: the record does not fit in any batch.
         """
-        if key is None and s.keys is None:
-            cost, extra = len(value) + _RECORD_OVERHEAD, 0
-        else:
-            cost = len(value) + (0 if key is None else len(key)) + _KEYED_RECORD_OVERHEAD
-            extra = 0 if s.keys is not None else self._keyed_extra(len(s.values))
-        if (_BLOCK_BASE if key is None else _KEYED_BLOCK_BASE) + cost > self._limit:
+        keyed = key is not None or s.keys is not None
+        cost = record_cost(len(value), None if key is None else len(key), keyed=keyed)
+        extra = keyed_switch_extra(len(s.values)) if keyed and s.keys is None else 0
+        if (BLOCK_BASE if key is None else KEYED_BLOCK_BASE) + cost > self._limit:
             raise ValueError(
                 f"a record of {len(value) + len(key or b'')} bytes does not fit in a "
                 f"batch of at most {self._limit} bytes (max_batch_bytes or the "
@@ -969,7 +892,7 @@ class Producer:
         if s.open_bytes + cost + extra > self._limit:
             self._seal(s)
             sealed = True
-            extra = 0 if key is None else self._keyed_extra(0)
+            extra = 0 if key is None else keyed_switch_extra(0)
         values = s.values
         if not values:
             self._arm_linger(s)
@@ -981,12 +904,6 @@ class Producer:
         values.append(value)
         s.open_bytes += cost + extra
         return sealed
-
-    @staticmethod
-    def _keyed_extra(count: int) -> int:
-        # Switching an open batch to the keyed layout adds the key sections'
-        # fixed part and each earlier record's share of them.
-        return _KEYED_BLOCK_BASE - _BLOCK_BASE + (_KEYED_RECORD_OVERHEAD - _RECORD_OVERHEAD) * count
 
     async def _after_seal(self, s: _Stream) -> None:
         self._pump()
@@ -1074,7 +991,7 @@ class Producer:
         them, or holds nothing for a call larger than ``max_buffered_bytes``.
         """
         s = await self._stream_for_send(stream)
-        blocks = self._encode_many(values, keys)
+        blocks = encode_blocks(values, keys, self._limit)
         needed = sum(len(block) for block, _ in blocks)
         waited = bool(s.space_waiters) or not self._has_room(s, needed)
         if waited:
@@ -1091,97 +1008,6 @@ class Producer:
             self._admit(s)
         self._pump()
         return delivery
-
-    def _encode_many(self, values: object, keys: object) -> list[tuple[bytes, int]]:
-        if isinstance(values, list | tuple):
-            return self._encode_lists(values, cast("Sequence[bytes | None] | None", keys))
-        import pyarrow as pa
-
-        if isinstance(values, pa.RecordBatch | pa.Table):
-            if keys is not None:
-                raise ValueError("pass keys as the 'key' column of the RecordBatch, not keys=")
-            names = values.schema.names
-            if "value" not in names:
-                raise ValueError(f"a RecordBatch needs a 'value' column; it has {names}")
-            keys = values.column("key") if "key" in names else None
-            values = values.column("value")
-        if isinstance(values, pa.ChunkedArray):
-            values = values.combine_chunks()
-        if isinstance(keys, pa.ChunkedArray):
-            keys = keys.combine_chunks()
-        if not isinstance(values, pa.Array):
-            raise TypeError(
-                "values must be a list of bytes or a pyarrow Array, RecordBatch or Table, "
-                f"not {type(values).__name__}"
-            )
-        if keys is not None and not isinstance(keys, pa.Array):
-            keys = pa.array(keys, type=pa.binary())
-        return self._encode_arrow(values, keys)
-
-    def _encode_lists(
-        self, values: Sequence[bytes], keys: Sequence[bytes | None] | None
-    ) -> list[tuple[bytes, int]]:
-        if keys is not None and len(keys) != len(values):
-            raise ValueError(f"{len(keys)} keys for {len(values)} values")
-        if keys is None:
-            costs = [len(v) + _RECORD_OVERHEAD for v in values]
-            budget = self._limit - _BLOCK_BASE
-        else:
-            costs = [
-                len(v) + (0 if k is None else len(k)) + _KEYED_RECORD_OVERHEAD
-                for v, k in zip(values, keys, strict=True)
-            ]
-            budget = self._limit - _KEYED_BLOCK_BASE
-        cumulative = list(accumulate(costs))
-        blocks: list[tuple[bytes, int]] = []
-        start = 0
-        while start < len(values):
-            before = cumulative[start - 1] if start else 0
-            end = bisect.bisect_right(cumulative, before + budget, lo=start)
-            if end == start:
-                raise ValueError(f"record {start} does not fit in a batch of {self._limit} bytes")
-            chunk_keys = None if keys is None else list(keys[start:end])
-            blocks.append((encode_records(list(values[start:end]), chunk_keys), end - start))
-            start = end
-        return blocks
-
-    def _encode_arrow(self, values: pa.Array, keys: pa.Array | None) -> list[tuple[bytes, int]]:
-        import numpy as np
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
-        count = len(values)
-        if keys is not None and len(keys) != count:
-            raise ValueError(f"{len(keys)} keys for {count} values")
-        if count == 0:
-            return []
-        if not pa.types.is_binary(values.type):
-            # encode_arrow accepts these too; lengths are measured on the same bytes.
-            values = values.cast(pa.binary())
-        costs = pc.binary_length(values).to_numpy(zero_copy_only=False).astype(np.int64)
-        if keys is None:
-            costs += _RECORD_OVERHEAD
-            budget = self._limit - _BLOCK_BASE
-        else:
-            if not pa.types.is_binary(keys.type):
-                keys = keys.cast(pa.binary())
-            key_lengths = pc.fill_null(pc.binary_length(keys), 0)
-            costs += key_lengths.to_numpy(zero_copy_only=False).astype(np.int64)
-            costs += _KEYED_RECORD_OVERHEAD
-            budget = self._limit - _KEYED_BLOCK_BASE
-        cumulative = np.cumsum(costs)
-        blocks: list[tuple[bytes, int]] = []
-        start = 0
-        while start < count:
-            before = int(cumulative[start - 1]) if start else 0
-            end = int(np.searchsorted(cumulative, before + budget, side="right"))
-            if end <= start:
-                raise ValueError(f"record {start} does not fit in a batch of {self._limit} bytes")
-            length = end - start
-            chunk_keys = None if keys is None else keys.slice(start, length)
-            blocks.append((encode_arrow(values.slice(start, length), chunk_keys), length))
-            start = end
-        return blocks
 
     async def flush(self, stream: str | None = None) -> None:
         """Seal open batches and wait until everything sent so far is durable.
@@ -1271,12 +1097,9 @@ class Producer:
             if s.failure is not None:
                 continue
             self._seal(s)
-            for batch in (*s.unacked, *s.queue):
-                if batch.first_sequence < 0 and s.next_sequence is not None:
-                    batch.first_sequence = s.next_sequence
-                    s.next_sequence += batch.count
-                    if batch.delivery is not None:
-                        batch.delivery._numbered(batch.first_sequence)
+            if s.next_sequence is not None:
+                s.number_all()
+            for batch in s.held():
                 if not batch.spooled:
                     first = None if batch.first_sequence < 0 else batch.first_sequence
                     spool.append(s.name, first, batch.count, batch.block)
@@ -1297,7 +1120,7 @@ class Producer:
                     b.count,
                     b.block,
                 )
-                for b in (*s.unacked, *s.queue)
+                for b in s.held()
             ]
             if s.values:
                 block = encode_records(s.values, s.keys)
@@ -1333,32 +1156,21 @@ class Producer:
             by_stream.setdefault(batch.stream, []).append(batch)
         for name, stream_batches in by_stream.items():
             s = self._streams.get(name)
-            if s is not None and (s.next_sequence is not None or s.queue or s.unacked or s.values):
+            if s is not None and (s.used or s.values):
                 raise ValueError(
                     f"stream {name!r} was already used by this producer; resend() must "
                     "come before any other send on it"
                 )
-            expected: int | None = None
-            for batch in stream_batches:
-                if batch.first_sequence is None:
-                    expected = -1
-                elif expected == -1 or (expected is not None and batch.first_sequence < expected):
-                    raise ValueError(
-                        f"stream {name!r}: pending batches must be in sequence order, "
-                        "numbered ones first"
-                    )
-                else:
-                    expected = batch.first_sequence + batch.record_count
+            check_resend_order(name, ((b.first_sequence, b.record_count) for b in stream_batches))
         deliveries: dict[str, Delivery] = {}
         now = time.monotonic()  # the loop's clock; resent batches are timed from here
         for name, stream_batches in by_stream.items():
             s = self._stream(name)
             delivery = deliveries[name] = Delivery(name)
             for batch in stream_batches:
-                self._enqueue(s, batch.block, batch.record_count, delivery, now)
-                if batch.first_sequence is not None:
-                    s.queue[-1].first_sequence = batch.first_sequence
-                    delivery._numbered(batch.first_sequence)
+                delivery._add(batch.record_count)
+                s.adopt(batch.block, batch.record_count, delivery, now, batch.first_sequence)
+            self._mark(s)
         if self._runner is None:
             self._start()
         self._pump()
@@ -1386,7 +1198,7 @@ class Producer:
         block = encode_records(values, s.keys)
         s.values = []
         s.keys = None
-        s.open_bytes = _BLOCK_BASE
+        s.open_bytes = BLOCK_BASE
         if s.linger is not None:
             s.linger.cancel()
             s.linger = None
@@ -1394,13 +1206,12 @@ class Producer:
 
     def _enqueue(
         self, s: _Stream, block: bytes, count: int, delivery: Delivery | None, opened_at: float
-    ) -> None:
-        s.queue.append(_Batch(block, count, delivery, opened_at))
+    ) -> Batch:
+        batch = s.enqueue(block, count, delivery, opened_at)
         if delivery is not None:
             delivery._add(count)
-        s.sealed_batches += 1
-        s.buffered += len(block)
         self._mark(s)
+        return batch
 
     def _mark(self, s: _Stream) -> None:
         if not s.scheduled:
@@ -1410,10 +1221,7 @@ class Producer:
     def _pump(self) -> None:
         """Bind streams and send batches that may go now; write once."""
         conn = self._conn
-        if conn is None:
-            return
-        transport = conn.transport
-        if transport is None or transport.is_closing():
+        if conn is None or not conn.writable:
             return
         session = conn.session
         dirty = self._dirty
@@ -1437,19 +1245,17 @@ class Producer:
                         conn.handles[handle] = s
                 # Batches wait for the stream's initial Ack in any case.
                 continue
-            queue = s.queue
-            if not s.ready or not queue:
+            try:
+                batch = s.front(self._limit)
+            except ValueError:
+                self._too_large(s)
                 continue
-            batch = queue[0]
+            if batch is None:
+                continue
             spool = self._spool
             if spool is not None and not batch.spooled and not self._spool_room(s, batch):
                 continue  # an acknowledgement marks the stream again
-            if batch.first_sequence < 0:
-                assert s.next_sequence is not None
-                batch.first_sequence = s.next_sequence
-                s.next_sequence += batch.count
-                if batch.delivery is not None:
-                    batch.delivery._numbered(batch.first_sequence)
+            s.number(batch)
             if spool is not None and not batch.spooled:
                 # Durable before its bytes leave: _write syncs the spool first.
                 try:
@@ -1466,17 +1272,14 @@ class Producer:
             session.send_batch(handle, batch.first_sequence, batch.block, optimistic=optimistic)
             if self._slot:
                 self._spend_slot(session, handle, len(batch.block))
-            queue.popleft()
-            s.unacked.append(batch)
-            s.records_sent += batch.count
-            s.bytes_sent += len(batch.block)
-            if queue:
+            s.sent()
+            if s.queue:
                 self._mark(s)  # back of the line: one batch per stream per round
             if session.pending_output >= chunk:
                 self._write(conn)
         self._write(conn)
 
-    def _spool_room(self, s: _Stream, batch: _Batch) -> bool:
+    def _spool_room(self, s: _Stream, batch: Batch) -> bool:
         """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
         spool = self._spool
         assert spool is not None
@@ -1500,7 +1303,7 @@ class Producer:
         where = "" if spool is None else f" {spool.directory}"
         self._fail(ProducerError(f"cannot write the spool{where}: {exc}"))
         if self._conn is not None:
-            self._conn.close("the spool failed")
+            self._conn.end("the spool failed")
 
     def _spool_freed(self) -> None:
         """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
@@ -1522,13 +1325,11 @@ class Producer:
 
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
-        if data and conn.transport is not None and not conn.transport.is_closing():
+        if data and conn.writable:
             if self._spool is not None and (conn.syncing or self._spool.needs_sync):
                 self._write_after_sync(conn, data)
                 return
-            conn.transport.write(data)
-            assert self._loop is not None
-            conn.session.lifecycle.sent(self._loop.time())
+            conn.send(data)
 
     def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
         """Write ``data`` once the spool entries of its batches are durable.
@@ -1555,19 +1356,16 @@ class Producer:
             error = done.exception() if not done.cancelled() else None
             self._spool_failed(error if isinstance(error, OSError) else OSError(str(error)))
             return
-        transport = conn.transport
-        if transport is None or transport.is_closing():
+        if not conn.writable:
             return  # those batches are resent on the next connection
-        transport.write(b"".join(covered))
-        assert self._loop is not None
-        conn.session.lifecycle.sent(self._loop.time())
+        conn.send(b"".join(covered))
         if conn.held:
             spool = self._spool
             if spool is not None and spool.needs_sync:
                 self._start_sync(conn)
             else:
                 held, conn.held = conn.held, []
-                transport.write(b"".join(held))
+                conn.send(b"".join(held))
 
     # -- connection management -------------------------------------------------------
 
@@ -1589,7 +1387,7 @@ class Producer:
                 self._fail(exc.error)
                 return
             except (OSError, TimeoutError, _ConnectionFailed) as exc:
-                self._last_error = _describe(exc)
+                self._last_error = describe_failure(exc)
                 pause = backoff.failed(loop.time())
             else:
                 opened = loop.time()
@@ -1663,19 +1461,11 @@ class Producer:
             raise
         return conn
 
-    def _on_data(self, conn: _Connection, data: bytes) -> None:
-        loop = self._loop
-        assert loop is not None
-        if conn.closed.done() or conn.session.closed:
-            return
-        try:
-            events = conn.session.receive_data(data, loop.time())
-        except ProtocolError as exc:
-            if conn.transport is not None:
-                conn.transport.write(conn.session.fail(exc))
-            conn.fatal = ProducerError(f"the gateway at {self._address} broke the protocol: {exc}")
-            conn.close(str(conn.fatal))
-            return
+    # The link's reports (headgate.client.link.LinkOwner); each names its
+    # connection, which is not the current one any more after it was lost.
+
+    def link_events(self, link: GatewayLink, events: Iterable[Event]) -> None:
+        conn = cast("_Connection", link)
         for event in events:
             if isinstance(event, AckReceived):
                 self._on_ack(conn, event.ack)
@@ -1697,12 +1487,22 @@ class Producer:
                 dropped = conn.handles.get(event.handle)
                 if dropped is not None:
                     dropped.batches_dropped += event.count
-        if conn.session.ending is not None:
-            self._on_ending(conn, conn.session.ending)
+        if conn.session.ending is None:  # else link_ending follows and closes
+            self._pump()
+
+    def link_broken(self, link: GatewayLink, error: ProtocolError) -> None:
+        conn = cast("_Connection", link)
+        conn.fatal = ProducerError(f"the gateway at {self._address} broke the protocol: {error}")
+        conn.end(str(conn.fatal))
+
+    def link_expired(self, link: GatewayLink, reason: str) -> None:
+        cast("_Connection", link).end(reason)
+
+    def link_drained(self, link: GatewayLink) -> None:
         self._pump()
 
     def _on_message(self, conn: _Connection, message: m.GlobalMessage) -> None:
-        # (An Error about the whole session is its ending: _on_ending.)
+        # (An Error about the whole session is its ending: link_ending.)
         if (
             isinstance(message, m.Error)
             and (scope := message.scope) is not None
@@ -1718,7 +1518,7 @@ class Producer:
             elif s is not None:
                 self._refuse(s, StreamRefused(s.name, message.code, message.text))
 
-    def _on_ending(self, conn: _Connection, message: m.Goodbye | m.Error) -> None:
+    def link_ending(self, link: GatewayLink, message: m.Goodbye | m.Error) -> None:
         """The gateway ended the session (the lifecycle's rule): close, maybe for good."""
         refused = isinstance(message, m.Error)
         if refused:
@@ -1727,9 +1527,10 @@ class Producer:
             text = f"the gateway said goodbye ({message.code.name})"
         if message.text:
             text += f": {message.text}"
+        conn = cast("_Connection", link)
         if refused and message.code not in _RETRYABLE:
             conn.fatal = SessionRefused(text, message.code, message.text)
-        conn.close(text)
+        conn.end(text)
 
     def _bind_again_later(self, conn: _Connection, s: _Stream, handle: int, text: str) -> None:
         """The gateway is still recovering stream ``s`` after its restart: bind it again soon.
@@ -1788,7 +1589,7 @@ class Producer:
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
-        self._arm_timer(conn)
+        conn.start_timer()
         for s in self._streams.values():
             if s.failure is None and (s.queue or s.values):
                 self._mark(s)
@@ -1799,34 +1600,12 @@ class Producer:
                 waiter.set_result(None)
         self._connect_waiters.clear()
 
-    def _arm_timer(self, conn: _Connection) -> None:
-        """Wake for the session's next timer (its lifecycle decides when and why)."""
-        loop = self._loop
-        assert loop is not None
-        due = conn.session.get_timer()
-        conn.keepalive = None if due is None else loop.call_at(due, self._on_timer, conn)
-
-    def _on_timer(self, conn: _Connection) -> None:
-        """A keepalive Ping, or the gateway's silence past the idle timeout."""
-        loop = self._loop
-        assert loop is not None
-        conn.keepalive = None
-        if self._conn is not conn:
-            return
-        expired = conn.session.handle_timer(loop.time())
-        if expired is not None:
-            conn.close(str(expired.args[0]))
-            if conn.transport is not None:
-                conn.transport.abort()
-            return
-        self._write(conn)  # the Ping, if one was due
-        self._arm_timer(conn)
-
-    def _on_lost(self, conn: _Connection, exc: Exception | None) -> None:
+    def link_lost(self, link: GatewayLink, exc: Exception | None) -> None:
+        conn = cast("_Connection", link)
         if conn.reason is not None:
             reason = conn.reason
         elif exc is not None:
-            reason = f"connection lost: {_describe(exc)}"
+            reason = f"connection lost: {describe_failure(exc)}"
         else:
             reason = "the gateway closed the connection"
         if self._conn is conn:
@@ -1844,15 +1623,10 @@ class Producer:
 
     def _detach(self, conn: _Connection) -> None:
         self._conn = None
-        if conn.keepalive is not None:
-            conn.keepalive.cancel()
+        conn.stop_timer()
         for s in self._streams.values():
-            if s.unacked:
-                # Not known durable: resent first, in order, on the next connection.
-                s.queue.extendleft(reversed(s.unacked))
-                s.unacked.clear()
+            s.connection_lost()
             s.handle = None
-            s.ready = False
             if s.rebind is not None:
                 # A new connection binds at once; the give-up deadline runs on.
                 s.rebind.cancel()
@@ -1868,82 +1642,52 @@ class Producer:
             return
         s.storage_full = None  # no Ack comes while the gateway cannot store
         next_sequence = ack.next_sequence
-        s.stored_end = next_sequence
         assert self._loop is not None
         now = self._loop.time()
         if not s.ready:
             # The stream's initial Ack: where the gateway's copy of our
-            # sequence ends. Batches below it were stored before (a lost
-            # ack, or an earlier run with this producer id).
-            s.ready = True
+            # sequence ends (see StreamBatches.resume).
             s.recovery_backoff = None
-            queue = s.queue
-            while queue and 0 <= queue[0].first_sequence < next_sequence:
-                self._acked(s, queue.popleft(), ack.durable_position, now)
-            self._continue_sequence(s, next_sequence)
+            renumbered = s.resume(next_sequence, ack.durable_position, now)
+            self._respool(s, renumbered)
             self._mark(s)
-        else:
-            unacked = s.unacked
-            if unacked and unacked[0].first_sequence < next_sequence:
-                conn.progressed = True
-            while unacked and unacked[0].first_sequence < next_sequence:
-                self._acked(s, unacked.popleft(), ack.durable_position, now)
+        elif s.ack(next_sequence, ack.durable_position, now):
+            conn.progressed = True
         if self._spool is not None:
             self._spool.acked(s.name, next_sequence)
             self._spool_freed()
         self._wake(s)
 
-    def _continue_sequence(self, s: _Stream, stored_end: int) -> None:
-        """Number on from where the gateway's copy of our sequence ends (``stored_end``).
+    def _respool(self, s: _Stream, renumbered: int) -> None:
+        """After an initial Ack: rewrite the stream's spool files if their numbers no longer hold.
 
-        The numbered batches still queued (after the stored ones were
-        dropped) must run on from ``stored_end`` without a gap: the gateway
-        refuses a batch that skips ahead. A gap means records the gateway
-        never had are missing from what we hold (batches handed to
-        :meth:`resend` with one missing, a damaged spool entry): since the
-        gateway stores each producer's sequence contiguously, nothing from
-        the gap on was stored, so those batches are numbered afresh.
+        Batches spooled under numbers the gateway's copy contradicts
+        (``renumbered``), or under none, are numbered now and the stream's
+        spool files replaced, so that the spool holds what will be sent.
         """
-        expected = stored_end
-        renumbered = 0
-        for batch in s.queue:
-            if batch.first_sequence < 0:
-                break
-            if renumbered or batch.first_sequence != expected:
-                if batch.delivery is not None:
-                    batch.delivery._unnumbered(batch.first_sequence)
-                batch.first_sequence = -1
-                renumbered += 1
-            else:
-                expected += batch.count
-        if s.next_sequence is None or renumbered or s.next_sequence < expected:
-            s.next_sequence = expected
         spool = self._spool
-        if spool is not None and (
+        if spool is None or not (
             renumbered or any(b.spooled and b.first_sequence < 0 for b in s.queue)
         ):
-            # Spooled under numbers that no longer hold, or under none: number
-            # every queued batch now and replace the stream's spool files.
-            for batch in s.queue:
-                if batch.first_sequence < 0:
-                    batch.first_sequence = s.next_sequence
-                    s.next_sequence += batch.count
-                    if batch.delivery is not None:
-                        batch.delivery._numbered(batch.first_sequence)
-                if not batch.spooled:
-                    batch.spooled = True
-                    s.records_spooled += batch.count
-            spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
+            return
+        for batch in s.queue:
+            s.number(batch)
+            if not batch.spooled:
+                batch.spooled = True
+                s.records_spooled += batch.count
+        spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
-    def _acked(self, s: _Stream, batch: _Batch, durable_position: int, now: float) -> None:
-        s.latency.observe(now - batch.opened_at, now)
-        size = len(batch.block)
-        s.acked_batches += 1
-        s.records_acked += batch.count
-        s.bytes_acked += size
-        s.buffered -= size
-        if batch.delivery is not None:
-            batch.delivery._acked(durable_position)
+    def _too_large(self, s: _Stream) -> None:
+        """A record of ``s`` exceeds the gateway's frame limit, learnt after it was taken."""
+        self._refuse(
+            s,
+            StreamRefused(
+                s.name,
+                ErrorCode.FRAME_TOO_LARGE,
+                f"a record does not fit in a batch of at most {self._limit} bytes "
+                "(the gateway's max_message_size)",
+            ),
+        )
 
     def _wake(self, s: _Stream) -> None:
         if s.flush_waiters:
@@ -1972,13 +1716,10 @@ class Producer:
             s.rebind = None
         s.values = []
         s.keys = None
-        s.open_bytes = _BLOCK_BASE
-        for batch in (*s.unacked, *s.queue):
+        s.open_bytes = BLOCK_BASE
+        for batch in s.clear():
             if batch.delivery is not None:
                 batch.delivery._fail(error)
-        s.unacked.clear()
-        s.queue.clear()
-        s.buffered = 0
         for _, waiter in s.flush_waiters:
             if not waiter.done():
                 waiter.set_exception(error)

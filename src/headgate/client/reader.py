@@ -26,11 +26,12 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 from headgate.client.address import GatewayAddress
+from headgate.client.link import GatewayLink
 from headgate.client.security import ClientSecurity, SecurityError, describe_tls_failure
 from headgate.config import ConfigError
 from headgate.costs import batch_cost
@@ -39,6 +40,7 @@ from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.session import (
+    Event,
     MessageReceived,
     Role,
     Session,
@@ -146,22 +148,6 @@ class _Fetch:
         self.done: m.FetchDone | None = None
 
 
-class _Protocol(asyncio.Protocol):
-    def __init__(self, reader: Reader) -> None:
-        self.reader = reader
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-
-    def data_received(self, data: bytes) -> None:
-        self.reader._on_data(data)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.reader._on_lost(exc)
-
-
 class Reader:
     """One connection to a gateway, for reading its stream logs.
 
@@ -216,7 +202,7 @@ class Reader:
             data_cost=batch_cost,
             now=time.monotonic(),
         )
-        self._protocol: _Protocol | None = None
+        self._link: GatewayLink | None = None
         self._welcome: asyncio.Future[m.Welcome] | None = None
         self._error: ReaderError | None = None
         self._ids = itertools.count(1)
@@ -231,8 +217,6 @@ class Reader:
         self._record_counts: dict[int, asyncio.Future[m.RecordCounts]] = {}
         self._fetch_lock = asyncio.Lock()
         self._changed = asyncio.Event()
-        #: The session's next timer (keepalive, idle: its lifecycle's clocks).
-        self._keepalive: asyncio.TimerHandle | None = None
         #: The gateway's Welcome, once connected.
         self.welcome: m.Welcome | None = None
         #: Where the last completed fetch says the next one should start.
@@ -259,13 +243,11 @@ class Reader:
         )
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, protocol = await self.address.connect(
-                    lambda: _Protocol(self),
+                _, self._link = await self.address.connect(
+                    lambda: GatewayLink(self, self._session),
                     ssl=context,
                     server_hostname=self._security.server_name,
                 )
-                self._protocol = protocol
-                self._write()
                 await self._welcome
         except TimeoutError:
             self._abort()
@@ -285,19 +267,18 @@ class Reader:
 
     async def close(self) -> None:
         """Say goodbye and close."""
-        protocol = self._protocol
-        if protocol is None or protocol.transport is None:
+        link = self._link
+        if link is None or link.transport is None:
             return
         if self._error is None and not self._session.closed:
             self._session.send_global(m.Goodbye(code=ErrorCode.NONE))
-            self._write()
+            link.flush()
         self._fail(ReaderError(f"the reader of gateway {self._where} is closed"))
-        protocol.transport.close()
+        link.close()
 
     def _abort(self) -> None:
-        self._stop_keepalive()
-        if self._protocol is not None and self._protocol.transport is not None:
-            self._protocol.transport.abort()
+        if self._link is not None:
+            self._link.abort()
 
     async def __aenter__(self) -> Reader:
         await self.connect()
@@ -307,60 +288,28 @@ class Reader:
         await self.close()
 
     def _write(self) -> None:
-        data = self._session.data_to_send()
-        transport = None if self._protocol is None else self._protocol.transport
-        if data and transport is not None and not transport.is_closing():
-            transport.write(data)
-            self._session.lifecycle.sent(time.monotonic())
-
-    def _arm_timer(self) -> None:
-        """Wake for the session's next timer (its lifecycle decides when and why)."""
-        due = self._session.get_timer()
-        if due is not None:
-            delay = max(0.0, due - time.monotonic())
-            self._keepalive = asyncio.get_running_loop().call_later(delay, self._on_timer)
-
-    def _on_timer(self) -> None:
-        """A keepalive Ping, or the gateway's silence past the idle timeout."""
-        self._keepalive = None
-        if self._error is not None or self._session.closed:
-            return
-        expired = self._session.handle_timer(time.monotonic())
-        if expired is not None:
-            self._fail(ReaderError(f"gateway {self._where}: {expired.args[0]}"))
-            self._abort()
-            return
-        self._write()  # the Ping, if one was due
-        self._arm_timer()
-
-    def _stop_keepalive(self) -> None:
-        if self._keepalive is not None:
-            self._keepalive.cancel()
-            self._keepalive = None
+        if self._link is not None:
+            self._link.flush()
 
     def _check(self) -> None:
         if self._error is not None:
             raise self._error
-        if self._protocol is None:
+        if self._link is None:
             raise ReaderError(f"the reader of gateway {self._where} is not connected")
 
     # -- incoming -----------------------------------------------------------------
 
-    def _on_data(self, data: bytes) -> None:
+    # The link's reports (headgate.client.link.LinkOwner).
+
+    def link_events(self, link: GatewayLink, events: Iterable[Event]) -> None:
         if self._error is not None:
-            return
-        try:
-            events = self._session.receive_data(data, time.monotonic())
-        except ProtocolError as error:
-            self._fail(ReaderError(f"gateway {self._where} broke the protocol: {error}"))
-            self._write_then_close(self._session.fail(error))
             return
         for event in events:
             match event:
                 case WelcomeReceived(welcome=welcome):
                     self._session.grant(m.STREAM_CHANNEL, BIND_BUFFER_BYTES)
                     self.welcome = welcome
-                    self._arm_timer()
+                    link.start_timer()
                     if self._welcome is not None and not self._welcome.done():
                         self._welcome.set_result(welcome)
                 case StreamBound(handle=handle, stream=stream):
@@ -392,10 +341,16 @@ class Reader:
                     self._on_message(message)
                 case _:
                     pass
-        ending = self._session.ending
-        if ending is not None:
-            self._on_ending(ending)
-        self._write()
+        link.flush()
+
+    def link_broken(self, link: GatewayLink, error: ProtocolError) -> None:
+        self._fail(ReaderError(f"gateway {self._where} broke the protocol: {error}"))
+
+    def link_expired(self, link: GatewayLink, reason: str) -> None:
+        self._fail(ReaderError(f"gateway {self._where}: {reason}"))
+
+    def link_drained(self, link: GatewayLink) -> None:
+        pass  # a reader writes only requests, which the transport buffers
 
     def _on_message(self, message: m.GlobalMessage) -> None:
         match message:
@@ -428,7 +383,7 @@ class Reader:
             case _:
                 pass
 
-    def _on_ending(self, message: m.Goodbye | m.Error) -> None:
+    def link_ending(self, link: GatewayLink, message: m.Goodbye | m.Error) -> None:
         """The gateway ended the session (the lifecycle's rule): every call fails now.
 
         (The gateway scopes an Error to a handle only for a writer's stream,
@@ -443,21 +398,16 @@ class Reader:
             why = "" if code == ErrorCode.NONE else f": {text} ({code.name})"
             self._fail(ReaderError(f"gateway {self._where} closed the connection{why}"))
 
-    def _on_lost(self, exc: Exception | None) -> None:
+    def link_lost(self, link: GatewayLink, exc: Exception | None) -> None:
         detail = f" ({exc})" if exc else ""
         self._fail(ReaderError(f"gateway {self._where} closed the connection{detail}"))
-
-    def _write_then_close(self, data: bytes) -> None:
-        if self._protocol is not None and self._protocol.transport is not None:
-            if data:
-                self._protocol.transport.write(data)
-            self._protocol.transport.close()
 
     def _fail(self, error: ReaderError) -> None:
         if self._error is not None:
             return
         self._error = error
-        self._stop_keepalive()
+        if self._link is not None:
+            self._link.stop_timer()
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_exception(error)
         for future in self._lists.values():

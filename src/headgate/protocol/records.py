@@ -66,13 +66,19 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 __all__ = [
+    "BLOCK_BASE",
     "HAS_KEYS",
     "HEADER_SIZE",
+    "KEYED_BLOCK_BASE",
+    "KEYED_RECORD_OVERHEAD",
     "MAX_SECTION_BYTES",
+    "RECORD_OVERHEAD",
     "RecordsView",
+    "block_size",
     "decode_records",
     "encode_arrow",
     "encode_records",
+    "record_cost",
     "validate_records",
 ]
 
@@ -96,6 +102,51 @@ def _pad4(size: int) -> int:
 
 def _bitmap_size(count: int) -> int:
     return (count + 7) // 8
+
+
+# --- sizes ------------------------------------------------------------------
+#
+# A producer fills a batch record by record and must know, before it encodes,
+# whether the next record still fits under its limit. Without keys the size
+# is linear in the records, so the rule is exact; with keys the padding makes
+# it a step function, so a producer adds a bound per record that is never
+# below the real growth (8 bytes of offsets, at most 1 of bitmap, the key)
+# on a base that covers the worst padding of the header's sections.
+
+#: Bytes of a block without keys before its first record: header and offset 0.
+BLOCK_BASE = HEADER_SIZE + 4
+#: Bytes each record adds to a block without keys, besides its value.
+RECORD_OVERHEAD = 4
+#: A bound on a keyed block's bytes before its first record: header, both
+#: offset 0s, and the worst padding after the bitmap and after the values.
+KEYED_BLOCK_BASE = 32
+#: A bound on the bytes each record adds to a keyed block, besides its
+#: value and key: two offsets and (rounded up) its bitmap bit.
+KEYED_RECORD_OVERHEAD = 9
+
+
+def block_size(count: int, value_bytes: int, key_bytes: int | None = None) -> int:
+    """The exact length of a block of ``count`` records (the layout's totals above).
+
+    ``value_bytes`` and ``key_bytes`` are the summed lengths of the values
+    and the present keys; ``key_bytes`` is None for a block without keys.
+    """
+    if key_bytes is None:
+        return BLOCK_BASE + RECORD_OVERHEAD * count + value_bytes
+    return (
+        HEADER_SIZE + 8 * (count + 1) + _pad4(_bitmap_size(count)) + _pad4(value_bytes) + key_bytes
+    )
+
+
+def record_cost(value: int, key: int | None, *, keyed: bool) -> int:
+    """What one record adds to a block's size (exact without keys, a bound with keys).
+
+    ``value`` and ``key`` are the lengths; ``keyed`` says whether the block
+    carries a key column (any record with a key makes it carry one).
+    """
+    if not keyed:
+        return value + RECORD_OVERHEAD
+    return value + (0 if key is None else key) + KEYED_RECORD_OVERHEAD
 
 
 # --- encoding ---------------------------------------------------------------
