@@ -147,9 +147,12 @@ def declare_consumers(config: PipelineConfig, timeout: float = 10.0) -> dict[str
     another consumer may have freed the log past where this one's first batch
     reads meanwhile. Returns each declared consumer's committed position, by
     stream (with a cluster: on every partition's gateway, by partition log).
-    A stream the gateway does not have yet is skipped (its release client
-    declares the consumer with its first Release); so is a gateway that
-    cannot be reached (logged: the same happens then).
+    A stream the gateway has not created yet gets the consumer all the same
+    (the gateway keeps the declaration, and the stream starts with it at its
+    first record); a gateway from before that refuses it, and the stream is
+    skipped (its release client declares the consumer with its first
+    Release), as is a gateway that cannot be reached (logged: the same
+    happens then).
 
     Raises:
         ConfigError: the token may not declare the consumer (it needs
