@@ -117,3 +117,27 @@ def test_streams_declared_ahead_count_against_max_streams(tmp_path: Path) -> Non
             assert positions(gw, "b") == {"archive": 0, "other": 0}
 
     run(scenario(), timeout=20)
+
+
+def test_the_default_consumer_declared_before_its_stream_is_the_one_it_starts_with(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What ``headgate run --gateways 3`` does: its pipeline releases as ``default``.
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL) as gw:
+            with caplog.at_level(logging.INFO, logger="headgate"):
+                async with Reader(gw.address) as reader:
+                    assert await reader.declare_consumer("s", "default") == 0
+                    assert await reader.declare_consumer("s", "default") == 0
+            assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+            assert stored(tmp_path, "s")["default"]["origin"] == "default"
+            async with Producer(gw.address, linger_ms=1) as p:
+                await p.send("s", b"v")
+                await p.flush("s")
+            assert positions(gw, "s") == {"default": 0}
+            # Still the implicit one: a named blocking consumer takes its place.
+            async with Reader(gw.address) as reader:
+                assert await reader.declare_consumer("s", "archive") == 0
+            assert positions(gw, "s") == {"archive": 0}
+
+    run(scenario(), timeout=20)

@@ -723,7 +723,7 @@ def declare_before_the_stream(
     *,
     declared: Mapping[str, ConsumerSettings],
 ) -> tuple[int, bool]:
-    """Declare consumer ``name`` of a stream the gateway has not created yet: ``(position, new)``.
+    """Declare consumer ``name`` of a stream not created yet: ``(position, file written)``.
 
     A pipeline often starts before the producers that create its streams
     (each partition of a fleet, a stream it waits for). Its consumer must
@@ -745,7 +745,8 @@ def declare_before_the_stream(
         )
         new = name not in book.consumers
         consumer = book.declare(name, settings, 0, stream_created=False)
-        if book.unsaved:
+        written = book.unsaved
+        if written:
             book.save()
     except (OSError, ValueError) as exc:
         raise ProtocolError(
@@ -762,7 +763,7 @@ def declare_before_the_stream(
             consumer.blocking,
             consumer.on_data_loss,
         )
-    return consumer.position, new
+    return consumer.position, written
 
 
 def _parse(path: Path, raw: object) -> list[Consumer]:
