@@ -116,7 +116,27 @@ def test_streams_declared_ahead_count_against_max_streams(tmp_path: Path) -> Non
                 await p.flush("b")
             assert positions(gw, "b") == {"archive": 0, "other": 0}
 
+    async def raised() -> None:
+        async with (
+            gateway(tmp_path, **SMALL, max_streams=4) as gw,
+            Reader(gw.address) as reader,
+        ):
+            assert await reader.declare_consumer("c", "archive") == 0
+
+    async def restarted() -> None:
+        # "c" is still declared ahead (its file says so): with "a" and "b" the
+        # gateway holds its maximum again, so no other stream is kept.
+        async with gateway(tmp_path, **SMALL, max_streams=3) as gw:
+            async with Reader(gw.address) as reader:
+                with pytest.raises(ReaderRefused) as refused:
+                    await reader.declare_consumer("d", "archive")
+            assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+            async with Reader(gw.address) as reader:
+                assert await reader.declare_consumer("c", "other", blocking=False) == 0
+
     run(scenario(), timeout=20)
+    run(raised(), timeout=20)
+    run(restarted(), timeout=20)
 
 
 def test_the_default_consumer_declared_before_its_stream_is_the_one_it_starts_with(

@@ -1412,6 +1412,14 @@ class Gateway:
             if entry.is_dir() and m.is_valid_name(entry.name)
         ]
         self.recovery = StreamRecovery(on_disk)
+        # Consumers declared on streams not created yet (declare_consumer)
+        # keep counting against max_streams after a restart.
+        logs, suffix = set(on_disk), ".consumers.json"
+        self._declared_ahead = {
+            entry.name.removesuffix(suffix)
+            for entry in (data / "state").glob(f"*{suffix}")
+            if entry.name.removesuffix(suffix) not in logs
+        }
         if self.fleet is not None and (misplaced := self.fleet.misplaced(on_disk)) is not None:
             log.warning("%s", misplaced)
         loop = asyncio.get_running_loop()
