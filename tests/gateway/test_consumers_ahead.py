@@ -32,31 +32,47 @@ def stored(data_dir: Path, stream: str) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in raw["consumers"]}
 
 
+@pytest.mark.parametrize(
+    ("consumer", "origin", "then"),
+    [
+        # A pipeline file's own consumer takes the implicit default's place.
+        ("archive", "runtime", {"archive": 0, "other": 0}),
+        # ``headgate run --gateways 3``: its pipeline releases as ``default``,
+        # which stays the implicit one (a named blocking consumer takes its place).
+        ("default", "default", {"other": 0}),
+    ],
+)
 def test_a_consumer_declared_before_its_stream_holds_it_from_its_first_record_quietly(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    consumer: str,
+    origin: str,
+    then: dict[str, int],
 ) -> None:
     async def scenario() -> None:
         async with gateway(tmp_path, **SMALL) as gw:
             with caplog.at_level(logging.INFO, logger="headgate"):
                 async with Reader(gw.address) as reader:
-                    assert await reader.declare_consumer("later", "archive") == 0
+                    assert await reader.declare_consumer("later", consumer) == 0
                     # Declared again (a pipeline's restart): found, not refused.
-                    assert await reader.declare_consumer("later", "archive") == 0
+                    assert await reader.declare_consumer("later", consumer) == 0
                     # The connection goes on, and the stream is not created by it.
                     assert "later" not in [s.stream for s in await reader.list_streams()]
             assert "later" not in gw.streams
             loud = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
             assert loud == []
-            assert any("not created yet" in r.getMessage() for r in caplog.records)
+            assert stored(tmp_path, "later")[consumer]["origin"] == origin
             async with Producer(gw.address, linger_ms=1) as p:
                 for value in records("x", 40):
                     await p.send("later", value)
                 await p.flush("later")
-            # The stream started with the consumer (in place of the implicit
-            # default), at its first record: nothing is freed before it releases.
-            assert positions(gw, "later") == {"archive": 0}
+            # The stream started with the consumer, at its first record:
+            # nothing is freed before it releases.
+            assert positions(gw, "later") == {consumer: 0}
             assert gw.streams["later"].log.release_position == 0
-            assert stored(tmp_path, "later")["archive"]["origin"] == "runtime"
+            async with Reader(gw.address) as reader:
+                assert await reader.declare_consumer("later", "other") == 0
+            assert positions(gw, "later") == then
 
     run(scenario(), timeout=20)
 
@@ -137,27 +153,3 @@ def test_streams_declared_ahead_count_against_max_streams(tmp_path: Path) -> Non
     run(scenario(), timeout=20)
     run(raised(), timeout=20)
     run(restarted(), timeout=20)
-
-
-def test_the_default_consumer_declared_before_its_stream_is_the_one_it_starts_with(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # What ``headgate run --gateways 3`` does: its pipeline releases as ``default``.
-    async def scenario() -> None:
-        async with gateway(tmp_path, **SMALL) as gw:
-            with caplog.at_level(logging.INFO, logger="headgate"):
-                async with Reader(gw.address) as reader:
-                    assert await reader.declare_consumer("s", "default") == 0
-                    assert await reader.declare_consumer("s", "default") == 0
-            assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
-            assert stored(tmp_path, "s")["default"]["origin"] == "default"
-            async with Producer(gw.address, linger_ms=1) as p:
-                await p.send("s", b"v")
-                await p.flush("s")
-            assert positions(gw, "s") == {"default": 0}
-            # Still the implicit one: a named blocking consumer takes its place.
-            async with Reader(gw.address) as reader:
-                assert await reader.declare_consumer("s", "archive") == 0
-            assert positions(gw, "s") == {"archive": 0}
-
-    run(scenario(), timeout=20)
