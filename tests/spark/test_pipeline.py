@@ -143,13 +143,13 @@ def test_a_pipeline_waits_for_a_stream_that_does_not_exist_only_when_told_to(
 
 
 def test_a_replayed_batch_replaces_its_own_files(spark: Any, tmp_path: Path) -> None:
-    from headgate.spark.pipeline import _commit_batch
+    from headgate.spark.transform import commit_batch
 
     frame = spark.createDataFrame([(1, "a"), (2, "b")], "n INT, s STRING")
     target = tmp_path / "out"
-    _commit_batch(frame, target, 7, ())
-    _commit_batch(frame, target, 7, ())  # the same batch id again, after a crash
-    _commit_batch(frame, target, 8, ())
+    commit_batch(frame, target, 7, ())
+    commit_batch(frame, target, 7, ())  # the same batch id again, after a crash
+    commit_batch(frame, target, 8, ())
     assert sorted(pq.read_table(target).to_pydict()["n"]) == [1, 1, 2, 2]
 
 

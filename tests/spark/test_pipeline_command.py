@@ -348,8 +348,9 @@ def test_the_running_pipeline_follows_the_log_until_told_to_stop(
 def test_names_that_need_quoting_parse_and_bad_values_are_told_apart(spark: Any) -> None:
     import datetime
 
-    from headgate.spark.pipeline import _parse, pipeline_config_from_dict, plan_stream
+    from headgate.spark.pipeline import pipeline_config_from_dict, plan_stream
     from headgate.spark.source import SCHEMA
+    from headgate.spark.transform import parse_batch
 
     config = pipeline_config_from_dict(
         {
@@ -369,7 +370,7 @@ def test_names_that_need_quoting_parse_and_bad_values_are_told_apart(spark: Any)
     batch = spark.createDataFrame(
         [("odd-name", 0, i, 1, i, now, None, v) for i, v in enumerate(values)], SCHEMA
     )
-    good, bad = _parse(plan, batch)
+    good, bad = parse_batch(plan, batch)
     assert [(r["a b"], r["s"]["x y"]) for r in good.collect()] == [(1, "q")]
     assert bad is not None
     errors = {r["sequence"]: r["error"] for r in bad.collect()}

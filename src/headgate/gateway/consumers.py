@@ -54,6 +54,7 @@ __all__ = [
     "IdleAction",
     "PendingSave",
     "consumers_file",
+    "declare_before_the_stream",
     "free_position",
 ]
 
@@ -384,14 +385,22 @@ class ConsumerBook:
         return True
 
     def declare(
-        self, name: str, settings: ConsumerSettings, start: int, *, origin: str = "runtime"
+        self,
+        name: str,
+        settings: ConsumerSettings,
+        start: int,
+        *,
+        origin: str = "runtime",
+        stream_created: bool = True,
     ) -> Consumer:
         """Create consumer ``name`` at ``start``, or return the one there is.
 
         The first blocking consumer declared at run time (``origin``
         ``runtime``) on a stream whose consumer is still the implicit
         :data:`~headgate.protocol.messages.DEFAULT_CONSUMER` (one nobody
-        declared) replaces it, at its position.
+        declared) replaces it, at its position: a WARNING, as a client that
+        released as ``default`` is refused from then on; only INFO before
+        the stream is created (``stream_created`` False), when none can have.
 
         Raises:
             ProtocolError: it exists with other settings; RESOURCE_EXHAUSTED
@@ -432,7 +441,8 @@ class ConsumerBook:
             )
             self.consumers[name] = consumer
             self.unsaved = True
-            log.warning(
+            log.log(
+                logging.WARNING if stream_created else logging.INFO,
                 "stream %s: consumer %s takes over the implicit consumer %s at %d (a Release "
                 "naming no consumer is refused from now on)",
                 self.stream,
@@ -703,6 +713,57 @@ class ConsumerBook:
             )
             for c in sorted(self.consumers.values(), key=lambda c: c.name)
         )
+
+
+def declare_before_the_stream(
+    stream: str,
+    path: Path,
+    name: str,
+    settings: ConsumerSettings,
+    *,
+    declared: Mapping[str, ConsumerSettings],
+) -> tuple[int, bool]:
+    """Declare consumer ``name`` of a stream not created yet: ``(position, file written)``.
+
+    A pipeline often starts before the producers that create its streams
+    (each partition of a fleet, a stream it waits for). Its consumer must
+    still hold every record from the stream's first on, so the declaration
+    is kept where the stream will find it: in the stream's consumers file
+    (``path``), which :meth:`ConsumerBook.load` reads when the stream is
+    created. It is made by the same rules as a declaration the moment the
+    stream is created: at position 0, beside the consumers the
+    configuration ``declared`` (or in place of the implicit ``default``),
+    refused with other settings or beyond :data:`MAX_CONSUMERS_PER_STREAM`.
+
+    Raises:
+        ProtocolError: as :meth:`ConsumerBook.declare`; STORAGE_UNAVAILABLE
+            when the file cannot be read or written.
+    """
+    try:
+        book = ConsumerBook.load(
+            stream, path, release_position=0, tail_position=0, declared=declared
+        )
+        new = name not in book.consumers
+        consumer = book.declare(name, settings, 0, stream_created=False)
+        written = book.unsaved
+        if written:
+            book.save()
+    except (OSError, ValueError) as exc:
+        raise ProtocolError(
+            f"stream {stream}: consumer {name!r} not stored: {exc}",
+            code=ErrorCode.STORAGE_UNAVAILABLE,
+        ) from None
+    if new:
+        log.info(
+            "stream %s (not created yet): consumer %s declared at %d (blocking=%s, "
+            "on_data_loss=%s); the stream starts with it",
+            stream,
+            name,
+            consumer.position,
+            consumer.blocking,
+            consumer.on_data_loss,
+        )
+    return consumer.position, written
 
 
 def _parse(path: Path, raw: object) -> list[Consumer]:

@@ -88,7 +88,7 @@ from headgate.gateway.budget import (
     address_key,
     token_key,
 )
-from headgate.gateway.consumers import PendingSave
+from headgate.gateway.consumers import PendingSave, consumers_file, declare_before_the_stream
 from headgate.gateway.fleet import FleetMembership, metadata_without_cluster
 from headgate.gateway.identity import ProducerOwners, hello_owner
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
@@ -1317,6 +1317,8 @@ class Gateway:
         self.ssl_context = server_context(self.config)
         #: New streams created by the peers of each token, by token name.
         self.created_by: dict[str, int] = {}
+        #: Streams not created yet with a consumer declared (``declare_consumer``).
+        self._declared_ahead: set[str] = set()
         #: Owners of producer ids; :meth:`start` reads the table on disk.
         self.owners = ProducerOwners(
             Path(self.config.data_dir) / "state" / "producers.log",
@@ -1427,6 +1429,14 @@ class Gateway:
             if entry.is_dir() and m.is_valid_name(entry.name)
         ]
         self.recovery = StreamRecovery(on_disk)
+        # Consumers declared on streams not created yet (declare_consumer)
+        # keep counting against max_streams after a restart.
+        logs, suffix = set(on_disk), ".consumers.json"
+        self._declared_ahead = {
+            entry.name.removesuffix(suffix)
+            for entry in (data / "state").glob(f"*{suffix}")
+            if entry.name.removesuffix(suffix) not in logs
+        }
         if self.fleet is not None and (misplaced := self.fleet.misplaced(on_disk)) is not None:
             log.warning("%s", misplaced)
         loop = asyncio.get_running_loop()
@@ -1573,6 +1583,7 @@ class Gateway:
                 raise LogError(f"stream {name} is not recovered (yet)")
             stream = self._open_stream(name)
             self._install(stream)
+            self._declared_ahead.discard(name)
         return stream
 
     def _open_stream(self, name: str) -> Stream:
@@ -1971,11 +1982,41 @@ class Gateway:
         raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
 
     def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:
-        """Create (or find) a named consumer of an existing stream; its position, and if new."""
-        stream = self._consumers_stream(declare.stream)
+        """Create (or find) a named consumer of a stream; its position, and if new.
+
+        A stream not created yet keeps the declaration until it is (see
+        :func:`~headgate.gateway.consumers.declare_before_the_stream`): a
+        pipeline that starts before its producers holds the stream from its
+        first record. Until then the name counts against ``max_streams``.
+        """
+        name = declare.stream
         settings = ConsumerSettings(
             blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
         )
+        if (
+            name not in self.streams
+            and not self.recovery.recovering(name)
+            and self.recovery.failure(name) is None
+        ):
+            if name not in self._declared_ahead and (
+                len(self.streams) + self.recovery.count + len(self._declared_ahead)
+                >= self.config.max_streams
+            ):
+                raise ProtocolError(
+                    f"stream {name!r} does not exist and the gateway holds its maximum of "
+                    f"{self.config.max_streams} streams (with those declared ahead)",
+                    code=ErrorCode.RESOURCE_EXHAUSTED,
+                )
+            answer = declare_before_the_stream(
+                name,
+                consumers_file(Path(self.config.data_dir), name),
+                declare.consumer,
+                settings,
+                declared=self.config.consumers_for(name),
+            )
+            self._declared_ahead.add(name)
+            return answer
+        stream = self._consumers_stream(name)
         return stream.declare_consumer(declare.consumer, settings)
 
     def change_consumer(self, change: m.ResetConsumer | m.DeleteConsumer) -> int:

@@ -3,7 +3,10 @@
 :mod:`headgate.spark.source` holds the PySpark classes and options,
 :mod:`headgate.spark.planning` what the driver decides (offsets, admission,
 partitions) and :mod:`headgate.spark.decode` what executors do (frames to
-Arrow batches).
+Arrow batches). The pipeline that runs queries over it is
+:mod:`headgate.spark.pipeline` (its file in ``pipeline_config``, each batch's
+work in ``transform``, its checkpoints in ``checkpoints``, its gateway
+consumers in ``releases``).
 """
 
 from headgate.spark.decode import SourceError

@@ -2,11 +2,11 @@
 
 It runs next to a gateway (``headgate serve``), reads the gateway's logs and
 writes Parquet, one Structured Streaming query per stream, as the TOML file
-describes (:mod:`headgate.spark.pipeline`). After each committed micro-batch
+describes (:mod:`headgate.spark.pipeline_config`). After each committed micro-batch
 it sends the gateway a Release over its own connection
-(:class:`~headgate.spark.pipeline.GatewayReleases`), which turns into credit
+(:class:`~headgate.spark.releases.GatewayReleases`), which turns into credit
 for the stream's producers. Each stream's releases name its consumer,
-declared on the gateway before Spark starts (:func:`~headgate.spark.pipeline.declare_consumers`).
+declared on the gateway before Spark starts (:func:`~headgate.spark.releases.declare_consumers`).
 
 The order of the checks is the user's order of mistakes: the file's structure
 first, without starting Spark; then the data directory; then schemas, SQL and

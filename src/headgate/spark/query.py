@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from headgate.spark.pipeline import _quiet_spark_errors, error_text
+from headgate.spark.errors import error_text, quiet_spark_errors
 
 __all__ = ["QueryError", "parquet_tables", "run_query"]
 
@@ -41,7 +41,7 @@ def run_query(spark: Any, sql: str, data_dir: Path, *, rows: int = 50) -> None:
     from pyspark.errors import PySparkException
 
     tables = parquet_tables(data_dir)
-    restore = _quiet_spark_errors()
+    restore = quiet_spark_errors()
     try:
         for table in tables:
             spark.read.parquet(str(table)).createOrReplaceTempView(table.name)
