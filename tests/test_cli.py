@@ -366,7 +366,7 @@ def test_ctrl_c_reports_what_was_acknowledged_and_how_to_resume(
 
 
 def test_the_line_of_a_record_skips_the_bad_lines() -> None:
-    from headgate.send import SendReport
+    from headgate.cli.send import SendReport
 
     report = SendReport("s")
     report.bad_lines.extend([1, 2, 5, 9])
@@ -381,7 +381,7 @@ def test_the_line_of_a_record_skips_the_bad_lines() -> None:
 
 
 def test_an_interrupted_report_tells_stored_from_unknown() -> None:
-    from headgate.send import SendReport
+    from headgate.cli.send import SendReport
 
     report = SendReport("s", sent=10, transmitted=7, acked=4, interrupted=True, connected=True)
     report.bad_lines.append(2)

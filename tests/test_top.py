@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from headgate.top import as_json, render, render_to_fit
+from headgate.cli.top import as_json, render, render_to_fit
 from tests.helpers import busy_gateway, shown
 
 from .serving import serve_with_metrics

@@ -462,9 +462,9 @@ def send(
     On Ctrl-C it reports what was acknowledged, the input line to go on
     from, and the producer id to go on with (exit status 130).
     """
+    from headgate.cli.send import SendOptions, run_send
     from headgate.client import GatewayAddress, ProducerError, SpoolError
     from headgate.cluster import ClusterError, load_cluster
-    from headgate.send import SendOptions, run_send
 
     try:
         GatewayAddress.parse(gateway, what="--gateway")
@@ -589,9 +589,9 @@ def tail(
     skips batches and the tail says how many it missed (on stderr, or as
     {"missed_batches": N} lines with --format json).
     """
+    from headgate.cli.tail import TailOptions, explain, parse_start, run_tail
     from headgate.client.reader import ReaderError
     from headgate.log.address import AddressError
-    from headgate.tail import TailOptions, explain, parse_start, run_tail
 
     if not is_valid_name(stream):
         raise click.UsageError(f"{stream!r} is not a stream name")
@@ -623,9 +623,9 @@ def tail(
 
 def _tail_cluster(cluster: Path, options: Any) -> None:
     """``headgate tail --cluster``: every partition of the stream, merged; one line per error."""
+    from headgate.cli.tail import run_cluster_tail
     from headgate.cluster import ClusterError, load_cluster
     from headgate.log.address import RecordAddress
-    from headgate.tail import run_cluster_tail
 
     if isinstance(options.start, RecordAddress):
         raise click.UsageError(
@@ -711,7 +711,7 @@ def top(address: str, interval: float, once: bool, fmt: str) -> None:
     from rich.console import Console
     from rich.live import Live
 
-    from headgate.top import MetricsUnavailable, as_json, fetch, render_to_fit
+    from headgate.cli.top import MetricsUnavailable, as_json, fetch, render_to_fit
 
     if interval <= 0:
         raise click.UsageError("--interval must be positive")
@@ -776,7 +776,7 @@ def run(data_dir: Path, seconds: float, gateways: int) -> None:
     _require_spark("run")
     from rich.console import Console
 
-    from headgate.demo import run_demo
+    from headgate.cli.demo import run_demo
     from headgate.log.lock import DirectoryInUse
 
     if seconds <= 0:
@@ -843,8 +843,8 @@ def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: An
     producers back; state: ok, idle (blocking and not releasing past
     idle_release_seconds) or detached (made non-blocking for idling).
     """
+    from headgate.cli.streams import list_consumers
     from headgate.client.reader import ReaderError
-    from headgate.streams_admin import list_consumers
 
     try:
         rows = asyncio.run(list_consumers(gateway, _security(options), names))
@@ -984,8 +984,8 @@ def cluster_status(cluster_file: Path, timeout: float, fmt: str, **options: Any)
     """
     from dataclasses import asdict
 
+    from headgate.cli.cluster import cluster_status as ask
     from headgate.cluster import ClusterError, load_cluster, partition_name
-    from headgate.cluster_status import cluster_status as ask
 
     security = _security(options)
     try:
@@ -1028,7 +1028,7 @@ def _print_streams(rows: list[Any], fmt: str) -> None:
         for row in rows:
             click.echo(json.dumps(row.as_dict()))
         return
-    from headgate.streams_admin import release_phrase
+    from headgate.cli.streams import release_phrase
 
     now = time.time()
     header = ("stream", "start", "durable", "tail", "retained", "released")
@@ -1065,8 +1065,8 @@ def _bytes_text(n: int) -> str:
 
 
 def _streams_from(gateway: str, names: tuple[str, ...], options: dict[str, Any]) -> list[Any]:
+    from headgate.cli.streams import list_streams
     from headgate.client.reader import ReaderError
-    from headgate.streams_admin import list_streams
 
     security = _security(options)
     try:
@@ -1116,7 +1116,7 @@ def streams_describe(names: tuple[str, ...], gateway: str, fmt: str, **options: 
     if fmt == "json":
         _print_streams(rows, fmt)
         return
-    from headgate.streams_admin import release_phrase
+    from headgate.cli.streams import release_phrase
 
     now = time.time()
     for row in rows:
@@ -1145,8 +1145,8 @@ def streams_delete(name: str, data_dir: Path, yes: bool) -> None:
     positions of the old log: delete it (and its output, if it should go
     too) before a pipeline reads a new stream of that name.
     """
+    from headgate.cli.streams import delete_stream
     from headgate.log.lock import DirectoryInUse
-    from headgate.streams_admin import delete_stream
 
     if not yes:
         click.confirm(f"Delete stream {name!r} and every record in it from {data_dir}?", abort=True)
@@ -1242,7 +1242,3 @@ def query(sql: str, data_dir: Path) -> None:
         sys.exit(2)
     finally:
         spark.stop()
-
-
-if __name__ == "__main__":
-    main()

@@ -347,8 +347,8 @@ async def _consumer_silence(options: SendOptions) -> str | None:
     """Since when no consumer released ``options.stream``, from the gateway's
     DescribeStreams; None when it cannot say (an older gateway, a token that may
     not read the stream, no answer in DESCRIBE_TIMEOUT_S)."""
+    from headgate.cli.streams import consumer_silence, list_streams
     from headgate.client.reader import ReaderError
-    from headgate.streams_admin import consumer_silence, list_streams
 
     try:
         async with asyncio.timeout(DESCRIBE_TIMEOUT_S):
