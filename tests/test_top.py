@@ -14,7 +14,7 @@ from rich.console import Console
 from headgate.cli.top import as_json, render, render_to_fit
 from tests.helpers import busy_gateway, shown
 
-from .serving import serve_with_metrics
+from .serving import serve_with_metrics, stop
 
 HEADGATE = [sys.executable, "-m", "headgate.cli"]
 
@@ -94,3 +94,85 @@ def test_top_once_format_json_reads_a_running_gateway(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def _consumer_row(line: str) -> list[str]:
+    """The cells of a consumers row: its two names (possibly cut), then its figures."""
+    return line.split()
+
+
+def test_each_consumers_lag_in_records_shows_beside_its_bytes_or_a_question_mark() -> None:
+    # Issue 18: top showed a consumer's lag in bytes and seconds, not in records.
+    snap, previous = busy_gateway()
+    snap.consumers["a-stream-name-longer-than-the-column"] = {
+        "a-consumer-name-longer-than-its-column": {
+            "consumer_lag_bytes": 3.0 * 2**20,
+            "consumer_lag_records": 12_345_678.0,
+            "consumer_lag_seconds": 12_345.6,
+            "consumer_blocking": 0.0,
+            "consumer_detached_total": 1.0,
+        },
+        # No consumer_lag_records sample: the gateway cannot count them.
+        "live": {
+            "consumer_lag_bytes": 512.0,
+            "consumer_lag_seconds": 0.5,
+            "consumer_blocking": 1.0,
+        },
+    }
+    for width in (80, 200):
+        lines = shown(width, snap, previous)
+        assert max(len(line) for line in lines) <= width
+        header = next(line for line in lines if "lag rec" in line)
+        assert header.split() == [
+            "stream",
+            "consumer",
+            "lag",
+            "lag",
+            "rec",
+            "lag",
+            "s",
+            "blocking",
+            "state",
+        ]
+        counted = next(line for line in lines if "a-consumer-" in line)
+        assert _consumer_row(counted)[2:] == [
+            "3.0",
+            "MiB",
+            "12,345,678",
+            "12,345.6",
+            "no",
+            "detached",
+        ]
+        uncounted = next(line for line in lines if " live " in line)
+        assert _consumer_row(uncounted)[2:] == ["512", "B", "?", "0.5", "yes", "ok"]
+
+
+def test_top_shows_a_running_gateways_consumer_lag_in_records(tmp_path: Path) -> None:
+    proc, address, metrics = serve_with_metrics(tmp_path / "data")
+    try:
+        source = tmp_path / "in.txt"
+        source.write_text("".join(f"line {i}\n" for i in range(300)))
+        sent = subprocess.run(
+            [*HEADGATE, "send", "scripted", str(source), "--gateway", address],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert sent.returncode == 0, sent.stderr
+        table = subprocess.run(
+            [*HEADGATE, "top", "--once", "--metrics", metrics],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "COLUMNS": "80"},
+        )
+        assert table.returncode == 0, table.stderr
+        # Nothing released: the stream's default consumer lags by all 300 records.
+        row = next(
+            line
+            for line in table.stdout.splitlines()
+            if line.split()[:2] == ["scripted", "default"]
+        )
+        assert _consumer_row(row)[4] == "300", row
+    finally:
+        stop(proc)

@@ -309,12 +309,15 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
             cells[-1:-1] = [f"{num('connection_read_pauses_total'):,.0f}"]
             cells.append(_size(num("connection_ring_bytes")))
         connections.add_row(*cells)
+    # Names are cut shorter here than in the other tables: three lags,
+    # blocking and the state must fit beside them in 80 columns, uncut.
     consumers = _table(
         "consumers",
         [
-            ("stream", _WHOLE if wide else 14),
-            ("consumer", _WHOLE if wide else 14),
+            ("stream", _WHOLE if wide else 12),
+            ("consumer", _WHOLE if wide else 12),
             ("lag", None),
+            ("lag rec", None),
             ("lag s", None),
             ("blocking", None),
             ("state", None),
@@ -323,6 +326,9 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
     for stream_name in sorted(snap.consumers):
         for consumer_name, row in sorted(snap.consumers[stream_name].items()):
             lag_s = row.get("consumer_lag_seconds")
+            # Absent where the gateway cannot count them (a position freed
+            # before it was counted, or a gateway older than the gauge).
+            lag_records = row.get("consumer_lag_records")
             detached = row.get("consumer_detached_total", 0.0) and not row.get(
                 "consumer_blocking", 0.0
             )
@@ -337,6 +343,7 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
                 stream_name,
                 consumer_name,
                 _size(row.get("consumer_lag_bytes", 0.0)),
+                "?" if lag_records is None else f"{lag_records:,.0f}",
                 "-" if lag_s is None else f"{lag_s:,.1f}",
                 "yes" if row.get("consumer_blocking", 0.0) else "no",
                 state,
