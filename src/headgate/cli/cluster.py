@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from headgate.cli.options import client_security, security_options
+from headgate.cli.options import client_security, security_options, table_or_json
 from headgate.cli.text import bytes_text, count_text
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.security import ClientSecurity
@@ -128,14 +128,7 @@ def cluster() -> None:
 @cluster.command(name="status")
 @click.argument("cluster_file", type=click.Path(path_type=Path))
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds per gateway.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "json"]),
-    default="table",
-    show_default=True,
-    help="table, or one JSON object per gateway and per partition.",
-)
+@table_or_json("table, or one JSON object per gateway and per partition.")
 @security_options
 def status(cluster_file: Path, timeout: float, fmt: str, **options: Any) -> None:
     """Each gateway of CLUSTER_FILE up or down, and per partition its fill and consumers' lag.

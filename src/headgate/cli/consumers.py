@@ -17,7 +17,7 @@ from typing import Any
 
 import click
 
-from headgate.cli.options import client_security, gateway_option, security_options
+from headgate.cli.options import client_security, gateway_option, security_options, table_or_json
 from headgate.cli.text import bytes_text, count_text
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.security import ClientSecurity
@@ -117,14 +117,7 @@ def consumers() -> None:
 @click.argument("names", nargs=-1)
 @gateway_option
 @security_options
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "json"]),
-    default="table",
-    show_default=True,
-    help="table, or one JSON object per consumer (for scripts).",
-)
+@table_or_json("table, or one JSON object per consumer (for scripts).")
 def consumers_list(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
     """The named consumers of every stream (or of the streams NAMES), with their lag.
 

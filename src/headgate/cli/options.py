@@ -1,8 +1,9 @@
-"""The options every client command shares: where the gateway is, and how to reach it.
+"""The options several commands share: where the gateway is, how to reach it, what to print.
 
 ``send``, ``tail``, ``consumers``, ``streams`` and ``cluster status`` take the
 same ``--gateway`` and the same token and TLS options, with the same help and
-the same usage errors, so both are written once here.
+the same usage errors, so both are written once here; so is the ``--format
+table|json`` of the commands that print tables.
 """
 
 from __future__ import annotations
@@ -85,3 +86,18 @@ def client_security(options: dict[str, Any]) -> ClientSecurity:
         )
         raise click.UsageError(message) from None
     return security
+
+
+def table_or_json(help_text: str) -> Callable[[F], F]:
+    """``--format table|json`` (a table unless asked), given to the command as ``fmt``.
+
+    What the JSON holds is the command's own, so ``help_text`` says it.
+    """
+    return click.option(
+        "--format",
+        "fmt",
+        type=click.Choice(["table", "json"]),
+        default="table",
+        show_default=True,
+        help=help_text,
+    )

@@ -21,7 +21,7 @@ from typing import Any
 
 import click
 
-from headgate.cli.options import client_security, gateway_option, security_options
+from headgate.cli.options import client_security, gateway_option, security_options, table_or_json
 from headgate.cli.text import bytes_text, in_use
 from headgate.client.reader import ReaderError
 from headgate.gateway.consumers import consumers_file
@@ -247,14 +247,7 @@ def _streams_from(gateway: str, names: tuple[str, ...], options: dict[str, Any])
         sys.exit(1)
 
 
-_streams_format = click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "json"]),
-    default="table",
-    show_default=True,
-    help="table, or one JSON object per stream (for scripts).",
-)
+_streams_format = table_or_json("table, or one JSON object per stream (for scripts).")
 
 
 @streams.command(name="list")

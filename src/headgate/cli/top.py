@@ -28,6 +28,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from headgate.cli.options import table_or_json
 from headgate.config import DEFAULT_METRICS_PORT, ConfigError, parse_address
 from headgate.latency import bucket_increase, bucket_quantile
 
@@ -416,14 +417,7 @@ def render_to_fit(console: Console, snap: Snapshot, previous: Snapshot | None = 
 )
 @click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
 @click.option("--once", is_flag=True, help="Print one snapshot and exit.")
-@click.option(
-    "--format",
-    "fmt",
-    type=click.Choice(["table", "json"]),
-    default="table",
-    show_default=True,
-    help="json: one JSON object per snapshot, one per line (every metric; for scripts).",
-)
+@table_or_json("json: one JSON object per snapshot, one per line (every metric; for scripts).")
 def top(address: str, interval: float, once: bool, fmt: str) -> None:
     """Watch a running gateway: streams and connections, live.
 
