@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from headgate.cli import main
+from headgate.cli import COMMANDS, main
 from headgate.client import ReleaseClient
 from headgate.client.reader import SyncReader
 from headgate.log import LogReader
@@ -582,3 +582,29 @@ def test_send_with_a_spool_that_gave_up_says_where_to_go_on(
         values += decode_records(frame.payload).to_lists()[0]
     reader.close()
     assert values == [b"one", b"two", b"three"]
+
+
+def test_each_command_of_the_table_is_found_under_its_name() -> None:
+    import click
+
+    found = {name: main.get_command(click.Context(main), name) for name in COMMANDS}
+    assert {name: command.name for name, command in found.items() if command} == {
+        name: name for name in COMMANDS
+    }
+    assert main.list_commands(click.Context(main)) == sorted(COMMANDS)
+    assert main.get_command(click.Context(main), "nosuch") is None
+
+
+def test_a_command_imports_its_own_module_and_no_other_commands() -> None:
+    # In a fresh interpreter: this one has imported every command already.
+    script = (
+        "import sys, click\n"
+        "from headgate.cli import main\n"
+        "main.get_command(click.Context(main), 'serve')\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('headgate.cli.'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["headgate.cli.serve", "headgate.cli.text"]
