@@ -17,10 +17,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import Producer
 from headgate.client.reader import SyncReader
 from headgate.config import GatewayConfig
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.log import LogReader
 

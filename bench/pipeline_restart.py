@@ -30,9 +30,9 @@ import threading
 import time
 from pathlib import Path
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import SyncProducer
 from headgate.config import GatewayConfig, parse_size
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 
 STREAM = "full"

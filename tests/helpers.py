@@ -31,6 +31,7 @@ from typing import Any
 
 from rich.console import Console
 
+from headgate.cli.top import Snapshot, fetch, render_to_fit
 from headgate.config import ConsumerSettings, GatewayConfig
 from headgate.costs import batch_cost
 from headgate.gateway import Gateway
@@ -45,7 +46,6 @@ from headgate.protocol.session import (
     Session,
     WelcomeReceived,
 )
-from headgate.top import Snapshot, fetch, render_to_fit
 
 # -- a gateway in this process ---------------------------------------------------------
 

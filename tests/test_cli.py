@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from headgate.cli import main
+from headgate.cli import COMMANDS, main
 from headgate.client import ReleaseClient
 from headgate.client.reader import SyncReader
 from headgate.log import LogReader
@@ -366,7 +366,7 @@ def test_ctrl_c_reports_what_was_acknowledged_and_how_to_resume(
 
 
 def test_the_line_of_a_record_skips_the_bad_lines() -> None:
-    from headgate.send import SendReport
+    from headgate.cli.send import SendReport
 
     report = SendReport("s")
     report.bad_lines.extend([1, 2, 5, 9])
@@ -381,7 +381,7 @@ def test_the_line_of_a_record_skips_the_bad_lines() -> None:
 
 
 def test_an_interrupted_report_tells_stored_from_unknown() -> None:
-    from headgate.send import SendReport
+    from headgate.cli.send import SendReport
 
     report = SendReport("s", sent=10, transmitted=7, acked=4, interrupted=True, connected=True)
     report.bad_lines.append(2)
@@ -582,3 +582,29 @@ def test_send_with_a_spool_that_gave_up_says_where_to_go_on(
         values += decode_records(frame.payload).to_lists()[0]
     reader.close()
     assert values == [b"one", b"two", b"three"]
+
+
+def test_each_command_of_the_table_is_found_under_its_name() -> None:
+    import click
+
+    found = {name: main.get_command(click.Context(main), name) for name in COMMANDS}
+    assert {name: command.name for name, command in found.items() if command} == {
+        name: name for name in COMMANDS
+    }
+    assert main.list_commands(click.Context(main)) == sorted(COMMANDS)
+    assert main.get_command(click.Context(main), "nosuch") is None
+
+
+def test_a_command_imports_its_own_module_and_no_other_commands() -> None:
+    # In a fresh interpreter: this one has imported every command already.
+    script = (
+        "import sys, click\n"
+        "from headgate.cli import main\n"
+        "main.get_command(click.Context(main), 'serve')\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('headgate.cli.'))))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["headgate.cli.serve", "headgate.cli.text"]

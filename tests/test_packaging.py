@@ -23,7 +23,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
 #: What the Spark commands import after their check; absent, so that a command
 #: that skipped the check fails here instead of starting Spark (or the demo's gateway).
 _LAZY_SPARK_IMPORTS = (
-    "headgate.demo",
+    "headgate.cli.demo",
     "headgate.spark",
     "headgate.spark.command",
     "headgate.spark.pipeline",

@@ -165,9 +165,9 @@ def test_each_stream_releases_as_a_consumer_named_after_the_file_unless_it_names
 def test_a_token_that_may_not_declare_the_consumer_is_an_error_before_spark_starts(
     tmp_path: Path,
 ) -> None:
+    from headgate.cli.demo import BackgroundLoop
     from headgate.client import ClientSecurity, Producer
     from headgate.config import GatewayConfig
-    from headgate.demo import BackgroundLoop
     from headgate.gateway import Gateway
     from tests.gateway._tokens import Token, write_tokens
 

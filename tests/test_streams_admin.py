@@ -14,13 +14,13 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
+from headgate.cli.streams import StreamRow, consumer_silence, list_streams, release_phrase
 from headgate.client import ReleaseClient
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.gateway.readers import ReaderConnection
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
-from headgate.streams_admin import StreamRow, consumer_silence, list_streams, release_phrase
 
 from .serving import HEADGATE
 from .serving import serve as _serve

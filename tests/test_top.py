@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from headgate.top import as_json, render, render_to_fit
+from headgate.cli.top import as_json, render, render_to_fit
 from tests.helpers import busy_gateway, shown
 
 from .serving import serve_with_metrics
@@ -91,6 +91,56 @@ def test_top_once_format_json_reads_a_running_gateway(tmp_path: Path) -> None:
         assert table.returncode == 0, table.stderr
         assert "scripted" in table.stdout
         assert max(len(line) for line in table.stdout.splitlines()) <= 80
+        # Nothing released: the stream's default consumer lags by all 300 records.
+        rows = [line.split() for line in table.stdout.splitlines()]
+        consumer = next(row for row in rows if row[:2] == ["scripted", "default"])
+        assert consumer[4] == "300", consumer
     finally:
         proc.terminate()
         proc.wait(20)
+
+
+def test_each_consumers_lag_in_records_shows_beside_its_bytes_or_a_question_mark() -> None:
+    # Issue 18: top showed a consumer's lag in bytes and seconds, not in records.
+    snap, previous = busy_gateway()
+    snap.consumers["a-stream-name-longer-than-the-column"] = {
+        "a-consumer-name-longer-than-its-column": {
+            "consumer_lag_bytes": 3.0 * 2**20,
+            "consumer_lag_records": 12_345_678.0,
+            "consumer_lag_seconds": 12_345.6,
+            "consumer_blocking": 0.0,
+            "consumer_detached_total": 1.0,
+        },
+        # No consumer_lag_records sample: the gateway cannot count them.
+        "live": {
+            "consumer_lag_bytes": 512.0,
+            "consumer_lag_seconds": 0.5,
+            "consumer_blocking": 1.0,
+        },
+    }
+    for width in (80, 200):
+        lines = shown(width, snap, previous)
+        assert max(len(line) for line in lines) <= width
+        header = next(line for line in lines if "lag rec" in line)
+        assert header.split() == [
+            "stream",
+            "consumer",
+            "lag",
+            "lag",
+            "rec",
+            "lag",
+            "s",
+            "blocking",
+            "state",
+        ]
+        counted = next(line for line in lines if "a-consumer-" in line)
+        assert counted.split()[2:] == [
+            "3.0",
+            "MiB",
+            "12,345,678",
+            "12,345.6",
+            "no",
+            "detached",
+        ]
+        uncounted = next(line for line in lines if " live " in line)
+        assert uncounted.split()[2:] == ["512", "B", "?", "0.5", "yes", "ok"]

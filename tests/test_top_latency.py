@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from headgate.top import Snapshot, ack_quantiles, as_json, parse
+from headgate.cli.top import Snapshot, ack_quantiles, as_json, parse
 from tests.helpers import busy_gateway, shown
 
 INF = math.inf

@@ -202,7 +202,7 @@ async def test_connecting_to_nothing_names_the_address(tmp_path: Path) -> None:
 
 
 def test_sync_reader_fetches_without_an_event_loop(tmp_path: Path) -> None:
-    from headgate.demo import BackgroundLoop
+    from headgate.cli.demo import BackgroundLoop
 
     loop = BackgroundLoop("gw")
     gw = Gateway(
@@ -234,7 +234,7 @@ def test_sync_reader_fetches_without_an_event_loop(tmp_path: Path) -> None:
 def test_a_sync_reader_reconnects_only_after_half_the_idle_timeout(tmp_path: Path) -> None:
     """Between calls nothing Pings; a call past half the idle timeout opens a new
     connection first (the gateway may have closed the old one as idle)."""
-    from headgate.demo import BackgroundLoop
+    from headgate.cli.demo import BackgroundLoop
 
     loop = BackgroundLoop("gw")
     gw = Gateway(

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import ReleaseClient, SyncProducer
 from headgate.config import GatewayConfig
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway, GatewayStreamStatistics
 
 

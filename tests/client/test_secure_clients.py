@@ -21,11 +21,11 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import FleetProducer, Producer, ReleaseClient, SyncProducer
 from headgate.client.reader import MissedBatches, Reader, ReaderError, ReaderRefused, SyncReader
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.client.tls import client_context
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.gateway.auth import hash_token
 from headgate.protocol import messages as m

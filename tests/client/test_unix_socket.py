@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import GatewayAddress, Producer, ProducerError, SyncProducer
 from headgate.config import ConfigError, GatewayConfig
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.log import LogReader
 from headgate.protocol.records import decode_records

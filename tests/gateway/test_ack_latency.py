@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from headgate.cli.top import ack_quantiles, as_json, fetch
 from headgate.gateway import Gateway
 from headgate.gateway.statistics import ACK_LATENCY_BUCKETS, LatencyHistogram
 from headgate.protocol import messages as m
-from headgate.top import ack_quantiles, as_json, fetch
 from tests.helpers import RawPeer, config, send_batches
 
 pytestmark = pytest.mark.timeout(60)

@@ -951,7 +951,7 @@ def test_an_idle_consumer_under_hold_keeps_the_producers_waiting_warned_once(
 def test_top_shows_each_consumer_apart_from_its_stream(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from headgate import top
+    import headgate.cli.top as top
 
     settings = StreamSettings(
         consumers=consumers(archive=BLOCKING, live=ConsumerSettings(blocking=False))

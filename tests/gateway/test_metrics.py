@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
+from headgate.cli.top import MetricsUnavailable, fetch, parse, render
 from headgate.config import ConfigError, load_gateway_config
 from headgate.gateway import Gateway
 from headgate.protocol import messages as m
 from headgate.protocol.records import encode_records
-from headgate.top import MetricsUnavailable, fetch, parse, render
 from tests.helpers import RawPeer, config, scrape
 
 from ..serving import serve_with_metrics

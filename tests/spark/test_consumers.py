@@ -19,10 +19,10 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import Producer
 from headgate.client.reader import Reader
 from headgate.config import ConsumerSettings, GatewayConfig, StreamSettings
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.protocol import messages as m
 from headgate.spark.pipeline import (

@@ -15,9 +15,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import Producer
 from headgate.config import GatewayConfig
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.spark.pipeline import Pipeline, pipeline_config_from_dict
 

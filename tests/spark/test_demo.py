@@ -12,7 +12,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 from rich.console import Console
 
-from headgate.demo import GENERATORS, demo_gateway_config, run_demo
+from headgate.cli.demo import GENERATORS, demo_gateway_config, run_demo
 
 #: The producer's own bound in the demo, and the largest batch it seals.
 _BUFFER = 512 * 1024

@@ -30,11 +30,11 @@ from pyspark.sql import SparkSession
 from rich.console import Console
 
 from headgate.cli import main
+from headgate.cli.demo import SYMBOLS, run_demo
 from headgate.client.fleet import FleetProducer
 from headgate.client.reader import Reader
 from headgate.cluster import load_cluster, partition_name, partition_of
 from headgate.config import ConfigError
-from headgate.demo import SYMBOLS, run_demo
 from headgate.spark.pipeline import (
     META_COLUMNS,
     Pipeline,

@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import SparkSession
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import Producer
 from headgate.config import GatewayConfig
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.spark.pipeline import Pipeline, error_text, pipeline_config_from_dict
 

@@ -25,9 +25,9 @@ import pytest
 from click.testing import CliRunner
 
 from headgate.cli import main
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import SyncProducer
 from headgate.config import GatewayConfig, StreamSettings
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway, GatewayStreamStatistics
 
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from headgate.cli.demo import BackgroundLoop
 from headgate.client import SyncProducer
 from headgate.config import GatewayConfig
-from headgate.demo import BackgroundLoop
 from headgate.gateway import Gateway
 from headgate.spark.pipeline import committed_positions
 

@@ -22,6 +22,7 @@ import io
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from array import array
@@ -30,16 +31,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Final
 
+import click
 from rich.console import Console
 from rich.progress import Progress, ProgressColumn, Task, TextColumn
 from rich.text import Text
 
-from headgate.client import FleetProducer, Producer, ProducerError, ProducerGaveUp
+from headgate.cli.options import client_security, gateway_option, security_options
+from headgate.client import (
+    FleetProducer,
+    GatewayAddress,
+    Producer,
+    ProducerError,
+    ProducerGaveUp,
+    SpoolError,
+)
 from headgate.client.producer import Policy
 from headgate.client.security import ClientSecurity
-from headgate.cluster import Cluster
+from headgate.cluster import Cluster, ClusterError, load_cluster
+from headgate.config import ConfigError
+from headgate.protocol.messages import MAX_SECRET_BYTES, is_valid_name
 
-__all__ = ["SendOptions", "SendReport", "run_send"]
+__all__ = ["SendOptions", "SendReport", "run_send", "send"]
 
 #: How long an interrupted send waits for the acknowledgements of what it sent.
 INTERRUPT_GRACE_S: Final = 5.0
@@ -347,8 +359,8 @@ async def _consumer_silence(options: SendOptions) -> str | None:
     """Since when no consumer released ``options.stream``, from the gateway's
     DescribeStreams; None when it cannot say (an older gateway, a token that may
     not read the stream, no answer in DESCRIBE_TIMEOUT_S)."""
+    from headgate.cli.streams import consumer_silence, list_streams
     from headgate.client.reader import ReaderError
-    from headgate.streams_admin import consumer_silence, list_streams
 
     try:
         async with asyncio.timeout(DESCRIBE_TIMEOUT_S):
@@ -542,3 +554,149 @@ async def run_send(options: SendOptions, source: BinaryIO) -> SendReport:
         report.spooled = stats.records_spooled
     report.producer_secret = producer.producer_secret
     return report
+
+
+@click.command()
+@click.argument("stream")
+@click.argument("source", type=click.File("rb"), default="-")
+@gateway_option
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "raw"]),
+    default="raw",
+    show_default=True,
+    help="jsonl: each line must be a JSON value (bad lines are reported, not sent).",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["wait", "optimistic", "window"]),
+    default="wait",
+    show_default=True,
+    help="window: for streams with the gateway's window policy (one batch per slot).",
+)
+@click.option("--producer-id", type=int, help="Reuse an id to resume after a crash.")
+@click.option(
+    "--producer-secret",
+    help="With --producer-id, the hex secret that proves the id is ours (without tokens); "
+    "printed when a send without tokens ends.",
+)
+@click.option(
+    "--timeout",
+    type=float,
+    default=30.0,
+    show_default=True,
+    help="Seconds to keep trying to reach the gateway before giving up.",
+)
+@click.option(
+    "--spool",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep unacknowledged records in this directory, so that a send cut short "
+    "(Ctrl-C, a crash, a gateway away past --timeout) is resumed by the next send "
+    "with the same --spool, each record stored once; the input goes on from the line "
+    "it reports.",
+)
+@click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="STREAM is partitioned over this cluster file's gateways (--gateway is not "
+    "used): lines go to sticky partitions, round robin among the gateways that are up; "
+    "--timeout bounds how long they wait for a gateway that is down.",
+)
+@security_options
+def send(
+    stream: str,
+    source: Any,
+    gateway: str,
+    fmt: str,
+    policy: str,
+    producer_id: int | None,
+    producer_secret: str | None,
+    timeout: float,
+    spool: Path | None,
+    cluster: Path | None,
+    **options: Any,
+) -> None:
+    """Send the lines of SOURCE (a file, or - for stdin) as records of STREAM.
+
+    Each line (without its newline) is one record. Shows progress while it
+    sends and reports the records and bytes the gateway acknowledged durable.
+    On Ctrl-C it reports what was acknowledged, the input line to go on
+    from, and the producer id to go on with (exit status 130).
+    """
+    try:
+        GatewayAddress.parse(gateway, what="--gateway")
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    loaded = None
+    if cluster is not None:
+        if producer_secret is not None:
+            raise click.UsageError(
+                "--producer-secret does not go with --cluster: each gateway of a fleet keeps "
+                "its own secret (resume a fleet send with --spool)"
+            )
+        try:
+            loaded = load_cluster(cluster)
+            loaded.stream(stream)
+        except ClusterError as exc:
+            click.echo(f"headgate send: {exc}", err=True)
+            sys.exit(2)
+    if not is_valid_name(stream):
+        raise click.UsageError(
+            f"{stream!r} is not a stream name: letters, digits, '.', '_' and '-', "
+            "up to 255, starting with a letter or digit"
+        )
+    secret = None
+    if producer_secret is not None:
+        if producer_id is None:
+            raise click.UsageError("--producer-secret goes with the --producer-id it proves")
+        try:
+            secret = bytes.fromhex(producer_secret)
+        except ValueError:
+            raise click.UsageError("--producer-secret must be hex digits") from None
+        if not 1 <= len(secret) <= MAX_SECRET_BYTES:
+            raise click.UsageError(f"--producer-secret must be 1 to {MAX_SECRET_BYTES} bytes")
+    security = client_security(options)
+    send_options = SendOptions(
+        gateway,
+        stream,
+        fmt,
+        policy,
+        producer_id,
+        secret,
+        timeout,
+        security=security,
+        spool=spool,
+        cluster=loaded,
+    )
+    try:
+        report = asyncio.run(run_send(send_options, source))
+    except ProducerError as exc:
+        click.echo(f"headgate send: {exc}", err=True)
+        sys.exit(1)
+    except (SpoolError, ValueError) as exc:
+        click.echo(f"headgate send: {exc}", err=True)
+        sys.exit(1)
+    if report.interrupted:
+        click.echo(f"headgate send: {report.interrupted_message()}", err=True)
+    else:
+        where = f"{stream} ({report.gateway})" if loaded is not None else stream
+        click.echo(
+            f"{report.acked:,} records ({report.bytes_acked:,} bytes) "
+            f"acknowledged durable on {where}"
+        )
+    if bad_lines := report.bad_lines_message():
+        click.echo(f"headgate send: {bad_lines}", err=True)
+    if report.producer_secret is not None or (report.interrupted and report.transmitted):
+        # Without tokens the id is its secret's: what resuming it takes.
+        click.echo(report.resume_hint(), err=True)
+    if report.interrupted:
+        sys.exit(130)
+    if report.acked != report.sent:
+        click.echo(
+            f"headgate send: only {report.acked:,} of {report.sent:,} records were acknowledged",
+            err=True,
+        )
+        sys.exit(1)
+    if report.bad_lines:
+        sys.exit(2)

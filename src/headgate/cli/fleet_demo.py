@@ -1,6 +1,6 @@
 """``headgate run --gateways N``: the demo on a fleet of N local gateways.
 
-The same three streams as :mod:`headgate.demo`, each a partitioned stream of
+The same three streams as :mod:`headgate.cli.demo`, each a partitioned stream of
 a cluster file the command writes (``<data_dir>/cluster.toml``): N gateways
 on 127.0.0.1, each in this process on its own event loop and data directory
 (``<data_dir>/gw1`` ...), ports picked free at start. One
@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from headgate.cluster import Cluster, Partition, load_cluster
-from headgate.config import StreamSettings
-from headgate.demo import (
+from headgate.cli.demo import (
     GENERATORS,
     PIPELINE,
     STREAMS,
@@ -39,6 +37,8 @@ from headgate.demo import (
     _Demo,
     demo_gateway_config,
 )
+from headgate.cluster import Cluster, Partition, load_cluster
+from headgate.config import StreamSettings
 from headgate.gateway import Gateway, GatewayStreamStatistics
 from headgate.log.lock import DirectoryInUse
 

@@ -9,13 +9,28 @@ down, with the reason, and its partitions are shown as unknown.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
 
+import click
+
+from headgate.cli.options import client_security, security_options, table_or_json
+from headgate.cli.text import bytes_text, count_text
 from headgate.client.reader import Reader, ReaderError
 from headgate.client.security import ClientSecurity
-from headgate.cluster import Cluster, ClusterGateway, Partition
+from headgate.cluster import (
+    Cluster,
+    ClusterError,
+    ClusterGateway,
+    Partition,
+    load_cluster,
+    partition_name,
+)
 
-__all__ = ["GatewayRow", "PartitionRow", "cluster_status"]
+__all__ = ["GatewayRow", "PartitionRow", "cluster", "cluster_status"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,3 +118,49 @@ async def cluster_status(
         (p for _, rows in answers for p in rows), key=lambda p: (p.stream, p.partition)
     )
     return gateways, partitions
+
+
+@click.group()
+def cluster() -> None:
+    """A fleet of gateways (a cluster file): its state."""
+
+
+@cluster.command(name="status")
+@click.argument("cluster_file", type=click.Path(path_type=Path))
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds per gateway.")
+@table_or_json("table, or one JSON object per gateway and per partition.")
+@security_options
+def status(cluster_file: Path, timeout: float, fmt: str, **options: Any) -> None:
+    """Each gateway of CLUSTER_FILE up or down, and per partition its fill and consumers' lag.
+
+    Exits 1 when a gateway is down (after showing the others).
+    """
+    security = client_security(options)
+    try:
+        loaded = load_cluster(cluster_file)
+    except ClusterError as exc:
+        click.echo(f"headgate cluster status: {exc}", err=True)
+        sys.exit(2)
+    gateways, partitions = asyncio.run(cluster_status(loaded, security, timeout))
+    if fmt == "json":
+        for gateway_row in gateways:
+            click.echo(json.dumps({"kind": "gateway", **asdict(gateway_row)}))
+        for partition_row in partitions:
+            click.echo(json.dumps({"kind": "partition", **asdict(partition_row)}))
+    else:
+        for g in gateways:
+            state = "up" if g.up else f"DOWN: {g.error}"
+            click.echo(f"{g.name:<12} {g.address:<24} {state}")
+        click.echo("")
+        click.echo(f"{'partition':<24} {'gateway':<12} {'retained':>12}  consumers (lag)")
+        for p in partitions:
+            name = partition_name(p.stream, p.partition)
+            fill = "?" if p.retained_bytes is None else bytes_text(p.retained_bytes)
+            counts = p.consumer_lag_records
+            lags = ", ".join(
+                f"{c} ({bytes_text(lag)}, {count_text(counts.get(c))} records)"
+                for c, lag in sorted(p.consumers.items())
+            )
+            click.echo(f"{name:<24} {p.gateway:<12} {fill:>12}  {lags}".rstrip())
+    if not all(g.up for g in gateways):
+        sys.exit(1)

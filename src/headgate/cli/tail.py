@@ -10,12 +10,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
-from typing import BinaryIO
+from pathlib import Path
+from typing import Any, BinaryIO
 
+import click
+
+from headgate.cli.options import client_security, gateway_option, security_options
 from headgate.client.reader import (
     MissedBatches,
     Reader,
@@ -25,12 +30,12 @@ from headgate.client.reader import (
     TailBatch,
 )
 from headgate.client.security import ClientSecurity
-from headgate.cluster import Cluster
+from headgate.cluster import Cluster, ClusterError, load_cluster
 from headgate.log.address import AddressError, RecordAddress
-from headgate.protocol.messages import StartAt
+from headgate.protocol.messages import StartAt, is_valid_name
 from headgate.protocol.records import decode_records
 
-__all__ = ["TailOptions", "explain", "parse_start", "run_cluster_tail", "run_tail"]
+__all__ = ["TailOptions", "explain", "parse_start", "run_cluster_tail", "run_tail", "tail"]
 
 
 def parse_start(text: str) -> StartAt | RecordAddress:
@@ -249,3 +254,96 @@ async def run_cluster_tail(
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     return written
+
+
+@click.command()
+@click.argument("stream")
+@gateway_option
+@click.option(
+    "--from",
+    "start",
+    default="now",
+    show_default=True,
+    help="now (new records only), earliest, or a record address to start at: "
+    "POSITION[:INDEX], as --format json prints them.",
+)
+@click.option("--sample", type=click.IntRange(min=1), default=1, help="Show one batch in N.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["raw", "json"]),
+    default="raw",
+    show_default=True,
+    help="raw: one value per line; json: one object per record, with its address "
+    "(position and index).",
+)
+@click.option("--count", type=click.IntRange(min=1), help="Stop after this many records.")
+@click.option(
+    "--cluster",
+    type=click.Path(path_type=Path),
+    help="STREAM is partitioned over this cluster file's gateways: follow every "
+    "partition, merged (--from now or earliest).",
+)
+@security_options
+def tail(
+    stream: str,
+    gateway: str,
+    start: str,
+    sample: int,
+    fmt: str,
+    count: int | None,
+    cluster: Path | None,
+    **options: Any,
+) -> None:
+    """Print records of STREAM as the gateway appends them.
+
+    The tail never slows the producers: when it cannot keep up, the gateway
+    skips batches and the tail says how many it missed (on stderr, or as
+    {"missed_batches": N} lines with --format json).
+    """
+    if not is_valid_name(stream):
+        raise click.UsageError(f"{stream!r} is not a stream name")
+    security = client_security(options)
+    try:
+        tail_options = TailOptions(
+            gateway, stream, parse_start(start), sample, fmt, count, security=security
+        )
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if cluster is not None:
+        _tail_cluster(cluster, tail_options)
+        return
+    try:
+        asyncio.run(run_tail(tail_options, sys.stdout.buffer))
+    except ReaderError as exc:
+        click.echo(f"headgate tail: {explain(exc, tail_options)}", err=True)
+        sys.exit(1)
+    except AddressError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        # The reader of our output went away (| head): stop quietly, and keep
+        # Python from failing again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _tail_cluster(cluster: Path, options: TailOptions) -> None:
+    """``headgate tail --cluster``: every partition of the stream, merged; one line per error."""
+    if isinstance(options.start, RecordAddress):
+        raise click.UsageError(
+            "with --cluster, --from is now or earliest (a position is a partition's)"
+        )
+    try:
+        loaded = load_cluster(cluster)
+        loaded.stream(options.stream)
+    except ClusterError as exc:
+        click.echo(f"headgate tail: {exc}", err=True)
+        sys.exit(2)
+    try:
+        asyncio.run(run_cluster_tail(loaded, options.stream, options, sys.stdout.buffer))
+    except KeyboardInterrupt:
+        pass
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

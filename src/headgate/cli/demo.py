@@ -175,7 +175,7 @@ class DemoResult:
     interrupted: bool = False
     #: The one-line reason it stopped early, or None.
     failure: str | None = None
-    #: With several gateways: each partition's figures (see headgate.fleet_demo).
+    #: With several gateways: each partition's figures (see headgate.cli.fleet_demo).
     partitions: list[Any] = field(default_factory=list)
 
 
@@ -589,13 +589,13 @@ def run_demo(
     says how it ended, and the summary (of what was done so far) is printed.
     ``spark``: a session to use (and leave running); else one is made and
     stopped at the end. ``gateways``: more than 1 runs the demo on a fleet of
-    that many local gateways (:mod:`headgate.fleet_demo`).
+    that many local gateways (:mod:`headgate.cli.fleet_demo`).
     """
     data_dir = data_dir.resolve()
     console.print(f"[bold]headgate run[/]: data in {data_dir}")
     demo: _Demo
     if gateways > 1:
-        from headgate.fleet_demo import FleetDemo
+        from headgate.cli.fleet_demo import FleetDemo
 
         demo = FleetDemo(data_dir, console, spark, gateways)
     else:
@@ -619,7 +619,7 @@ def run_demo(
     try:
         _print_summary(console, result, data_dir, demo.spark if demo.completed else None)
         if gateways > 1:
-            from headgate.fleet_demo import FleetDemo, print_partitions
+            from headgate.cli.fleet_demo import FleetDemo, print_partitions
 
             assert isinstance(demo, FleetDemo)
             result.partitions = demo.partition_summaries(demo.spark if demo.completed else None)

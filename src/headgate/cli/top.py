@@ -11,22 +11,37 @@ Prometheus's ``histogram_quantile`` does (:mod:`headgate.latency`).
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import click
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group
+from rich.live import Live
 from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from headgate.cli.options import table_or_json
+from headgate.config import DEFAULT_METRICS_PORT, ConfigError, parse_address
 from headgate.latency import bucket_increase, bucket_quantile
 
-__all__ = ["MetricsUnavailable", "Snapshot", "as_json", "fetch", "parse", "render", "render_to_fit"]
+__all__ = [
+    "MetricsUnavailable",
+    "Snapshot",
+    "as_json",
+    "fetch",
+    "parse",
+    "render",
+    "render_to_fit",
+    "top",
+]
 
 #: The most of a response that is read; a metrics page is far smaller.
 MAX_RESPONSE_BYTES = 16 << 20
@@ -295,12 +310,15 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
             cells[-1:-1] = [f"{num('connection_read_pauses_total'):,.0f}"]
             cells.append(_size(num("connection_ring_bytes")))
         connections.add_row(*cells)
+    # Names are cut shorter here than in the other tables: three lags,
+    # blocking and the state must fit beside them in 80 columns, uncut.
     consumers = _table(
         "consumers",
         [
-            ("stream", _WHOLE if wide else 14),
-            ("consumer", _WHOLE if wide else 14),
+            ("stream", _WHOLE if wide else 12),
+            ("consumer", _WHOLE if wide else 12),
             ("lag", None),
+            ("lag rec", None),
             ("lag s", None),
             ("blocking", None),
             ("state", None),
@@ -309,6 +327,9 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
     for stream_name in sorted(snap.consumers):
         for consumer_name, row in sorted(snap.consumers[stream_name].items()):
             lag_s = row.get("consumer_lag_seconds")
+            # Absent where the gateway cannot count them (a position freed
+            # before it was counted, or a gateway older than the gauge).
+            lag_records = row.get("consumer_lag_records")
             detached = row.get("consumer_detached_total", 0.0) and not row.get(
                 "consumer_blocking", 0.0
             )
@@ -323,6 +344,7 @@ def render(snap: Snapshot, previous: Snapshot | None = None, *, wide: bool = Fal
                 stream_name,
                 consumer_name,
                 _size(row.get("consumer_lag_bytes", 0.0)),
+                "?" if lag_records is None else f"{lag_records:,.0f}",
                 "-" if lag_s is None else f"{lag_s:,.1f}",
                 "yes" if row.get("consumer_blocking", 0.0) else "no",
                 state,
@@ -382,3 +404,60 @@ def render_to_fit(console: Console, snap: Snapshot, previous: Snapshot | None = 
     if Measurement.get(console, unbounded, wide).maximum <= console.width:
         return wide
     return render(snap, previous)
+
+
+@click.command()
+@click.option(
+    "--metrics",
+    "address",
+    default=f"127.0.0.1:{DEFAULT_METRICS_PORT}",
+    show_default=True,
+    metavar="HOST:PORT",
+    help="The gateway's metrics endpoint (headgate serve --metrics).",
+)
+@click.option("--interval", type=float, default=1.0, show_default=True, help="Seconds per refresh.")
+@click.option("--once", is_flag=True, help="Print one snapshot and exit.")
+@table_or_json("json: one JSON object per snapshot, one per line (every metric; for scripts).")
+def top(address: str, interval: float, once: bool, fmt: str) -> None:
+    """Watch a running gateway: streams and connections, live.
+
+    Per stream: log fill, guarantees, writers, records/s, drops, the p50
+    and p99 of its batches' arrival-to-durable-ack latency since the last
+    refresh, fsync latency (and positions, where the terminal is wide
+    enough). Per
+    connection: debt against its threshold, and whether its reads are
+    paused. Read from the gateway's Prometheus endpoint, which `headgate
+    serve --metrics HOST:PORT` turns on.
+    """
+    if interval <= 0:
+        raise click.UsageError("--interval must be positive")
+    try:
+        where = parse_address(address, what="--metrics", default_port=DEFAULT_METRICS_PORT)
+    except ConfigError as exc:
+        raise click.UsageError(str(exc)) from None
+    hint = "is the gateway running with --metrics {}:{}?".format(*where)
+    console = Console()
+    try:
+        previous = fetch(where)
+        if fmt == "json":
+            click.echo(json.dumps(as_json(previous)))
+            while not once:
+                time.sleep(interval)
+                snap = fetch(where)
+                click.echo(json.dumps(as_json(snap, previous)))
+                previous = snap
+            return
+        if once:
+            console.print(render_to_fit(console, previous))
+            return
+        with Live(render_to_fit(console, previous), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                snap = fetch(where)
+                live.update(render_to_fit(console, snap, previous), refresh=True)
+                previous = snap
+    except MetricsUnavailable as exc:
+        click.echo(f"headgate top: {exc}; {hint}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        pass

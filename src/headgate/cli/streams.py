@@ -8,16 +8,26 @@ directory's lock, so it cannot run beside the gateway that owns it.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import shutil
+import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import click
+
+from headgate.cli.options import client_security, gateway_option, security_options, table_or_json
+from headgate.cli.text import bytes_text, in_use
+from headgate.client.reader import ReaderError
 from headgate.gateway.consumers import consumers_file
 from headgate.gateway.server import DATA_LOCK_FILE_NAME
 from headgate.gateway.streams import stream_files
-from headgate.log.lock import DirectoryLock
+from headgate.log.lock import DirectoryInUse, DirectoryLock
 from headgate.log.record_index import record_index_file
 from headgate.protocol import messages as m
 
@@ -150,78 +160,6 @@ async def list_streams(
 
 
 @dataclass(frozen=True, slots=True)
-class ConsumerRow:
-    """One consumer as ``headgate consumers`` shows it."""
-
-    stream: str
-    consumer: str
-    position: int
-    lag_bytes: int
-    lag_seconds: float
-    blocking: bool
-    on_data_loss: str
-    #: ``ok``, ``idle`` (blocking, holding the producers) or ``detached``.
-    state: str
-    #: Records in the durable log after its position; None where the gateway
-    #: cannot count them (or is older than the field).
-    lag_records: int | None = None
-
-    @classmethod
-    def of(cls, stream: str, info: m.ConsumerInfo) -> ConsumerRow:
-        state = "detached" if info.detached else "idle" if info.idle else "ok"
-        return cls(
-            stream,
-            info.consumer,
-            info.position,
-            info.lag_bytes,
-            info.lag_ms / 1000,
-            info.blocking,
-            "skip" if info.skip_data_loss else "fail",
-            state,
-            info.lag_records,
-        )
-
-    def as_dict(self) -> dict[str, int | str | float | bool | None]:
-        return {
-            "stream": self.stream,
-            "consumer": self.consumer,
-            "position": self.position,
-            "lag_bytes": self.lag_bytes,
-            "lag_records": self.lag_records,
-            "lag_seconds": self.lag_seconds,
-            "blocking": self.blocking,
-            "on_data_loss": self.on_data_loss,
-            "state": self.state,
-        }
-
-
-async def list_consumers(
-    gateway: str, security: object | None = None, names: Sequence[str] = ()
-) -> list[ConsumerRow]:
-    """The consumers of the gateway's streams (only ``names`` if given), by stream and name.
-
-    Raises:
-        ReaderError: the gateway cannot be reached or refused the request.
-        LookupError: a stream of ``names`` does not exist.
-    """
-    from headgate.client.reader import Reader
-    from headgate.client.security import ClientSecurity
-
-    assert security is None or isinstance(security, ClientSecurity)
-    async with Reader(gateway, client_name="headgate-consumers", security=security) as reader:
-        known = [info.stream for info in await reader.list_streams()]
-        missing = [name for name in names if name not in known]
-        if missing:
-            raise LookupError(
-                f"the gateway at {gateway} has no stream {', '.join(map(repr, missing))}"
-            )
-        rows: list[ConsumerRow] = []
-        for stream in sorted(names or known):
-            rows += [ConsumerRow.of(stream, c) for c in await reader.list_consumers(stream)]
-    return rows
-
-
-@dataclass(frozen=True, slots=True)
 class Deleted:
     """What ``delete_stream`` removed."""
 
@@ -265,3 +203,122 @@ def delete_stream(data_dir: Path, name: str) -> Deleted:
         return Deleted(name, size, tuple(paths))
     finally:
         lock.release()
+
+
+@click.group()
+def streams() -> None:
+    """List and describe a gateway's streams; delete one from a stopped gateway's directory."""
+
+
+def _print_streams(rows: list[Any], fmt: str) -> None:
+    if fmt == "json":
+        for row in rows:
+            click.echo(json.dumps(row.as_dict()))
+        return
+
+    now = time.time()
+    header = ("stream", "start", "durable", "tail", "retained", "released")
+    table = [header] + [
+        (
+            r.stream,
+            f"{r.start_position:,}",
+            f"{r.durable_position:,}",
+            f"{r.tail_position:,}",
+            bytes_text(r.retained_bytes),
+            release_phrase(r.released_at_us, now),
+        )
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        # Names and the release time read from the left, numbers from the right.
+        cells = [row[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)
+        ]
+        click.echo("  ".join([*cells, row[-1]]).rstrip())
+
+
+def _streams_from(gateway: str, names: tuple[str, ...], options: dict[str, Any]) -> list[StreamRow]:
+    security = client_security(options)
+    try:
+        return asyncio.run(list_streams(gateway, security, names))
+    except (ReaderError, LookupError) as exc:
+        click.echo(f"headgate streams: {exc}", err=True)
+        sys.exit(1)
+
+
+_streams_format = table_or_json("table, or one JSON object per stream (for scripts).")
+
+
+@streams.command(name="list")
+@gateway_option
+@_streams_format
+@security_options
+def streams_list(gateway: str, fmt: str, **options: Any) -> None:
+    """Every stream of the gateway, with its positions and the bytes it retains.
+
+    start: the oldest position kept (what Spark released is gone); durable:
+    what is on disk and readable; tail: where the next batch goes; released:
+    when a consumer last moved start (the gateway's clock, UTC).
+    """
+    rows = _streams_from(gateway, (), options)
+    if not rows and fmt == "table":
+        click.echo("no streams", err=True)
+        return
+    _print_streams(rows, fmt)
+
+
+@streams.command(name="describe")
+@click.argument("names", nargs=-1, required=True)
+@gateway_option
+@_streams_format
+@security_options
+def streams_describe(names: tuple[str, ...], gateway: str, fmt: str, **options: Any) -> None:
+    """The positions of the streams NAMES, and when their consumers last released
+    them; an unknown name is an error."""
+    rows = _streams_from(gateway, names, options)
+    if fmt == "json":
+        _print_streams(rows, fmt)
+        return
+
+    now = time.time()
+    for row in rows:
+        click.echo(f"{row.stream}:")
+        for key, value in row.as_dict().items():
+            if isinstance(value, int) and key != "released_at_us":
+                click.echo(f"  {key}: {value:,}")
+        click.echo(f"  released: {release_phrase(row.released_at_us, now)}")
+
+
+@streams.command(name="delete")
+@click.argument("name")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    default=Path("headgate-data"),
+    show_default=True,
+    help="The stopped gateway's data directory.",
+)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def streams_delete(name: str, data_dir: Path, yes: bool) -> None:
+    """Delete stream NAME's log and producer state, with the gateway stopped.
+
+    Its records are gone for good, and producers that resume on it start a
+    new sequence. A Spark checkpoint that read the stream refers to
+    positions of the old log: delete it (and its output, if it should go
+    too) before a pipeline reads a new stream of that name.
+    """
+    if not yes:
+        click.confirm(f"Delete stream {name!r} and every record in it from {data_dir}?", abort=True)
+    try:
+        deleted = delete_stream(data_dir, name)
+    except DirectoryInUse as exc:
+        click.echo(
+            f"headgate streams: {in_use(exc).replace('choose another --data-dir', 'try again')}",
+            err=True,
+        )
+        sys.exit(1)
+    except LookupError as exc:
+        click.echo(f"headgate streams: {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"deleted stream {name!r} ({bytes_text(deleted.bytes_removed)}) from {data_dir}")
