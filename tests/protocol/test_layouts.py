@@ -20,6 +20,19 @@ from hypothesis import strategies as st
 
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
+from headgate.protocol.codec import FrameDecoder, encode_frame
+from headgate.protocol.frame_layout import FRAME_LAYOUTS, FrameLayout, frame_layout_of_first_byte
+from headgate.protocol.frames import (
+    Absolve,
+    AnnounceDropping,
+    Apologise,
+    IssueGuarantees,
+    LimitReceiving,
+    LimitSending,
+    Plead,
+    SendChannel,
+    SendGlobal,
+)
 from headgate.protocol.layout import Layout, Row
 
 PROTOCOL_MD = Path(__file__).resolve().parents[2] / "PROTOCOL.md"
@@ -254,3 +267,74 @@ def test_entry_sizes_from_the_declarations_are_the_least_bytes_an_entry_takes() 
     with_one = m.encode_message(m.StreamList(request_id=0, streams=(one,)))
     streams = next(lay for lay in m.GLOBAL_LAYOUTS if lay.cls is m.StreamList).elements[1]
     assert len(with_one) - len(smallest_info) == streams.kind.entry.min_size  # type: ignore[attr-defined]
+
+
+# --- LCMUX frames: codec.py's hand codec held to frame_layout.py ----------------
+
+channels = st.one_of(st.integers(0, 20), u64s)
+payloads = st.one_of(
+    st.binary(max_size=40), st.integers(250, 300).map(bytes), st.just(bytes(70000))
+)
+frames = st.one_of(
+    st.builds(IssueGuarantees, channel=channels, amount=u64s),
+    st.builds(Plead, channel=channels, target=u64s),
+    st.builds(LimitReceiving, channel=channels, bound=u64s),
+    st.builds(AnnounceDropping, channel=channels),
+    st.builds(Absolve, channel=channels, amount=u64s),
+    st.builds(LimitSending, channel=channels, bound=u64s),
+    st.builds(Apologise, channel=channels),
+    st.builds(SendGlobal, payload=payloads),
+    st.builds(SendChannel, channel=channels, payload=payloads),
+)
+
+
+def _layout_of(frame: Any) -> FrameLayout:
+    (layout,) = [layout for layout in FRAME_LAYOUTS if layout.cls is type(frame)]
+    return layout
+
+
+@given(frame=frames)
+def test_the_frame_codec_matches_the_declared_frame_layouts(frame: Any) -> None:
+    declared = _layout_of(frame).encode(frame)
+    assert encode_frame(frame) == declared
+    assert frame_layout_of_first_byte(declared[0]) is _layout_of(frame)
+    assert _layout_of(frame).decode(declared) == (frame, len(declared))
+    assert FrameDecoder(max_payload=1 << 20).feed(declared) == [frame]
+
+
+@given(first=st.integers(0, 255), rest=st.binary(min_size=40, max_size=40))
+def test_the_frame_decoder_reads_any_first_byte_as_its_declared_layout(
+    first: int, rest: bytes
+) -> None:
+    """Every first byte starts exactly one declared frame, and the decoder agrees on it."""
+    data = bytes((first,)) + rest
+    layout = frame_layout_of_first_byte(first)
+    try:
+        expected, used = layout.decode(data)
+    except ValueError:
+        return  # a length beyond the 40 bytes: nothing to compare
+    assert FrameDecoder(max_payload=1 << 20).feed(data[:used]) == [expected]
+
+
+def test_protocol_md_draws_every_frame_as_declared() -> None:
+    whole = PROTOCOL_MD.read_text(encoding="utf-8")
+    section = whole.split("\n## Frames\n", 1)[1].split("\n## Messages\n", 1)[0]
+    drawn: dict[str, tuple[str, list[str]]] = {}
+    title = ""
+    for line in section.splitlines():
+        found = _TITLE.match(line)
+        if found:
+            title = found.group(1)
+        bits = re.match(r"^ \|([01](?: [01])*)\|(.*)\|$", line)
+        if bits:
+            cells = [cell.strip() for cell in bits.group(2).split("|")]
+            drawn[title] = (bits.group(1).replace(" ", ""), cells)
+    assert set(drawn) == {layout.cls.__name__ for layout in FRAME_LAYOUTS}
+    short = {"channel": "ctag", "length": "ltag"}
+    for layout in FRAME_LAYOUTS:
+        prefix, cells = drawn[layout.cls.__name__]
+        declared = [short[attr] for attr, _ in layout.tags]
+        declared += list(layout.tail_order or [attr for attr, _ in layout.tags])
+        declared += list(layout.standalone)
+        declared += ["payload"] if layout.payload else []
+        assert (prefix, cells) == (layout.prefix, declared), layout.cls.__name__
