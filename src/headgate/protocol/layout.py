@@ -200,8 +200,10 @@ class C64(Kind):
             raise ValueError(self.bounds_text.format(value=value))
 
     def put(self, out: bytearray, value: int, top: Any) -> None:
-        self._check_bounds(value)
-        check_u64(value, self.label)
+        if self.bounds_text:
+            self._check_bounds(value)
+        if not 0 <= value <= U64_MAX:
+            check_u64(value, self.label)
         if self.below_len_of and value >= len(getattr(top, self.below_len_of)):
             raise ValueError(self.below_text.format(value=value))
         encode_standalone_into(value, out)
