@@ -588,8 +588,6 @@ def test_the_public_names_are_the_exported_ones() -> None:
         "Callable",
         "Mapping",
         *layout_module.__all__,
-        "NAME_LIMIT",
-        "NAME_PATTERN",
     }
     assert public - imported == set(messages_module.__all__)
 

@@ -34,6 +34,8 @@ from headgate.protocol.errors import MessageError
 __all__ = [
     "C64",
     "I64LE",
+    "NAME_LIMIT",
+    "NAME_PATTERN",
     "U32LE",
     "U64LE",
     "BitFlags",
@@ -50,6 +52,7 @@ __all__ = [
     "Name",
     "Present",
     "Repeated",
+    "Row",
     "Struct",
     "Text",
     "Variant",
@@ -62,7 +65,7 @@ __all__ = [
 #: drawn in a diagram of its own).
 Row = tuple[str, Any]
 
-# Stream, schema and consumer names: ASCII, so their UTF-8 length is their length.
+#: Stream, schema and consumer names: ASCII, so their UTF-8 length is their length.
 NAME_PATTERN = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 #: Longest name, in bytes.
 NAME_LIMIT = 255
@@ -297,9 +300,6 @@ class Bytes(Kind):
     def take(self, reader: WireReader, into: Mapping[str, Any]) -> bytes:
         return reader.raw(self.limit, self.label)
 
-    def rows(self, name: str) -> list[Row]:
-        return [(name, self.notation)]
-
 
 def _put_bytes(out: bytearray, data: bytes, limit: int, label: str) -> None:
     if len(data) > limit:
@@ -345,9 +345,6 @@ class Text(Kind):
         if self.empty_problem and not text:
             raise reader.fail(self.empty_problem.format(**into))
         return text
-
-    def rows(self, name: str) -> list[Row]:
-        return [(name, self.notation)]
 
 
 @dataclass(frozen=True, slots=True)
