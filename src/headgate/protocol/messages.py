@@ -24,6 +24,15 @@ string and byte field has a maximum length, checked before anything is copied.
 Encoding a value that the peer would reject raises ``ValueError`` (the bug is
 local); decoding anything malformed raises :class:`MessageError` (the peer is
 at fault). Every byte is drawn in ``PROTOCOL.md``.
+
+Each message's layout is declared once, at the end of this module, in the
+terms of :mod:`headgate.protocol.layout` (``GLOBAL_LAYOUTS`` and the bind
+layouts): :func:`encode_message` and the decoders walk those declarations,
+and ``tests/protocol/test_layouts.py`` reads PROTOCOL.md's diagrams against
+them. The data headers (Batch, TailRecords) are the exception: they are read
+once per batch, so they keep their one-``struct``-call codecs, and their
+declarations (``BATCH_LAYOUT``, ``TAIL_LAYOUT``) are what tests hold those
+codecs to.
 """
 
 from __future__ import annotations
