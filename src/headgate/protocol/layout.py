@@ -175,8 +175,7 @@ class C64(Kind):
 
     ``bounds_text`` (encoding) and ``bounds_problem`` (decoding, after the
     message type) are what a value outside ``minimum..maximum`` gets; they may
-    name ``{value}`` and the enclosing entry's fields. ``below_len_of`` names a
-    top-level tuple field whose length the value must stay below.
+    name ``{value}`` and the enclosing entry's fields.
     """
 
     notation: ClassVar[str] = "c64"
@@ -185,9 +184,6 @@ class C64(Kind):
     maximum: int = U64_MAX
     bounds_text: str = ""
     bounds_problem: str = ""
-    below_len_of: str = ""
-    below_text: str = ""
-    below_problem: str = ""
     min_size: int = 1
 
     def precheck(self, value: Any) -> bool:
@@ -207,16 +203,12 @@ class C64(Kind):
             self._check_bounds(value)
         if not 0 <= value <= U64_MAX:
             check_u64(value, self.label)
-        if self.below_len_of and value >= len(getattr(top, self.below_len_of)):
-            raise ValueError(self.below_text.format(value=value))
         encode_standalone_into(value, out)
 
     def take(self, reader: WireReader, into: Mapping[str, Any]) -> int:
         value = reader.c64(self.label)
         if self.bounds_problem and not self.minimum <= value <= self.maximum:
             raise reader.fail(self.bounds_problem.format(value=value, **into))
-        if self.below_len_of and value >= len(reader.top[self.below_len_of]):
-            raise reader.fail(self.below_problem.format(value=value, **into))
         return value
 
 
@@ -657,6 +649,11 @@ class Repeated(Kind):
     declaration) within the whole message. Anything else gets ``count_text``
     (encoding) or ``count_problem`` (decoding), which may name ``{count}``
     and the enclosing entry's fields.
+
+    With ``indexes``, each entry is an index into that top-level tuple field
+    of the message (a partition's holder among the gateways), checked once
+    all entries are read: an index past it gets ``index_text`` or
+    ``index_problem`` (naming ``{value}`` and the enclosing entry's fields).
     """
 
     entry: Kind
@@ -667,6 +664,9 @@ class Repeated(Kind):
     maximum: int = U64_MAX
     fits: bool = False
     wire_count: str = "count"
+    indexes: str = ""
+    index_text: str = ""
+    index_problem: str = ""
 
     @property
     def min_size(self) -> int:  # type: ignore[override]
@@ -685,7 +685,10 @@ class Repeated(Kind):
         count = len(value)
         self._check_count(count)
         encode_standalone_into(count, out)
+        indexed = len(getattr(top, self.indexes)) if self.indexes else 0
         for entry in value:
+            if self.indexes and not 0 <= entry < indexed:
+                raise ValueError(self.index_text.format(value=entry))
             self.entry.put(out, entry, top)
 
     def take(self, reader: WireReader, into: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -695,7 +698,13 @@ class Repeated(Kind):
         ):
             raise reader.fail(self.count_problem.format(count=count, **into))
         entry = self.entry
-        return tuple([entry.take(reader, into) for _ in range(count)])
+        entries = tuple([entry.take(reader, into) for _ in range(count)])
+        if self.indexes:
+            indexed = len(reader.top[self.indexes])
+            for index in entries:
+                if index >= indexed:
+                    raise reader.fail(self.index_problem.format(value=index, **into))
+        return entries
 
     def rows(self, name: str) -> list[Row]:
         return [(self.wire_count, "c64"), ("*", self.entry.rows(name))]

@@ -988,18 +988,16 @@ _METADATA_STREAM = Struct(
         Field(
             "holders",
             Repeated(
-                C64(
-                    "holder",
-                    below_len_of="gateways",
-                    below_text="partition holder {value} is not a gateway's index",
-                    below_problem="stream {stream!r}: holder {value} is not a gateway",
-                ),
+                C64("holder"),
                 "partition count",
                 count_problem="stream {stream!r} has {count} partitions",
                 count_text=f"a stream has 1 to {MAX_METADATA_PARTITIONS} partitions",
                 minimum=1,
                 maximum=MAX_METADATA_PARTITIONS,
                 fits=True,
+                indexes="gateways",
+                index_text="partition holder {value} is not a gateway's index",
+                index_problem="stream {stream!r}: holder {value} is not a gateway",
             ),
             wire="holder",
         ),
