@@ -160,13 +160,13 @@ class Kind:
     def rows(self, name: str) -> list[Row]:
         return [(name, self.notation)]
 
-    def precheck(self, value: Any) -> bool:
-        """Refuse a value of a message's own field before anything is written.
-
-        Returns whether this kind has such a check at all (on ``None``), so
-        that a layout only calls the kinds that do.
-        """
+    @property
+    def prechecks(self) -> bool:
+        """Whether :meth:`precheck` refuses anything (a layout calls only those that do)."""
         return False
+
+    def precheck(self, value: Any) -> None:
+        """Refuse a value of a message's own field before anything is written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,10 +186,12 @@ class C64(Kind):
     bounds_problem: str = ""
     min_size: int = 1
 
-    def precheck(self, value: Any) -> bool:
-        if value is not None:
-            self._check_bounds(value)
+    @property
+    def prechecks(self) -> bool:
         return bool(self.bounds_text)
+
+    def precheck(self, value: Any) -> None:
+        self._check_bounds(value)
 
     def _check_bounds(self, value: int) -> None:
         # Only the declared bounds: a value past a u64 gets check_u64's words.
@@ -413,10 +415,12 @@ class FlagSet(Kind):
     label: str
     undefined_text: str
 
-    def precheck(self, value: Any) -> bool:
-        if value is not None:
-            self.put(bytearray(), value, None)
+    @property
+    def prechecks(self) -> bool:
         return True
+
+    def precheck(self, value: Any) -> None:
+        self.put(bytearray(), value, None)
 
     def put(self, out: bytearray, value: IntFlag, top: Any) -> None:
         bits = int(value)
@@ -672,10 +676,12 @@ class Repeated(Kind):
     def min_size(self) -> int:  # type: ignore[override]
         return 1 + self.minimum * self.entry.min_size
 
-    def precheck(self, value: Any) -> bool:
-        if value is not None:
-            self._check_count(len(value))
+    @property
+    def prechecks(self) -> bool:
         return bool(self.count_text)
+
+    def precheck(self, value: Any) -> None:
+        self._check_count(len(value))
 
     def _check_count(self, count: int) -> None:
         if self.count_text and not self.minimum <= count <= self.maximum:
@@ -740,7 +746,7 @@ class Layout:
         prechecked = tuple(
             element
             for element in self.elements
-            if isinstance(element, Field) and element.kind.precheck(None)
+            if isinstance(element, Field) and element.kind.prechecks
         )
         object.__setattr__(self, "_prechecked", prechecked)
 
