@@ -24,28 +24,61 @@ string and byte field has a maximum length, checked before anything is copied.
 Encoding a value that the peer would reject raises ``ValueError`` (the bug is
 local); decoding anything malformed raises :class:`MessageError` (the peer is
 at fault). Every byte is drawn in ``PROTOCOL.md``.
+
+Each message's layout is declared once, at the end of this module, in the
+terms of :mod:`headgate.protocol.layout` (``GLOBAL_LAYOUTS`` and the bind
+layouts): :func:`encode_message` and the decoders walk those declarations,
+and ``tests/protocol/test_layouts.py`` reads PROTOCOL.md's diagrams against
+them. The data headers (Batch, TailRecords) are the exception: they are read
+once per batch, so they keep their one-``struct``-call codecs, and their
+declarations (``BATCH_LAYOUT``, ``TAIL_LAYOUT``) are what tests hold those
+codecs to.
 """
 
 from __future__ import annotations
 
-import re
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum, IntEnum, IntFlag
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from headgate.protocol.c64 import (
-    U64_MAX,
-    Buffer,
-    decode_standalone,
-    encode_standalone_into,
-)
+from headgate.protocol.c64 import U64_MAX, Buffer
 from headgate.protocol.errors import ErrorCode, MessageError
+from headgate.protocol.layout import (
+    C64,
+    I64LE,
+    NAME_LIMIT,
+    NAME_PATTERN,
+    U32LE,
+    U64LE,
+    BitFlags,
+    Bool8,
+    Bytes,
+    Choice,
+    Counted,
+    Element,
+    Enum8,
+    Field,
+    FlagSet,
+    Layout,
+    Name,
+    Present,
+    Repeated,
+    Struct,
+    Text,
+    Variant,
+    check_u64,
+)
 
 __all__ = [
     "BATCH_HEADER_SIZE",
+    "BATCH_LAYOUT",
+    "BIND_SCHEMA_LAYOUT",
+    "BIND_STREAM_LAYOUT",
     "DEFAULT_CONSUMER",
     "FIRST_DATA_CHANNEL",
+    "GLOBAL_LAYOUTS",
     "MAX_COUNTED_POSITIONS",
     "MAX_METADATA_GATEWAYS",
     "MAX_METADATA_PARTITIONS",
@@ -61,6 +94,7 @@ __all__ = [
     "SEQUENCE_LIMIT",
     "STREAM_CHANNEL",
     "TAIL_HEADER_SIZE",
+    "TAIL_LAYOUT",
     "Ack",
     "BindSchema",
     "BindStream",
@@ -129,7 +163,7 @@ SCHEMA_CHANNEL = 1
 FIRST_DATA_CHANNEL = 2
 
 #: Longest stream name, schema name, client name or server name, in bytes.
-MAX_NAME_BYTES = 255
+MAX_NAME_BYTES = NAME_LIMIT
 #: Longest error or goodbye text, in bytes of UTF-8.
 MAX_TEXT_BYTES = 1024
 #: Longest authentication token, in bytes.
@@ -163,7 +197,7 @@ TAIL_HEADER_SIZE = 40
 # the rest of the block).
 _RECORD_COUNT_SIZE = 4
 
-_U64LE = struct.Struct("<Q")
+_U64LE = struct.Struct("<Q")  # the hand-tuned hot-path codecs below
 _BATCH_HEAD = struct.Struct("<QI")
 _TAIL_HEAD = struct.Struct("<QQQQqI")
 _TAIL_PREFIX = struct.Struct("<QQQQq")
@@ -171,9 +205,6 @@ _TAIL_PREFIX = struct.Struct("<QQQQq")
 #: The consumer a Release or Fetch names when it names none (every old
 #: client): an old data directory's one release position is this consumer's.
 DEFAULT_CONSUMER = "default"
-
-# Stream and schema names: ASCII, so their UTF-8 length is their length.
-_NAME = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")
 
 
 class MessageType(IntEnum):
@@ -809,20 +840,15 @@ def handle_of_channel(channel: int) -> int | None:
 
 def is_valid_name(name: str) -> bool:
     """Tell whether ``name`` may name a stream or a schema."""
-    return name.isascii() and _NAME.fullmatch(name.encode("ascii")) is not None
+    return name.isascii() and NAME_PATTERN.fullmatch(name.encode("ascii")) is not None
 
 
 # --- data messages ---------------------------------------------------------
 
 
-def _check_u64(value: int, what: str) -> None:
-    if not 0 <= value <= U64_MAX:
-        raise ValueError(f"{what} {value} is not an unsigned 64-bit integer")
-
-
 def encode_batch_header(first_sequence: int) -> bytes:
     """Return the 8 bytes that precede a records block in a Batch."""
-    _check_u64(first_sequence, "first_sequence")
+    check_u64(first_sequence, "first_sequence")
     return _U64LE.pack(first_sequence)
 
 
@@ -868,10 +894,10 @@ _I64_MAX = (1 << 63) - 1
 
 def encode_tail_header(header: TailHeader) -> bytes:
     """Return the 40 bytes that precede a records block in TailRecords."""
-    _check_u64(header.first_sequence, "first_sequence")
-    _check_u64(header.position, "position")
-    _check_u64(header.end_position, "end_position")
-    _check_u64(header.producer_id, "producer_id")
+    check_u64(header.first_sequence, "first_sequence")
+    check_u64(header.position, "position")
+    check_u64(header.end_position, "end_position")
+    check_u64(header.producer_id, "producer_id")
     if not _I64_MIN <= header.timestamp_us <= _I64_MAX:
         raise ValueError(f"timestamp_us {header.timestamp_us} is not a signed 64-bit integer")
     if header.end_position <= header.position:
@@ -897,33 +923,488 @@ def decode_tail_records(payload: Buffer) -> tuple[TailHeader, int, memoryview]:
     return header, count, memoryview(payload)[TAIL_HEADER_SIZE:]
 
 
-# --- encoding --------------------------------------------------------------
+# --- layouts: each message declared once -------------------------------------
+#
+# The encoder, the decoder and PROTOCOL.md's check (tests/protocol) all read
+# these declarations; layout.py holds the machinery. The words of each
+# refusal are part of the declaration, so a peer reads the same text as ever.
 
 
-def _put_u64(out: bytearray, value: int, what: str) -> None:
-    _check_u64(value, what)
-    encode_standalone_into(value, out)
+def _request_id() -> Field:
+    return Field("request_id", C64("request_id"))
 
 
-def _put_bytes(out: bytearray, data: bytes, limit: int, what: str) -> None:
-    if len(data) > limit:
-        raise ValueError(f"{what} is {len(data)} bytes; at most {limit} allowed")
-    encode_standalone_into(len(data), out)
-    out += data
+_STREAM = Field("stream", Name("stream name"))
+_CONSUMER = Field("consumer", Name("consumer name"))
+_CODE = Enum8(ErrorCode, "code")
+_HANDLE_TYPE = Field("handle_type", Enum8(HandleType, "handle type"))
+
+_STREAM_INFO = Struct(
+    StreamInfo,
+    (
+        _STREAM,
+        Field("start_position", C64("start_position")),
+        Field("durable_position", C64("durable_position")),
+        Field("tail_position", C64("tail_position")),
+        Field("term_length", C64("term_length")),
+    ),
+)
+
+_CONSUMER_INFO = Struct(
+    ConsumerInfo,
+    (
+        _CONSUMER,
+        Field("position", C64("position")),
+        Field("lag_bytes", C64("lag_bytes")),
+        Field("lag_ms", C64("lag_ms")),
+        BitFlags(
+            "flags",
+            bits=(("blocking", 1), ("skip_data_loss", 2), ("detached", 4), ("idle", 8)),
+            present=((16, Field("lag_records", C64("lag_records"))),),
+        ),
+    ),
+)
+
+_METADATA_GATEWAY = Struct(
+    MetadataGateway,
+    (
+        Field("name", Name("gateway name")),
+        Field(
+            "address",
+            Text(
+                MAX_NAME_BYTES,
+                "gateway address",
+                empty_text="a gateway's address is empty",
+                empty_problem="gateway {name!r} has an empty address",
+            ),
+        ),
+    ),
+)
+
+_METADATA_STREAM = Struct(
+    MetadataStream,
+    (
+        _STREAM,
+        Field(
+            "holders",
+            Repeated(
+                C64("holder"),
+                "partition count",
+                count_problem="stream {stream!r} has {count} partitions",
+                count_text=f"a stream has 1 to {MAX_METADATA_PARTITIONS} partitions",
+                minimum=1,
+                maximum=MAX_METADATA_PARTITIONS,
+                fits=True,
+                indexes="gateways",
+                index_text="partition holder {value} is not a gateway's index",
+                index_problem="stream {stream!r}: holder {value} is not a gateway",
+            ),
+            wire="holder",
+        ),
+    ),
+)
 
 
-def _put_text(out: bytearray, text: str, limit: int, what: str) -> None:
-    _put_bytes(out, text.encode("utf-8"), limit, what)
+def _global(
+    message_type: MessageType,
+    cls: type,
+    *elements: Element,
+    when: Callable[[Any], bool] | None = None,
+    fixed: Mapping[str, object] | None = None,
+    refusal: str = "",
+) -> Layout:
+    return Layout(
+        cls=cls,
+        what=message_type.name,
+        type_byte=int(message_type),
+        elements=elements,
+        when=when,
+        fixed=fixed or {},
+        refusal=refusal,
+    )
 
 
-def _put_name(out: bytearray, name: str, what: str) -> None:
-    if not is_valid_name(name):
-        raise ValueError(f"{what} {name!r} is not a valid name")
-    _put_bytes(out, name.encode("ascii"), MAX_NAME_BYTES, what)
+#: Every global message's layout, in type order; PROTOCOL.md draws each one.
+GLOBAL_LAYOUTS: tuple[Layout, ...] = (
+    _global(
+        MessageType.HELLO,
+        Hello,
+        Field("version", C64("version")),
+        Field("producer_id", C64("producer_id")),
+        Field("client_name", Text(MAX_NAME_BYTES, "client name")),
+        Field("token", Bytes(MAX_TOKEN_BYTES, "token")),
+        Field(
+            "flags",
+            FlagSet(
+                HelloFlags,
+                _KNOWN_HELLO_FLAGS,
+                "flags",
+                undefined_text="undefined Hello flags {bits:#x}",
+            ),
+        ),
+        Field("secret", Bytes(MAX_SECRET_BYTES, "secret")),
+    ),
+    _global(
+        MessageType.WELCOME,
+        Welcome,
+        Field("version", C64("version")),
+        Field("server_name", Text(MAX_NAME_BYTES, "server name")),
+        Field("max_message_size", C64("max_message_size")),
+        Field("idle_timeout_ms", C64("idle_timeout_ms")),
+        Field("plead_deadline_ms", C64("plead_deadline_ms")),
+        Field("producer_secret", Bytes(MAX_SECRET_BYTES, "producer_secret")),
+    ),
+    _global(
+        MessageType.GOODBYE,
+        Goodbye,
+        Field("code", _CODE),
+        Field("text", Text(MAX_TEXT_BYTES, "text", put_label="goodbye text")),
+    ),
+    _global(
+        MessageType.ERROR,
+        Error,
+        Field(
+            "code",
+            Enum8(
+                ErrorCode,
+                "code",
+                forbidden=ErrorCode.NONE,
+                forbidden_text="an Error message needs a code other than NONE",
+                forbidden_problem="code NONE is not an error",
+            ),
+        ),
+        Field(
+            "scope",
+            Choice(
+                "scope",
+                (
+                    Variant(0, constant=None),
+                    Variant(
+                        1,
+                        payload=Struct(HandleRef, (_HANDLE_TYPE, Field("handle", C64("handle")))),
+                        accepts=HandleRef,
+                    ),
+                ),
+                unknown_problem="unknown scope kind {tag}",
+            ),
+        ),
+        Field("text", Text(MAX_TEXT_BYTES, "text", put_label="error text")),
+    ),
+    _global(MessageType.PING, Ping, Field("nonce", U64LE("nonce"))),
+    _global(MessageType.PONG, Pong, Field("nonce", U64LE("nonce"))),
+    _global(
+        MessageType.FREE_HANDLE,
+        FreeHandle,
+        _HANDLE_TYPE,
+        Field("handle", C64("handle")),
+        Field("mine", Bool8("mine")),
+    ),
+    _global(
+        MessageType.ACK,
+        Ack,
+        Field("handle", C64("handle")),
+        Field("next_sequence", C64("next_sequence")),
+        Field("durable_position", C64("durable_position")),
+    ),
+    _global(
+        MessageType.RELEASE,
+        Release,
+        _STREAM,
+        Field("position", C64("position")),
+        when=lambda release: release.consumer == DEFAULT_CONSUMER,
+        fixed={"consumer": DEFAULT_CONSUMER},
+    ),
+    _global(
+        MessageType.CONSUMER_RELEASE,
+        Release,
+        _STREAM,
+        Field("position", C64("position")),
+        _CONSUMER,
+    ),
+    _global(
+        MessageType.SUBSCRIBE,
+        Subscribe,
+        _STREAM,
+        Field(
+            "start",
+            Choice(
+                "start",
+                (
+                    Variant(0, constant=StartAt.NOW),
+                    Variant(1, constant=StartAt.EARLIEST),
+                    Variant(2, payload=C64("start position"), accepts=int, wire="position"),
+                ),
+                unknown_problem="unknown start kind {tag}",
+            ),
+        ),
+        Field(
+            "sample_every",
+            C64(
+                "sample_every",
+                minimum=1,
+                bounds_text="sample_every must be at least 1",
+                bounds_problem="sample_every must be at least 1",
+            ),
+        ),
+    ),
+    _global(
+        MessageType.MISSED,
+        Missed,
+        Field("handle", C64("handle")),
+        Field("count", C64("count")),
+    ),
+    _global(
+        MessageType.FETCH,
+        Fetch,
+        _request_id(),
+        _STREAM,
+        Field("start_position", C64("start_position")),
+        Field("end_position", C64("end_position")),
+        Field("max_bytes", C64("max_bytes")),
+        when=lambda fetch: fetch.consumer is None,
+        fixed={"consumer": None},
+    ),
+    _global(
+        MessageType.FETCH_DONE,
+        FetchDone,
+        _request_id(),
+        Field("next_position", C64("next_position")),
+        Field("batches", C64("batches")),
+        when=lambda done: done.skipped_bytes is None,
+        fixed={"skipped_bytes": None, "skipped_records": None},
+        refusal="skipped_records goes only with skipped_bytes",
+    ),
+    _global(MessageType.LIST_STREAMS, ListStreams, _request_id()),
+    _global(
+        MessageType.STREAM_LIST,
+        StreamList,
+        _request_id(),
+        Field(
+            "streams",
+            Repeated(
+                _STREAM_INFO,
+                "stream count",
+                count_problem="{count} streams cannot fit in the message",
+                fits=True,
+            ),
+            wire="stream entry",
+        ),
+    ),
+    _global(
+        MessageType.CONSUMER_FETCH,
+        Fetch,
+        _request_id(),
+        _STREAM,
+        Field("start_position", C64("start_position")),
+        Field("end_position", C64("end_position")),
+        Field("max_bytes", C64("max_bytes")),
+        Field("consumer", Name("consumer name")),
+    ),
+    _global(
+        MessageType.CONSUMER_FETCH_DONE,
+        FetchDone,
+        _request_id(),
+        Field("next_position", C64("next_position")),
+        Field("batches", C64("batches")),
+        Field("skipped_bytes", C64("skipped_bytes")),
+        Field(
+            "skipped_records",
+            Present(C64("skipped_records"), "skipped_records", wire_presence="known"),
+        ),
+    ),
+    _global(MessageType.DESCRIBE_STREAMS, DescribeStreams, _request_id()),
+    _global(
+        MessageType.STREAM_DESCRIPTIONS,
+        StreamDescriptions,
+        _request_id(),
+        Field(
+            "streams",
+            Repeated(
+                Struct(
+                    StreamDescription,
+                    (
+                        Field("info", _STREAM_INFO),
+                        Field(
+                            "released_at_us",
+                            C64(
+                                "released_at_us",
+                                maximum=MAX_TIME_US,
+                                bounds_text="released_at_us {value} is not a time "
+                                "between 1970 and 9999",
+                                bounds_problem="released_at_us {value} is after the year 9999",
+                            ),
+                        ),
+                    ),
+                ),
+                "stream count",
+                count_problem="{count} streams cannot fit in the message",
+                fits=True,
+            ),
+            wire="described entry",
+        ),
+    ),
+    _global(
+        MessageType.DECLARE_CONSUMER,
+        DeclareConsumer,
+        _request_id(),
+        _STREAM,
+        _CONSUMER,
+        BitFlags("flags", bits=(("blocking", 1), ("skip_data_loss", 2))),
+    ),
+    _global(
+        MessageType.CONSUMER_POSITION,
+        ConsumerPosition,
+        _request_id(),
+        Field("position", C64("position")),
+    ),
+    _global(MessageType.LIST_CONSUMERS, ListConsumers, _request_id(), _STREAM),
+    _global(
+        MessageType.CONSUMER_LIST,
+        ConsumerList,
+        _request_id(),
+        Field(
+            "consumers",
+            Repeated(
+                _CONSUMER_INFO,
+                "consumer count",
+                count_problem="{count} consumers cannot fit in the message",
+                fits=True,
+            ),
+        ),
+    ),
+    _global(
+        MessageType.RESET_CONSUMER,
+        ResetConsumer,
+        _request_id(),
+        _STREAM,
+        _CONSUMER,
+        Field(
+            "to",
+            Choice(
+                "to",
+                (
+                    Variant(0, constant=ResetTo.EARLIEST),
+                    Variant(1, constant=ResetTo.LATEST),
+                    Variant(2, payload=C64("position"), accepts=int, wire="value"),
+                    Variant(
+                        3,
+                        payload=Struct(ResetTime, (Field("timestamp_us", C64("timestamp_us")),)),
+                        accepts=ResetTime,
+                        wire="value",
+                    ),
+                ),
+                unknown_problem="unknown kind {tag}",
+            ),
+            wire="kind",
+        ),
+    ),
+    _global(MessageType.DELETE_CONSUMER, DeleteConsumer, _request_id(), _STREAM, _CONSUMER),
+    _global(
+        MessageType.COUNT_RECORDS,
+        CountRecords,
+        _request_id(),
+        _STREAM,
+        Field(
+            "positions",
+            Repeated(
+                C64("position"),
+                "position count",
+                count_problem=f"{{count}} positions, at most {MAX_COUNTED_POSITIONS}",
+                count_text=f"at most {MAX_COUNTED_POSITIONS} positions",
+                maximum=MAX_COUNTED_POSITIONS,
+            ),
+            wire="position",
+        ),
+    ),
+    _global(
+        MessageType.RECORD_COUNTS,
+        RecordCounts,
+        _request_id(),
+        Field("epoch", C64("epoch")),
+        Field(
+            "counts",
+            Repeated(
+                Counted("count"),
+                "count count",
+                count_problem=f"{{count}} counts, at most {MAX_COUNTED_POSITIONS}",
+                count_text=f"at most {MAX_COUNTED_POSITIONS} counts",
+                maximum=MAX_COUNTED_POSITIONS,
+            ),
+            wire="records",
+        ),
+    ),
+    _global(MessageType.METADATA, Metadata, _request_id()),
+    _global(
+        MessageType.CLUSTER_METADATA,
+        ClusterMetadata,
+        _request_id(),
+        Field("gateway", Text(MAX_NAME_BYTES, "gateway name")),
+        Field(
+            "gateways",
+            Repeated(
+                _METADATA_GATEWAY,
+                "gateway count",
+                count_problem="{count} gateways cannot be (or fit) in it",
+                count_text=f"at most {MAX_METADATA_GATEWAYS} gateways",
+                maximum=MAX_METADATA_GATEWAYS,
+                fits=True,
+                wire_count="n_gw",
+            ),
+        ),
+        Field(
+            "streams",
+            Repeated(
+                _METADATA_STREAM,
+                "stream count",
+                count_problem="{count} streams cannot fit in the message",
+                fits=True,
+                wire_count="n_str",
+            ),
+        ),
+    ),
+)
 
+#: BindStream (channel 0) and BindSchema (channel 1): no type byte.
+BIND_STREAM_LAYOUT = Layout(BindStream, "BindStream", None, (_STREAM,))
+BIND_SCHEMA_LAYOUT = Layout(
+    BindSchema,
+    "BindSchema",
+    None,
+    (Field("name", Name("schema name")), Field("text", Text(MAX_SCHEMA_TEXT_BYTES, "schema text"))),
+)
 
-def _put_code(out: bytearray, code: ErrorCode) -> None:
-    out.append(ErrorCode(code))
+#: The hot-path headers, declared for PROTOCOL.md and for the tests that hold
+#: their hand-tuned codecs (one ``struct`` call each) to the declaration; the
+#: codecs themselves are ``encode_batch_header`` and ``decode_batch``,
+#: ``encode_tail_header`` and ``decode_tail_records``. Both end with the
+#: records block's count, the first field that records.py owns.
+BATCH_LAYOUT = Layout(
+    dict,
+    "Batch",
+    None,
+    (Field("first_sequence", U64LE("first_sequence")), Field("count", U32LE("count"))),
+)
+TAIL_LAYOUT = Layout(
+    dict,
+    "TailRecords",
+    None,
+    (
+        Field("first_sequence", U64LE("first_sequence")),
+        Field("position", U64LE("position")),
+        Field("end_position", U64LE("end_position")),
+        Field("producer_id", U64LE("producer_id")),
+        Field("timestamp_us", I64LE("timestamp_us")),
+        Field("count", U32LE("count")),
+    ),
+)
+
+_DECODERS: dict[int, Layout] = {}
+_ENCODERS: dict[type, list[Layout]] = {}
+for _layout in (*GLOBAL_LAYOUTS, BIND_STREAM_LAYOUT, BIND_SCHEMA_LAYOUT):
+    if _layout.type_byte is not None:
+        _DECODERS[_layout.type_byte] = _layout
+    _ENCODERS.setdefault(_layout.cls, []).append(_layout)
+del _layout
 
 
 def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
@@ -932,403 +1413,25 @@ def encode_message(message: GlobalMessage | ChannelMessage) -> bytes:
     Raises ``ValueError`` for a field the peer would reject (an integer out of
     range, a string too long, an invalid name, an Error with code NONE).
     """
-    out = bytearray()
-    match message:
-        case BindStream():
-            _put_name(out, message.stream, "stream name")
-        case BindSchema():
-            _put_name(out, message.name, "schema name")
-            _put_text(out, message.text, MAX_SCHEMA_TEXT_BYTES, "schema text")
-        case Hello():
-            flags = int(message.flags)
-            if flags & ~_KNOWN_HELLO_FLAGS:
-                raise ValueError(f"undefined Hello flags {flags:#x}")
-            out.append(MessageType.HELLO)
-            _put_u64(out, message.version, "version")
-            _put_u64(out, message.producer_id, "producer_id")
-            _put_text(out, message.client_name, MAX_NAME_BYTES, "client name")
-            _put_bytes(out, bytes(message.token), MAX_TOKEN_BYTES, "token")
-            out.append(flags)
-            _put_bytes(out, bytes(message.secret), MAX_SECRET_BYTES, "secret")
-        case Welcome():
-            out.append(MessageType.WELCOME)
-            _put_u64(out, message.version, "version")
-            _put_text(out, message.server_name, MAX_NAME_BYTES, "server name")
-            _put_u64(out, message.max_message_size, "max_message_size")
-            _put_u64(out, message.idle_timeout_ms, "idle_timeout_ms")
-            _put_u64(out, message.plead_deadline_ms, "plead_deadline_ms")
-            _put_bytes(out, bytes(message.producer_secret), MAX_SECRET_BYTES, "producer_secret")
-        case Goodbye():
-            out.append(MessageType.GOODBYE)
-            _put_code(out, message.code)
-            _put_text(out, message.text, MAX_TEXT_BYTES, "goodbye text")
-        case Error():
-            if message.code == ErrorCode.NONE:
-                raise ValueError("an Error message needs a code other than NONE")
-            out.append(MessageType.ERROR)
-            _put_code(out, message.code)
-            if message.scope is None:
-                out.append(0)
-            else:
-                out.append(1)
-                out.append(HandleType(message.scope.handle_type))
-                _put_u64(out, message.scope.handle, "handle")
-            _put_text(out, message.text, MAX_TEXT_BYTES, "error text")
-        case Ping():
-            _check_u64(message.nonce, "nonce")
-            out.append(MessageType.PING)
-            out += _U64LE.pack(message.nonce)
-        case Pong():
-            _check_u64(message.nonce, "nonce")
-            out.append(MessageType.PONG)
-            out += _U64LE.pack(message.nonce)
-        case FreeHandle():
-            out.append(MessageType.FREE_HANDLE)
-            out.append(HandleType(message.handle_type))
-            _put_u64(out, message.handle, "handle")
-            out.append(1 if message.mine else 0)
-        case Ack():
-            out.append(MessageType.ACK)
-            _put_u64(out, message.handle, "handle")
-            _put_u64(out, message.next_sequence, "next_sequence")
-            _put_u64(out, message.durable_position, "durable_position")
-        case Release():
-            named = message.consumer != DEFAULT_CONSUMER
-            out.append(MessageType.CONSUMER_RELEASE if named else MessageType.RELEASE)
-            _put_name(out, message.stream, "stream name")
-            _put_u64(out, message.position, "position")
-            if named:
-                _put_name(out, message.consumer, "consumer name")
-        case Subscribe():
-            if message.sample_every < 1:
-                raise ValueError("sample_every must be at least 1")
-            out.append(MessageType.SUBSCRIBE)
-            _put_name(out, message.stream, "stream name")
-            if message.start is StartAt.NOW:
-                out.append(0)
-            elif message.start is StartAt.EARLIEST:
-                out.append(1)
-            else:
-                out.append(2)
-                _put_u64(out, message.start, "start position")
-            _put_u64(out, message.sample_every, "sample_every")
-        case Missed():
-            out.append(MessageType.MISSED)
-            _put_u64(out, message.handle, "handle")
-            _put_u64(out, message.count, "count")
-        case Fetch():
-            named = message.consumer is not None
-            out.append(MessageType.CONSUMER_FETCH if named else MessageType.FETCH)
-            _put_u64(out, message.request_id, "request_id")
-            _put_name(out, message.stream, "stream name")
-            _put_u64(out, message.start_position, "start_position")
-            _put_u64(out, message.end_position, "end_position")
-            _put_u64(out, message.max_bytes, "max_bytes")
-            if message.consumer is not None:
-                _put_name(out, message.consumer, "consumer name")
-        case FetchDone():
-            skipped = message.skipped_bytes is not None
-            if not skipped and message.skipped_records is not None:
-                raise ValueError("skipped_records goes only with skipped_bytes")
-            out.append(MessageType.CONSUMER_FETCH_DONE if skipped else MessageType.FETCH_DONE)
-            _put_u64(out, message.request_id, "request_id")
-            _put_u64(out, message.next_position, "next_position")
-            _put_u64(out, message.batches, "batches")
-            if message.skipped_bytes is not None:
-                _put_u64(out, message.skipped_bytes, "skipped_bytes")
-                if message.skipped_records is None:
-                    out.append(0)
-                else:
-                    out.append(1)
-                    _put_u64(out, message.skipped_records, "skipped_records")
-        case DeclareConsumer():
-            out.append(MessageType.DECLARE_CONSUMER)
-            _put_u64(out, message.request_id, "request_id")
-            _put_name(out, message.stream, "stream name")
-            _put_name(out, message.consumer, "consumer name")
-            out.append((1 if message.blocking else 0) | (2 if message.skip_data_loss else 0))
-        case ConsumerPosition():
-            out.append(MessageType.CONSUMER_POSITION)
-            _put_u64(out, message.request_id, "request_id")
-            _put_u64(out, message.position, "position")
-        case ResetConsumer():
-            out.append(MessageType.RESET_CONSUMER)
-            _put_u64(out, message.request_id, "request_id")
-            _put_name(out, message.stream, "stream name")
-            _put_name(out, message.consumer, "consumer name")
-            if message.to is ResetTo.EARLIEST:
-                out.append(0)
-            elif message.to is ResetTo.LATEST:
-                out.append(1)
-            elif isinstance(message.to, ResetTime):
-                out.append(3)
-                _put_u64(out, message.to.timestamp_us, "timestamp_us")
-            else:
-                out.append(2)
-                _put_u64(out, message.to, "position")
-        case DeleteConsumer():
-            out.append(MessageType.DELETE_CONSUMER)
-            _put_u64(out, message.request_id, "request_id")
-            _put_name(out, message.stream, "stream name")
-            _put_name(out, message.consumer, "consumer name")
-        case ListConsumers():
-            out.append(MessageType.LIST_CONSUMERS)
-            _put_u64(out, message.request_id, "request_id")
-            _put_name(out, message.stream, "stream name")
-        case ConsumerList():
-            out.append(MessageType.CONSUMER_LIST)
-            _put_u64(out, message.request_id, "request_id")
-            _put_u64(out, len(message.consumers), "consumer count")
-            for entry in message.consumers:
-                _put_name(out, entry.consumer, "consumer name")
-                _put_u64(out, entry.position, "position")
-                _put_u64(out, entry.lag_bytes, "lag_bytes")
-                _put_u64(out, entry.lag_ms, "lag_ms")
-                out.append(
-                    (1 if entry.blocking else 0)
-                    | (2 if entry.skip_data_loss else 0)
-                    | (4 if entry.detached else 0)
-                    | (8 if entry.idle else 0)
-                    | (16 if entry.lag_records is not None else 0)
-                )
-                if entry.lag_records is not None:
-                    _put_u64(out, entry.lag_records, "lag_records")
-        case CountRecords():
-            if len(message.positions) > MAX_COUNTED_POSITIONS:
-                raise ValueError(f"at most {MAX_COUNTED_POSITIONS} positions")
-            out.append(MessageType.COUNT_RECORDS)
-            _put_u64(out, message.request_id, "request_id")
-            _put_name(out, message.stream, "stream name")
-            _put_u64(out, len(message.positions), "position count")
-            for position in message.positions:
-                _put_u64(out, position, "position")
-        case RecordCounts():
-            if len(message.counts) > MAX_COUNTED_POSITIONS:
-                raise ValueError(f"at most {MAX_COUNTED_POSITIONS} counts")
-            out.append(MessageType.RECORD_COUNTS)
-            _put_u64(out, message.request_id, "request_id")
-            _put_u64(out, message.epoch, "epoch")
-            _put_u64(out, len(message.counts), "count count")
-            for count in message.counts:
-                # c64 count + 1; 0: not countable.
-                _put_u64(out, 0 if count is None else count + 1, "count")
-        case ListStreams():
-            out.append(MessageType.LIST_STREAMS)
-            _put_u64(out, message.request_id, "request_id")
-        case StreamList():
-            out.append(MessageType.STREAM_LIST)
-            _put_u64(out, message.request_id, "request_id")
-            _put_u64(out, len(message.streams), "stream count")
-            for info in message.streams:
-                _put_stream_info(out, info)
-        case DescribeStreams():
-            out.append(MessageType.DESCRIBE_STREAMS)
-            _put_u64(out, message.request_id, "request_id")
-        case StreamDescriptions():
-            out.append(MessageType.STREAM_DESCRIPTIONS)
-            _put_u64(out, message.request_id, "request_id")
-            _put_u64(out, len(message.streams), "stream count")
-            for described in message.streams:
-                _put_stream_info(out, described.info)
-                if not 0 <= described.released_at_us <= MAX_TIME_US:
-                    raise ValueError(
-                        f"released_at_us {described.released_at_us} is not a time "
-                        f"between 1970 and 9999"
-                    )
-                _put_u64(out, described.released_at_us, "released_at_us")
-        case Metadata():
-            out.append(MessageType.METADATA)
-            _put_u64(out, message.request_id, "request_id")
-        case ClusterMetadata():
-            _put_cluster_metadata(out, message)
-        case _:
-            raise TypeError(f"not a headgate message: {message!r}")
-    return bytes(out)
-
-
-def _put_cluster_metadata(out: bytearray, message: ClusterMetadata) -> None:
-    if len(message.gateways) > MAX_METADATA_GATEWAYS:
-        raise ValueError(f"at most {MAX_METADATA_GATEWAYS} gateways")
-    out.append(MessageType.CLUSTER_METADATA)
-    _put_u64(out, message.request_id, "request_id")
-    _put_text(out, message.gateway, MAX_NAME_BYTES, "gateway name")
-    _put_u64(out, len(message.gateways), "gateway count")
-    for gateway in message.gateways:
-        _put_name(out, gateway.name, "gateway name")
-        if not gateway.address:
-            raise ValueError("a gateway's address is empty")
-        _put_text(out, gateway.address, MAX_NAME_BYTES, "gateway address")
-    _put_u64(out, len(message.streams), "stream count")
-    for stream in message.streams:
-        _put_name(out, stream.stream, "stream name")
-        if not 1 <= len(stream.holders) <= MAX_METADATA_PARTITIONS:
-            raise ValueError(f"a stream has 1 to {MAX_METADATA_PARTITIONS} partitions")
-        _put_u64(out, len(stream.holders), "partition count")
-        for holder in stream.holders:
-            if not 0 <= holder < len(message.gateways):
-                raise ValueError(f"partition holder {holder} is not a gateway's index")
-            _put_u64(out, holder, "holder")
-
-
-def _read_cluster_metadata(reader: _Reader, size: int) -> ClusterMetadata:
-    """ClusterMetadata's fields; every count is checked against what the bytes can hold."""
-    request_id = reader.u64("request_id")
-    gateway = reader.text(MAX_NAME_BYTES, "gateway name")
-    count = reader.u64("gateway count")
-    # A gateway entry takes at least 4 bytes (a name, an address).
-    if count > min(MAX_METADATA_GATEWAYS, size // 4):
-        raise MessageError(f"CLUSTER_METADATA: {count} gateways cannot be (or fit) in it")
-    gateways = []
-    for _ in range(count):
-        name = reader.name("gateway name")
-        address = reader.text(MAX_NAME_BYTES, "gateway address")
-        if not address:
-            raise MessageError(f"CLUSTER_METADATA: gateway {name!r} has an empty address")
-        gateways.append(MetadataGateway(name=name, address=address))
-    count = reader.u64("stream count")
-    # A stream entry takes at least 4 bytes (a name, a count, one holder).
-    if count > size // 4:
-        raise MessageError(f"CLUSTER_METADATA: {count} streams cannot fit in the message")
-    streams = []
-    for _ in range(count):
-        name = reader.name("stream name")
-        partitions = reader.u64("partition count")
-        if not 1 <= partitions <= min(MAX_METADATA_PARTITIONS, size):
-            raise MessageError(f"CLUSTER_METADATA: stream {name!r} has {partitions} partitions")
-        holders = tuple(reader.u64("holder") for _ in range(partitions))
-        for holder in holders:
-            if holder >= len(gateways):
-                raise MessageError(
-                    f"CLUSTER_METADATA: stream {name!r}: holder {holder} is not a gateway"
-                )
-        streams.append(MetadataStream(stream=name, holders=holders))
-    return ClusterMetadata(
-        request_id=request_id, gateway=gateway, gateways=tuple(gateways), streams=tuple(streams)
-    )
-
-
-def _put_stream_info(out: bytearray, info: StreamInfo) -> None:
-    """A stream's entry in StreamList, and the start of its entry in StreamDescriptions."""
-    _put_name(out, info.stream, "stream name")
-    _put_u64(out, info.start_position, "start_position")
-    _put_u64(out, info.durable_position, "durable_position")
-    _put_u64(out, info.tail_position, "tail_position")
-    _put_u64(out, info.term_length, "term_length")
-
-
-# --- decoding --------------------------------------------------------------
-
-
-class _Reader:
-    """A cursor over one message's bytes; every shortfall is a MessageError."""
-
-    __slots__ = ("_buf", "_pos", "_what")
-
-    def __init__(self, payload: Buffer, what: str) -> None:
-        self._buf = bytes(payload)
-        self._pos = 0
-        self._what = what
-
-    def _fail(self, problem: str) -> MessageError:
-        return MessageError(f"{self._what}: {problem}")
-
-    def u8(self, field: str) -> int:
-        if self._pos >= len(self._buf):
-            raise self._fail(f"truncated before {field}")
-        value = self._buf[self._pos]
-        self._pos += 1
-        return value
-
-    def u64(self, field: str) -> int:
-        got = decode_standalone(self._buf, self._pos)
-        if got is None:
-            raise self._fail(f"truncated in {field}")
-        value, self._pos = got
-        return value
-
-    def u64le(self, field: str) -> int:
-        if self._pos + 8 > len(self._buf):
-            raise self._fail(f"truncated in {field}")
-        (value,) = _U64LE.unpack_from(self._buf, self._pos)
-        self._pos += 8
-        return int(value)
-
-    def raw(self, limit: int, field: str) -> bytes:
-        length = self.u64(f"the length of {field}")
-        if length > limit:
-            raise self._fail(f"{field} is {length} bytes; at most {limit} allowed")
-        end = self._pos + length
-        if end > len(self._buf):
-            raise self._fail(f"truncated in {field}")
-        data = self._buf[self._pos : end]
-        self._pos = end
-        return data
-
-    def text(self, limit: int, field: str) -> str:
-        data = self.raw(limit, field)
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise self._fail(f"{field} is not UTF-8") from error
-
-    def name(self, field: str) -> str:
-        data = self.raw(MAX_NAME_BYTES, field)
-        if _NAME.fullmatch(data) is None:
-            raise self._fail(f"{field} {data!r} is not a valid name")
-        return data.decode("ascii")
-
-    def code(self, field: str) -> ErrorCode:
-        value = self.u8(field)
-        try:
-            return ErrorCode(value)
-        except ValueError:
-            raise self._fail(f"unknown {field} {value}") from None
-
-    def handle_type(self) -> HandleType:
-        value = self.u8("handle type")
-        try:
-            return HandleType(value)
-        except ValueError:
-            raise self._fail(f"unknown handle type {value}") from None
-
-    def finish(self) -> None:
-        if self._pos != len(self._buf):
-            raise self._fail(f"{len(self._buf) - self._pos} trailing bytes")
+    layouts = _ENCODERS.get(type(message))
+    if layouts is None:
+        raise TypeError(f"not a headgate message: {message!r}")
+    for layout in layouts:
+        if layout.when is None or layout.when(message):
+            return layout.encode(message)
+    raise AssertionError(f"no layout for {message!r}")  # the last layout has no `when`
 
 
 def decode_bind_stream(payload: Buffer) -> BindStream:
     """Decode the payload of a SendChannel on channel 0."""
-    reader = _Reader(payload, "BindStream")
-    message = BindStream(stream=reader.name("stream name"))
-    reader.finish()
+    message: BindStream = BIND_STREAM_LAYOUT.decode(payload)
     return message
-
-
-def _read_stream_info(reader: _Reader) -> StreamInfo:
-    return StreamInfo(
-        stream=reader.name("stream name"),
-        start_position=reader.u64("start_position"),
-        durable_position=reader.u64("durable_position"),
-        tail_position=reader.u64("tail_position"),
-        term_length=reader.u64("term_length"),
-    )
 
 
 def decode_bind_schema(payload: Buffer) -> BindSchema:
     """Decode the payload of a SendChannel on channel 1."""
-    reader = _Reader(payload, "BindSchema")
-    name = reader.name("schema name")
-    text = reader.text(MAX_SCHEMA_TEXT_BYTES, "schema text")
-    reader.finish()
-    return BindSchema(name=name, text=text)
-
-
-def _counted(reader: _Reader, field: str) -> int | None:
-    """A count that may be unknown: a presence byte (0 or 1), then the count if 1."""
-    known = reader.u8(f"{field} presence")
-    if known > 1:
-        raise MessageError(f"{field} presence must be 0 or 1, not {known}")
-    return reader.u64(field) if known else None
+    message: BindSchema = BIND_SCHEMA_LAYOUT.decode(payload)
+    return message
 
 
 def decode_global(payload: Buffer) -> GlobalMessage:
@@ -1336,266 +1439,8 @@ def decode_global(payload: Buffer) -> GlobalMessage:
     if len(payload) == 0:
         raise MessageError("empty global message")
     kind = payload[0]
-    try:
-        message_type = MessageType(kind)
-    except ValueError:
-        raise MessageError(f"unknown global message type {kind:#04x}") from None
-    reader = _Reader(payload, message_type.name)
-    reader.u8("type")
-    message: GlobalMessage
-    match message_type:
-        case MessageType.HELLO:
-            version = reader.u64("version")
-            producer_id = reader.u64("producer_id")
-            client_name = reader.text(MAX_NAME_BYTES, "client name")
-            token = reader.raw(MAX_TOKEN_BYTES, "token")
-            flags = reader.u8("flags")
-            if flags & ~_KNOWN_HELLO_FLAGS:
-                raise MessageError(f"HELLO: undefined flags {flags:#04x}")
-            message = Hello(
-                version=version,
-                producer_id=producer_id,
-                client_name=client_name,
-                token=token,
-                flags=HelloFlags(flags),
-                secret=reader.raw(MAX_SECRET_BYTES, "secret"),
-            )
-        case MessageType.WELCOME:
-            message = Welcome(
-                version=reader.u64("version"),
-                server_name=reader.text(MAX_NAME_BYTES, "server name"),
-                max_message_size=reader.u64("max_message_size"),
-                idle_timeout_ms=reader.u64("idle_timeout_ms"),
-                plead_deadline_ms=reader.u64("plead_deadline_ms"),
-                producer_secret=reader.raw(MAX_SECRET_BYTES, "producer_secret"),
-            )
-        case MessageType.GOODBYE:
-            code = reader.code("code")
-            message = Goodbye(code=code, text=reader.text(MAX_TEXT_BYTES, "text"))
-        case MessageType.ERROR:
-            code = reader.code("code")
-            if code == ErrorCode.NONE:
-                raise MessageError("ERROR: code NONE is not an error")
-            scope_kind = reader.u8("scope")
-            scope: HandleRef | None
-            if scope_kind == 0:
-                scope = None
-            elif scope_kind == 1:
-                handle_type = reader.handle_type()
-                scope = HandleRef(handle_type=handle_type, handle=reader.u64("handle"))
-            else:
-                raise MessageError(f"ERROR: unknown scope kind {scope_kind}")
-            message = Error(code=code, scope=scope, text=reader.text(MAX_TEXT_BYTES, "text"))
-        case MessageType.PING:
-            message = Ping(nonce=reader.u64le("nonce"))
-        case MessageType.PONG:
-            message = Pong(nonce=reader.u64le("nonce"))
-        case MessageType.FREE_HANDLE:
-            handle_type = reader.handle_type()
-            handle = reader.u64("handle")
-            mine = reader.u8("mine")
-            if mine > 1:
-                raise MessageError(f"FREE_HANDLE: mine must be 0 or 1, not {mine}")
-            message = FreeHandle(handle_type=handle_type, handle=handle, mine=mine == 1)
-        case MessageType.ACK:
-            message = Ack(
-                handle=reader.u64("handle"),
-                next_sequence=reader.u64("next_sequence"),
-                durable_position=reader.u64("durable_position"),
-            )
-        case MessageType.RELEASE | MessageType.CONSUMER_RELEASE:
-            stream = reader.name("stream name")
-            position = reader.u64("position")
-            consumer = (
-                reader.name("consumer name")
-                if message_type == MessageType.CONSUMER_RELEASE
-                else DEFAULT_CONSUMER
-            )
-            message = Release(stream=stream, position=position, consumer=consumer)
-        case MessageType.SUBSCRIBE:
-            stream = reader.name("stream name")
-            start_kind = reader.u8("start")
-            start: StartAt | int
-            if start_kind == 0:
-                start = StartAt.NOW
-            elif start_kind == 1:
-                start = StartAt.EARLIEST
-            elif start_kind == 2:
-                start = reader.u64("start position")
-            else:
-                raise MessageError(f"SUBSCRIBE: unknown start kind {start_kind}")
-            sample_every = reader.u64("sample_every")
-            if sample_every == 0:
-                raise MessageError("SUBSCRIBE: sample_every must be at least 1")
-            message = Subscribe(stream=stream, start=start, sample_every=sample_every)
-        case MessageType.MISSED:
-            message = Missed(handle=reader.u64("handle"), count=reader.u64("count"))
-        case MessageType.FETCH | MessageType.CONSUMER_FETCH:
-            message = Fetch(
-                request_id=reader.u64("request_id"),
-                stream=reader.name("stream name"),
-                start_position=reader.u64("start_position"),
-                end_position=reader.u64("end_position"),
-                max_bytes=reader.u64("max_bytes"),
-                consumer=(
-                    reader.name("consumer name")
-                    if message_type == MessageType.CONSUMER_FETCH
-                    else None
-                ),
-            )
-        case MessageType.FETCH_DONE | MessageType.CONSUMER_FETCH_DONE:
-            message = FetchDone(
-                request_id=reader.u64("request_id"),
-                next_position=reader.u64("next_position"),
-                batches=reader.u64("batches"),
-                skipped_bytes=(
-                    reader.u64("skipped_bytes")
-                    if message_type == MessageType.CONSUMER_FETCH_DONE
-                    else None
-                ),
-                skipped_records=(
-                    _counted(reader, "skipped_records")
-                    if message_type == MessageType.CONSUMER_FETCH_DONE
-                    else None
-                ),
-            )
-        case MessageType.DECLARE_CONSUMER:
-            request_id = reader.u64("request_id")
-            stream = reader.name("stream name")
-            consumer = reader.name("consumer name")
-            flags = reader.u8("flags")
-            if flags & ~3:
-                raise MessageError(f"DECLARE_CONSUMER: undefined flags {flags:#04x}")
-            message = DeclareConsumer(
-                request_id=request_id,
-                stream=stream,
-                consumer=consumer,
-                blocking=bool(flags & 1),
-                skip_data_loss=bool(flags & 2),
-            )
-        case MessageType.RESET_CONSUMER:
-            request_id = reader.u64("request_id")
-            stream = reader.name("stream name")
-            consumer = reader.name("consumer name")
-            kind = reader.u8("to")
-            to: ResetTo | int | ResetTime
-            if kind == 0:
-                to = ResetTo.EARLIEST
-            elif kind == 1:
-                to = ResetTo.LATEST
-            elif kind == 2:
-                to = reader.u64("position")
-            elif kind == 3:
-                to = ResetTime(reader.u64("timestamp_us"))
-            else:
-                raise MessageError(f"RESET_CONSUMER: unknown kind {kind}")
-            message = ResetConsumer(request_id=request_id, stream=stream, consumer=consumer, to=to)
-        case MessageType.DELETE_CONSUMER:
-            message = DeleteConsumer(
-                request_id=reader.u64("request_id"),
-                stream=reader.name("stream name"),
-                consumer=reader.name("consumer name"),
-            )
-        case MessageType.LIST_CONSUMERS:
-            message = ListConsumers(
-                request_id=reader.u64("request_id"), stream=reader.name("stream name")
-            )
-        case MessageType.CONSUMER_LIST:
-            request_id = reader.u64("request_id")
-            count = reader.u64("consumer count")
-            # Each entry takes at least 6 bytes (as in STREAM_LIST).
-            if count > len(payload) // 6:
-                raise MessageError(f"CONSUMER_LIST: {count} consumers cannot fit in the message")
-            entries = []
-            for _ in range(count):
-                name = reader.name("consumer name")
-                position = reader.u64("position")
-                lag_bytes = reader.u64("lag_bytes")
-                lag_ms = reader.u64("lag_ms")
-                flags = reader.u8("flags")
-                if flags & ~31:
-                    raise MessageError(f"CONSUMER_LIST: undefined flags {flags:#04x}")
-                lag_records = reader.u64("lag_records") if flags & 16 else None
-                entries.append(
-                    ConsumerInfo(
-                        consumer=name,
-                        position=position,
-                        lag_bytes=lag_bytes,
-                        lag_ms=lag_ms,
-                        blocking=bool(flags & 1),
-                        skip_data_loss=bool(flags & 2),
-                        detached=bool(flags & 4),
-                        idle=bool(flags & 8),
-                        lag_records=lag_records,
-                    )
-                )
-            message = ConsumerList(request_id=request_id, consumers=tuple(entries))
-        case MessageType.CONSUMER_POSITION:
-            message = ConsumerPosition(
-                request_id=reader.u64("request_id"), position=reader.u64("position")
-            )
-        case MessageType.LIST_STREAMS:
-            message = ListStreams(request_id=reader.u64("request_id"))
-        case MessageType.STREAM_LIST:
-            request_id = reader.u64("request_id")
-            count = reader.u64("stream count")
-            # Each entry takes at least 6 bytes, so a count beyond what is left
-            # is malformed before anything is built for it.
-            if count > len(payload) // 6:
-                raise MessageError(f"STREAM_LIST: {count} streams cannot fit in the message")
-            infos = tuple(_read_stream_info(reader) for _ in range(count))
-            message = StreamList(request_id=request_id, streams=infos)
-        case MessageType.DESCRIBE_STREAMS:
-            message = DescribeStreams(request_id=reader.u64("request_id"))
-        case MessageType.STREAM_DESCRIPTIONS:
-            request_id = reader.u64("request_id")
-            count = reader.u64("stream count")
-            # Each entry takes at least 7 bytes (a StreamList entry and a time).
-            if count > len(payload) // 7:
-                raise MessageError(
-                    f"STREAM_DESCRIPTIONS: {count} streams cannot fit in the message"
-                )
-            described = []
-            for _ in range(count):
-                info = _read_stream_info(reader)
-                released_at_us = reader.u64("released_at_us")
-                if released_at_us > MAX_TIME_US:
-                    raise MessageError(
-                        f"STREAM_DESCRIPTIONS: released_at_us {released_at_us} is after the "
-                        "year 9999"
-                    )
-                described.append(StreamDescription(info=info, released_at_us=released_at_us))
-            message = StreamDescriptions(request_id=request_id, streams=tuple(described))
-        case MessageType.COUNT_RECORDS:
-            request_id = reader.u64("request_id")
-            stream = reader.name("stream name")
-            count = reader.u64("position count")
-            if count > MAX_COUNTED_POSITIONS:
-                raise MessageError(
-                    f"COUNT_RECORDS: {count} positions, at most {MAX_COUNTED_POSITIONS}"
-                )
-            message = CountRecords(
-                request_id=request_id,
-                stream=stream,
-                positions=tuple(reader.u64("position") for _ in range(count)),
-            )
-        case MessageType.RECORD_COUNTS:
-            request_id = reader.u64("request_id")
-            epoch = reader.u64("epoch")
-            count = reader.u64("count count")
-            if count > MAX_COUNTED_POSITIONS:
-                raise MessageError(
-                    f"RECORD_COUNTS: {count} counts, at most {MAX_COUNTED_POSITIONS}"
-                )
-            counts = tuple(reader.u64("count") for _ in range(count))
-            message = RecordCounts(
-                request_id=request_id,
-                epoch=epoch,
-                counts=tuple(None if c == 0 else c - 1 for c in counts),
-            )
-        case MessageType.METADATA:
-            message = Metadata(request_id=reader.u64("request_id"))
-        case MessageType.CLUSTER_METADATA:
-            message = _read_cluster_metadata(reader, len(payload))
-    reader.finish()
+    layout = _DECODERS.get(kind)
+    if layout is None:
+        raise MessageError(f"unknown global message type {kind:#04x}")
+    message: GlobalMessage = layout.decode(payload)
     return message
