@@ -29,7 +29,7 @@ Example ``headgate.toml``::
     handshake_timeout_ms = 10000
     max_write_buffer = "1MiB"
     bind_budget = "16KiB"
-    max_stream_credit = "32MiB"     # per token and stream (credit policy)
+    max_stream_credit = 0           # per token and stream (credit policy); 0: no cap
     max_streams = 256
     streams_per_token = 64
     max_producer_ids = 100000
@@ -335,7 +335,7 @@ class GatewayConfig:
     #: gateway's time) for seconds after it stops. Credit is granted again as
     #: it is used, so it bounds what is in flight, not throughput (a writer
     #: asks for more at most every 50 ms: 32 MiB is 640 MiB/s). 0: no cap.
-    max_stream_credit: int = 32 * 1024**2
+    max_stream_credit: int = 0
     #: Largest number of streams the gateway opens; a bind of a new stream
     #: beyond it is refused. Each stream reserves two terms on disk as soon
     #: as it exists, and up to its capacity when used: size this so that
