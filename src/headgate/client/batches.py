@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from headgate.protocol.records import (
     BLOCK_BASE,
@@ -63,6 +63,26 @@ def encode_blocks(values: object, keys: object, limit: int) -> list[Block]:
     """
     if isinstance(values, list | tuple):
         return _encode_lists(values, cast("Sequence[bytes | None] | None", keys), limit)
+    values, keys = send_many_columns(values, keys)
+    return _encode_arrow(values, keys, limit)
+
+
+def send_many_columns(values: Any, keys: Any) -> tuple[Any, Any]:
+    """A ``send_many`` call's values and keys as lists, or as pyarrow Arrays.
+
+    The one reading of what ``send_many`` takes, for the producer of one
+    gateway and for a fleet's: lists of bytes (keys made a list), or a
+    pyarrow Array, ChunkedArray, RecordBatch or Table (a 'value' and an
+    optional 'key' column).
+
+    Raises:
+        ValueError: keys passed beside a RecordBatch, or no 'value' column.
+        TypeError: ``values`` is none of those.
+    """
+    if isinstance(values, list | tuple):
+        if keys is not None and not isinstance(keys, list | tuple):
+            keys = list(keys)
+        return values, keys
     import pyarrow as pa
 
     if isinstance(values, pa.RecordBatch | pa.Table):
@@ -84,7 +104,7 @@ def encode_blocks(values: object, keys: object, limit: int) -> list[Block]:
         )
     if keys is not None and not isinstance(keys, pa.Array):
         keys = pa.array(keys, type=pa.binary())
-    return _encode_arrow(values, keys, limit)
+    return values, keys
 
 
 def split_block(block: bytes, limit: int) -> list[Block]:

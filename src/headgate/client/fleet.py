@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from headgate.client.address import GatewayAddress
+from headgate.client.batches import send_many_columns
 from headgate.client.errors import ProducerError
 from headgate.client.producer import BatchResult, Delivery, Policy, Producer
 from headgate.client.reader import Reader, ReaderError
@@ -550,7 +551,7 @@ class FleetProducer:
                 as :meth:`Producer.send_many`.
         """
         partitioned = self._open_stream(stream)
-        values, keys = _columns(values, keys)
+        values, keys = send_many_columns(values, keys)
         groups = await self._route_many(partitioned, values, keys)
         for partition in groups:
             self._check_reachable(partition)
@@ -827,36 +828,6 @@ class FleetProducer:
             gateways=gateways,
             partitions=dict(sorted(partitions.items())),
         )
-
-
-def _columns(values: Any, keys: Any) -> tuple[Any, Any]:
-    """A send_many call's values and keys: lists, or pyarrow Arrays."""
-    if isinstance(values, list | tuple):
-        if keys is not None and not isinstance(keys, list | tuple):
-            keys = list(keys)
-        return values, keys
-    import pyarrow as pa
-
-    if isinstance(values, pa.RecordBatch | pa.Table):
-        if keys is not None:
-            raise ValueError("pass keys as the 'key' column of the RecordBatch, not keys=")
-        names = values.schema.names
-        if "value" not in names:
-            raise ValueError(f"a RecordBatch needs a 'value' column; it has {names}")
-        keys = values.column("key") if "key" in names else None
-        values = values.column("value")
-    if isinstance(values, pa.ChunkedArray):
-        values = values.combine_chunks()
-    if isinstance(keys, pa.ChunkedArray):
-        keys = keys.combine_chunks()
-    if not isinstance(values, pa.Array):
-        raise TypeError(
-            "values must be a list of bytes or a pyarrow Array, RecordBatch or Table, "
-            f"not {type(values).__name__}"
-        )
-    if keys is not None and not isinstance(keys, pa.Array):
-        keys = pa.array(keys, type=pa.binary())
-    return values, keys
 
 
 def _sizes(values: Any) -> list[int]:
