@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 
-def main() -> None:
-    gateway, output = sys.argv[1], sys.argv[2]
+def local_cluster_session(name: str) -> Any:
+    """A SparkSession on ``local-cluster[2,1,1024]``: two executors, each a JVM of its own."""
     from pyspark.sql import SparkSession
 
     spark = (
         SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("headgate-local-cluster")
+        .appName(name)
         .config("spark.ui.enabled", "false")
         .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.session.timeZone", "UTC")
@@ -31,6 +32,22 @@ def main() -> None:
         .getOrCreate()
     )
     spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def executor_pids(spark: Any) -> list[int]:
+    """The process ids of the Python workers the executors run (one per executor here)."""
+
+    def worker_pid(_: object) -> list[int]:
+        return [os.getpid()]
+
+    pids = spark.sparkContext.parallelize(range(8), 8).mapPartitions(worker_pid).collect()
+    return sorted(set(pids))
+
+
+def main() -> None:
+    gateway, output = sys.argv[1], sys.argv[2]
+    spark = local_cluster_session("headgate-local-cluster")
     try:
         frame = (
             spark.read.format("headgate")
@@ -47,12 +64,7 @@ def main() -> None:
 
         partitions = frame.select(spark_partition_id().alias("p")).distinct().count()
 
-        def worker_pid(_: object) -> list[int]:
-            return [os.getpid()]
-
-        pids = sorted(
-            set(spark.sparkContext.parallelize(range(8), 8).mapPartitions(worker_pid).collect())
-        )
+        pids = executor_pids(spark)
         with open(output, "w") as f:
             json.dump(
                 {

@@ -15,22 +15,16 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def main() -> None:
     cluster, output = sys.argv[1], sys.argv[2]
-    from pyspark.sql import SparkSession
+    # The child runs as a script: the repository's root is not on sys.path.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.spark._cluster_child import executor_pids, local_cluster_session
 
-    spark = (
-        SparkSession.builder.master("local-cluster[2,1,1024]")
-        .appName("headgate-fleet-local-cluster")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.executor.memory", "512m")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = local_cluster_session("headgate-fleet-local-cluster")
     try:
         frame = (
             spark.read.format("headgate")
@@ -43,13 +37,7 @@ def main() -> None:
             [r.stream, r.partition, r.position, r["index"], r.value.hex()]
             for r in frame.select("stream", "partition", "position", "index", "value").collect()
         ]
-
-        def worker_pid(_: object) -> list[int]:
-            return [os.getpid()]
-
-        pids = sorted(
-            set(spark.sparkContext.parallelize(range(8), 8).mapPartitions(worker_pid).collect())
-        )
+        pids = executor_pids(spark)
         with open(output, "w") as f:
             json.dump({"rows": rows, "executor_pids": pids, "driver_pid": os.getpid()}, f)
     finally:
