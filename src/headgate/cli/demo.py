@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -574,6 +575,37 @@ def _kib(n: int) -> str:
     return f"{n / 1024:,.0f} KiB"
 
 
+class _CtrlCSeen:
+    """Notes a SIGINT (Ctrl-C) while the demo runs, then hands it to the handler before it.
+
+    PySpark's own SIGINT handler cancels Spark's jobs and raises
+    KeyboardInterrupt; when that lands inside a call into the JVM, py4j may
+    swallow it and the next call fails instead. Only in the main thread
+    (where signal handlers live); elsewhere it notes nothing.
+    """
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._previous: Any = None
+        self._installed = threading.current_thread() is threading.main_thread()
+        if self._installed:
+            self._previous = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.seen = True
+        if callable(self._previous):
+            self._previous(signum, frame)
+        elif self._previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        if self._installed:
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            signal.signal(signal.SIGINT, previous)
+            self._installed = False
+
+
 def run_demo(
     data_dir: Path,
     seconds: float,
@@ -603,6 +635,7 @@ def run_demo(
     own_spark = spark is None
     interrupted = False
     failure: str | None = None
+    ctrl_c = _CtrlCSeen()
     try:
         demo.start_gateway()
         demo.start_spark()
@@ -612,8 +645,15 @@ def run_demo(
         interrupted = True
         console.print("interrupted: stopping ...")
     except DemoFailed as exc:
-        failure = str(exc)
+        if ctrl_c.seen:
+            # A Ctrl-C that landed inside a call into Spark's JVM can break
+            # that call instead of raising here: it is still an interrupt.
+            interrupted = True
+            console.print("interrupted: stopping ...")
+        else:
+            failure = str(exc)
     finally:
+        ctrl_c.close()
         demo.teardown()
     result = DemoResult(demo.summaries(), demo.completed, interrupted, failure)
     try:
