@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from headgate.cli import COMMANDS, main
+from headgate.cli import COMMANDS, SUMMARIES, main
 from headgate.client import ReleaseClient
 from headgate.client.reader import SyncReader
 from headgate.log import LogReader
@@ -608,3 +609,41 @@ def test_a_command_imports_its_own_module_and_no_other_commands() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["headgate.cli.serve", "headgate.cli.text"]
+
+
+def test_the_list_of_commands_is_each_commands_own_summary_and_imports_none() -> None:
+    import click
+
+    # Each summary of the table is what the command's own help makes of it,
+    # at every width click may give it.
+    for name in COMMANDS:
+        command = main.get_command(click.Context(main), name)
+        assert command is not None
+        for limit in (30, 45, 60, 200):
+            summary = click.Command(name, help=SUMMARIES[name]).get_short_help_str(limit)
+            assert summary == command.get_short_help_str(limit), (name, limit)
+    assert sorted(SUMMARIES) == sorted(COMMANDS)
+    # `headgate --help`, in a fresh interpreter: the same text as click's own
+    # listing (which imports every command), and no command module imported.
+    script = (
+        "import sys, click\n"
+        "from headgate.cli import main\n"
+        "ctx = click.Context(main, info_name='headgate')\n"
+        "ours = main.get_help(ctx)\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('headgate.cli.'))\n"
+        "formatter = ctx.make_formatter()\n"
+        "main.format_usage(ctx, formatter)\n"
+        "main.format_help_text(ctx, formatter)\n"
+        "click.Command.format_options(main, ctx, formatter)\n"
+        "click.Group.format_commands(main, ctx, formatter)\n"
+        "main.format_epilog(ctx, formatter)\n"
+        "print(repr((ours, loaded, formatter.getvalue())))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    ours, loaded, clicks = ast.literal_eval(done.stdout)
+    assert loaded == []
+    assert ours == clicks.rstrip("\n")
+    assert "\n  serve      Run the gateway until" in ours
