@@ -61,6 +61,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import final
 
 from headgate.config import FlowSettings
 from headgate.costs import batch_cost
@@ -149,14 +150,15 @@ class Flow:
     def on_absolved(self, writer: Writer, amount: int) -> None:
         """The writer absolved ``amount`` guarantees (its channel shrank already)."""
 
+    @final
     def rebalance(self, now: float) -> None:
         """Move credit: open new writers' channels, grant what is free, take back what must go.
 
-        Not overridden: every policy's channels open the same way. A writer
-        new since the last rebalance gets its zero guarantee (the protocol's
-        rule, :meth:`Stream.open_channel`: once, before anything else the
-        policy grants on its channel), then :meth:`_opening`; then the
-        policy moves credit (:meth:`_rebalance`).
+        Final (mypy refuses an override): every policy's channels open the
+        same way. A writer new since the last rebalance gets its zero
+        guarantee (the protocol's rule, :meth:`Stream.open_channel`: once,
+        before anything else the policy grants on its channel), then
+        :meth:`_opening`; then the policy moves credit (:meth:`_rebalance`).
         """
         stream = self.stream
         for w in stream.writers:
