@@ -14,11 +14,13 @@ A stream's batches move along one path::
                   └──(connection_lost)─────┘ in order, same sequences
 
 Sequence numbers are given at first transmission, once the gateway's
-initial Ack said where our sequence resumes (:meth:`StreamBatches.resume`),
-and kept for every resend, so the gateway stores each record once whatever
-the number of connections it took. A batch larger than the gateway's frame
-limit is cut before it goes (:meth:`StreamBatches.front`); its pieces keep
-its records' order and cover its sequence range exactly.
+initial Ack said where our sequence resumes (:meth:`StreamBatches.resume`;
+when the gateway sends it and what it counts is the rule of
+:mod:`headgate.protocol.opening`), and kept for every resend, so the
+gateway stores each record once whatever the number of connections it took.
+A batch larger than the gateway's frame limit is cut before it goes
+(:meth:`StreamBatches.front`); its pieces keep its records' order and cover
+its sequence range exactly.
 """
 
 from __future__ import annotations

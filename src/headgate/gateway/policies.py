@@ -46,6 +46,12 @@ when the gateway stops a producer:
 Whatever holds a batch in memory, it is held in the stream's one queue
 (:class:`~headgate.gateway.streams.HeldBatches`), which every policy reads.
 
+Every policy's channels open the same way, which no policy can change: a
+new writer's zero guarantee goes out once, at the first rebalance after its
+bind and before anything the policy grants there (the rule is
+:mod:`headgate.protocol.opening`'s; :meth:`Flow.rebalance` applies it, then
+the policy's :meth:`Flow._opening` and :meth:`Flow._rebalance`).
+
 Nothing here touches a socket: pausing goes through each writer's
 ``throttle`` callback, and the caller passes ``now``.
 """
@@ -55,6 +61,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import final
 
 from headgate.config import FlowSettings
 from headgate.costs import batch_cost
@@ -117,8 +124,6 @@ class Flow:
         self.settings = settings
         self._max_message_size = max_message_size
         self._mark_dirty = mark_dirty
-        # Writers whose channel got its opening zero guarantee.
-        self._opened: set[Writer] = set()
         self.max_in_flight = 0
 
     def update(self, settings: FlowSettings) -> None:
@@ -145,25 +150,29 @@ class Flow:
     def on_absolved(self, writer: Writer, amount: int) -> None:
         """The writer absolved ``amount`` guarantees (its channel shrank already)."""
 
+    @final
     def rebalance(self, now: float) -> None:
-        """Move credit: grant what is free, take back what must go."""
-        self._open_channels()
-        self._reclaim(now)
-        self.stream.rebalance_credit(now)
+        """Move credit: open new writers' channels, grant what is free, take back what must go.
 
-    def _open_channels(self) -> None:
-        self._opened = {w for w in self._opened if w.alive}
-        for w in self.stream.writers:
-            if w not in self._opened:
-                self._opened.add(w)
-                # LCMUX: zero guarantees first say "this server issues in
-                # advance", so a client that never sends optimistically knows
-                # it will not wait forever.
-                w.session.issue(w.channel, 0)
+        Final (mypy refuses an override): every policy's channels open the
+        same way. A writer new since the last rebalance gets its zero
+        guarantee (the protocol's rule, :meth:`Stream.open_channel`: once,
+        before anything else the policy grants on its channel), then
+        :meth:`_opening`; then the policy moves credit (:meth:`_rebalance`).
+        """
+        stream = self.stream
+        for w in stream.writers:
+            if stream.open_channel(w):
                 self._opening(w)
+        self._rebalance(now)
 
     def _opening(self, writer: Writer) -> None:
         """What a policy grants a new writer right after the zero guarantee."""
+
+    def _rebalance(self, now: float) -> None:
+        """The policy's own moves, after new channels opened."""
+        self._reclaim(now)
+        self.stream.rebalance_credit(now)
 
     def _reclaim(self, now: float) -> None:
         # Lowering the capacity can leave more promised than the log holds.
@@ -315,7 +324,8 @@ class WindowFlow(Flow):
         """
         used: dict[int, int] = {}
         for w, n in self._slots.items():
-            used[id(w.session)] = used.get(id(w.session), 0) + n
+            if w.alive:  # a gone writer's slots count by its batches, below
+                used[id(w.session)] = used.get(id(w.session), 0) + n
         for entry in self._unacked:
             if not entry.writer.alive:
                 key = id(entry.writer.session)
@@ -327,12 +337,11 @@ class WindowFlow(Flow):
                 used[id(w.session)] = self.settings.window
                 w.inbound.grow(give * self.slot)
 
-    def rebalance(self, now: float) -> None:
+    def _rebalance(self, now: float) -> None:
         s = self.stream
         gone = [w for w in self._slots if not w.alive]
         for w in gone:
             del self._slots[w]
-        self._open_channels()
         self._store_held()
         durable = s.log.durable_position
         while self._unacked:
@@ -427,9 +436,8 @@ class XonXoffFlow(Flow):
             writer.throttle(self.reason, True)
             self._throttled.add(writer)
 
-    def rebalance(self, now: float) -> None:
+    def _rebalance(self, now: float) -> None:
         s = self.stream
-        self._open_channels()
         self._store_held()
         if self.paused and self.level() <= self.settings.xon:
             self.paused = False

@@ -110,6 +110,7 @@ from headgate.log.record_index import RecordIndex, record_index_file, stride_for
 from headgate.protocol import messages as m
 from headgate.protocol.channel import ServerChannel
 from headgate.protocol.errors import ErrorCode, ProtocolError
+from headgate.protocol.opening import ResumeAnswer, WriterOpening
 from headgate.protocol.session import Session
 
 log = logging.getLogger("headgate.gateway")
@@ -213,6 +214,9 @@ class Writer:
     #: acked; ``arrived`` is the batch's arrival (``batch_arrived``), None for
     #: an Ack that answers no batch (the resume Ack of a new writer).
     pending_acks: deque[tuple[int, int, float | None]] = field(default_factory=deque)
+    #: What the writer was told of its opening: the zero guarantee and the
+    #: resume Ack, each once (the protocol's rule, :mod:`headgate.protocol.opening`).
+    opening: WriterOpening = field(default_factory=WriterOpening)
     #: When the batch being appended now arrived (``time.monotonic()``, set
     #: by the gateway before each append): its Ack's latency starts there.
     batch_arrived: float = 0.0
@@ -618,8 +622,6 @@ class Stream:
         self.held = HeldBatches()
         # producer id -> next sequence over stored and held batches, while held.
         self._held_next: dict[int, int] = {}
-        # Writers whose resume Ack waits for their producer's held batches.
-        self._held_resumes: list[Writer] = []
         #: Where the latest append put its frame (for live tail subscribers).
         self.last_append = AppendResult(0, 0)
         #: Called after each batch is appended (the gateway offers it to tails).
@@ -878,36 +880,53 @@ class Stream:
     def remove_writer(self, writer: Writer) -> None:
         """The connection is gone; its buffered batches stay in the log."""
         writer.alive = False
+        writer.opening.leave()
         with contextlib.suppress(ValueError):
             self.writers.remove(writer)
+
+    def open_channel(self, writer: Writer) -> bool:
+        """Send the writer's zero guarantee if it is due (once: the protocol's rule).
+
+        True when it went out now: the policy grants what it grants next.
+        """
+        if not writer.opening.open_channel():
+            return False
+        writer.session.issue(writer.channel, 0)
+        return True
 
     def announce_resume(self, writer: Writer) -> None:
         """Tell a new writer where its producer's sequence numbers continue.
 
-        That is the next sequence after everything stored for the producer id
-        on this stream, and the Ack saying so goes out only once all of it is
-        durable: until then a crash could still lose those batches, and the
-        producer must keep (and resend) them. Sent at once when nothing of the
-        producer's is waiting for the disk.
+        When, and with what, is :mod:`headgate.protocol.opening`'s rule: the
+        next sequence after everything stored for the producer id on this
+        stream, once all of it is durable (until then a crash could still
+        lose those batches, and the producer must keep and resend them), and
+        not while batches are held (they count for the producer but are not
+        stored yet). A resume Ack that waits for the held batches is asked
+        for again once they are stored (:meth:`_resume_after_held`).
         """
         producer = writer.producer_id
-        if self.storage_error is not None or len(self.held):
-            # No Ack while held; and held batches of this producer id are not
-            # stored yet: the Ack must count them, or the producer would
-            # number new records over them.
-            self._held_resumes.append(writer)
-            return
-        pending = [end for end, p, _ in self._appends if p == producer]
-        if pending:
-            writer.pending_acks.append((self.dedup[producer], pending[-1], None))
-        else:
-            writer.session.send_global(
-                m.Ack(
-                    handle=writer.handle,
-                    next_sequence=self.dedup.get(producer, 0),
-                    durable_position=self.log.durable_position,
-                )
-            )
+        held = self.storage_error is not None or bool(len(self.held))
+        undurable_end = None
+        if not held:
+            for end, p, _ in reversed(self._appends):
+                if p == producer:
+                    undurable_end = end
+                    break
+        step = writer.opening.resume(
+            handle=writer.handle,
+            held=held,
+            next_sequence=self.dedup.get(producer, 0),
+            undurable_end=undurable_end,
+            durable_position=self.log.durable_position,
+        )
+        if step.answer is ResumeAnswer.SEND:
+            assert step.ack is not None
+            writer.session.send_global(step.ack)
+        elif step.answer is ResumeAnswer.AFTER_COMMIT:
+            # Acks are cumulative and in order: it goes out with the commit
+            # that makes the producer's last stored batch durable.
+            writer.pending_acks.append((step.next_sequence, step.after, None))
 
     # -- the books --------------------------------------------------------------
 
@@ -1841,9 +1860,8 @@ class Stream:
         if self.storage_error is not None or len(self.held):
             return
         self._held_next.clear()
-        resumes, self._held_resumes = self._held_resumes, []
-        for writer in resumes:
-            if writer.alive:
+        for writer in self.writers:
+            if writer.opening.waiting:
                 self.announce_resume(writer)
 
     def store_held(self) -> bool:
