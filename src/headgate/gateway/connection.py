@@ -161,11 +161,9 @@ class ConnectionHost(Protocol):
     connections: dict[int, GatewayConnection]
     #: The ids of new connections.
     connection_ids: Iterator[int]
-    #: The log writer's queue of received batches, its durability loans
-    #: and its pass under way.
+    #: The log writer's queue of received batches and its durability loans.
     queue: MessageQueue
     durability: DurabilityLoans
-    write_pass: int
     passes: Passes
     shares: PeerShares
     refusals: LogLimiter
@@ -737,12 +735,13 @@ class GatewayConnection(asyncio.BufferedProtocol):
             return 0
 
     def write_batch(
-        self, event: BatchReceived, now: float, timestamp_us: int, arrived: float
+        self, event: BatchReceived, now: float, timestamp_us: int, arrived: float, write_pass: int
     ) -> None:
         """The log writer's part: append one batch, borrow until it is durable.
 
         ``arrived`` is when the batch came in (``time.monotonic()``), which
-        its Ack's latency is measured from.
+        its Ack's latency is measured from; ``write_pass`` is the writer's
+        pass under way (batches of one pass share a durability loan).
         """
         gw = self.gateway
         stream = gw.streams[event.stream]
@@ -756,7 +755,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             now=now,
             timestamp_us=timestamp_us,
         )
-        gw.durability.add(stream.name, stream.log.tail_position, self.account, gw.write_pass)
+        gw.durability.add(stream.name, stream.log.tail_position, self.account, write_pass)
         gw.mark_dirty(stream)
         if stream.wants_credit(writer, now):
             gw.rebalance_soon(stream)

@@ -34,7 +34,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -48,8 +48,6 @@ from headgate.config import (
     StreamSettings,
     format_address,
 )
-from headgate.gateway import commit_trace
-from headgate.gateway.accounts import DurabilityLoans
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
 from headgate.gateway.budget import (
     UNITS_PER_MS,
@@ -71,10 +69,10 @@ from headgate.gateway.consumers import PendingSave, consumers_file, declare_befo
 from headgate.gateway.dedup import DedupSnapshot
 from headgate.gateway.fleet import FleetMembership, metadata_without_cluster
 from headgate.gateway.identity import ProducerOwners
+from headgate.gateway.log_writer import LogWriter
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import TailHub
 from headgate.gateway.recovery import StreamRecovery
-from headgate.gateway.ring import HANDLED, MessageQueue
 from headgate.gateway.statistics import (
     ConnectionStatistics,
     GatewaySnapshot,
@@ -163,21 +161,17 @@ class Gateway:
         self.connections: dict[int, GatewayConnection] = {}
         self.connection_ids: Iterator[int] = itertools.count(1)
         self._servers: list[asyncio.Server] = []
-        self._dirty: set[Stream] = set()
         # Streams whose credit is re-shared at the end of this loop pass.
         self._to_rebalance: dict[Stream, None] = {}
         self._rebalance_scheduled = False
         self._tasks: list[asyncio.Task[None]] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="headgate-fsync")
-        # Set while an eager group commit waits for something to commit.
-        self._commit_wanted: asyncio.Future[float] | None = None
+        #: Appends the received batches and makes them durable (log_writer.py).
+        self.log_writer = LogWriter(self)
+        # Bound once here: the connections call them per batch.
+        self.write_messages: Callable[[], None] = self.log_writer.write_messages
+        self.mark_dirty: Callable[[Stream], None] = self.log_writer.mark_dirty
         #: Per group commit, where its time went (off unless HEADGATE_COMMIT_TRACE is set).
-        self._trace = commit_trace.from_environment(
-            0.0
-            if self.config.group_commit_mode == "eager"
-            else self.config.group_commit_interval_ms / 1000,
-            self.config.term_length,
-        )
+        self._trace = self.log_writer.trace
         # Consumers files are written beside the log's fsync, not behind it.
         self._consumer_executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="headgate-consumers"
@@ -200,11 +194,9 @@ class Gateway:
         self._data_lock: DirectoryLock | None = None
         self.address: tuple[str, int] = config.listen
         #: Batches received and not yet written to their log, oldest first.
-        self.queue = MessageQueue(self._signal_writer)
+        self.queue = self.log_writer.queue
         #: Loans of batches appended and not yet durable.
-        self.durability = DurabilityLoans()
-        #: The log writer's pass (write_messages) under way: a run of durability loans.
-        self.write_pass = 0
+        self.durability = self.log_writer.durability
         self._counters: dict[str, StreamCounters] = {}
         self._metrics: MetricsServer | None = None
         #: Where the Prometheus endpoint listens, once started (None: off).
@@ -368,7 +360,7 @@ class Gateway:
                     str(self.config.unix_socket),
                 )
             )
-        self._tasks.append(asyncio.create_task(self._group_commit()))
+        self._tasks.append(asyncio.create_task(self.log_writer.group_commit()))
         self._tasks.append(asyncio.create_task(self._rebalance_loop()))
         if self._trace is not None:
             self._tasks.append(asyncio.create_task(self._trace.watch_loop()))
@@ -436,7 +428,7 @@ class Gateway:
                 await self._recovery_task
         self._recovery_executor.shutdown(wait=True)
         self.write_messages()
-        await self._commit(list(self.streams.values()))
+        await self.log_writer.commit_streams(list(self.streams.values()))
         try:
             self.owners.sync()  # claims under which nothing was written yet
         except OSError as exc:
@@ -456,9 +448,7 @@ class Gateway:
         self._consumer_executor.shutdown(wait=True)
         for stream in self.streams.values():
             stream.close()
-        self._executor.shutdown(wait=True)
-        if self._trace is not None:
-            self._trace.close()
+        self.log_writer.close()
         if self.config.unix_socket is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.unix_socket)
@@ -719,79 +709,6 @@ class Gateway:
         if self.fleet is None:
             return metadata_without_cluster(request_id, self.name)
         return self.fleet.metadata(request_id)
-
-    def mark_dirty(self, stream: Stream) -> None:
-        self._dirty.add(stream)
-        wanted = self._commit_wanted
-        if wanted is not None:
-            # An eager group commit waits for this (group_commit_mode).
-            self._commit_wanted = None
-            if not wanted.done():  # (cancelled at stop)
-                wanted.set_result(time.monotonic())
-
-    # -- the log writer ----------------------------------------------------------------
-
-    def _signal_writer(self) -> None:
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # fed by hand outside a loop: write at once
-            self.write_messages()
-            return
-        loop.call_soon(self.write_messages)
-
-    def write_messages(self) -> None:
-        """Write every queued batch to its log, mark it handled, repay its loan.
-
-        A batch whose connection has been refused meanwhile is only marked
-        handled: nothing after a protocol error is stored.
-        """
-        queue = self.queue
-        if not len(queue):
-            return
-        self.write_pass += 1
-        now = time.monotonic()
-        timestamp_us = time.time_ns() // 1000
-        # Each origin's batches written in this pass: its ring loan's units.
-        origins: dict[GatewayConnection, int] = {}
-        # The appends' time is charged to the cause of each run of batches
-        # from one connection (``turns``: causes share the loop's time).
-        run_origin: GatewayConnection | None = None
-        run_started = now
-        while (message := queue.pop()) is not None:
-            conn: GatewayConnection = message.origin
-            if conn is not run_origin:
-                run_started = self._charge_appends(run_origin, run_started)
-                run_origin = conn
-            try:
-                if not conn._closing:
-                    conn.write_batch(message.event, now, timestamp_us, message.arrived)
-            except ProtocolError as error:
-                conn.refuse(error)
-            except LogError as error:
-                log.error("stream storage failed for %s: %s", conn.peer, error)
-                conn.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
-            except Exception:
-                # A bug, not the peer's doing: that connection ends, the
-                # others and the queue go on.
-                log.exception("writing a batch from %s failed", conn.peer)
-                conn.refuse(ProtocolError("internal error", code=ErrorCode.INTERNAL))
-            finally:
-                message.status = HANDLED
-                message.event = None
-                origins[conn] = origins.get(conn, 0) + 1
-        ended = self._charge_appends(run_origin, run_started)
-        if self._trace is not None:
-            self._trace.appends(now, ended, len(origins))
-        for conn, written in origins.items():
-            conn.written(written)
-            conn.after_write()
-
-    def _charge_appends(self, conn: GatewayConnection | None, since: float) -> float:
-        """Charge the appends of ``conn``'s batches since ``since`` to its cause; now."""
-        now = time.monotonic()
-        if conn is not None and conn.share is not None:
-            self.passes.spent(conn.share.turn, now - since)
-        return now
 
     def counters(self, name: str) -> StreamCounters:
         """The gateway's own counters for stream ``name``."""
@@ -1103,129 +1020,24 @@ class Gateway:
 
     async def commit(self) -> None:
         """Write what is queued, make every log durable now and send the acks."""
-        self.write_messages()
-        dirty, self._dirty = list(self._dirty), set()
-        await self._commit(dirty)
+        await self.log_writer.commit()
+
+    def after_commit(self, stream: Stream, failed: bool) -> None:
+        """A group commit made ``stream`` durable (or ``failed`` to): move its credit, send."""
+        now = time.monotonic()
+        # A rebalance visits every writer of the stream: under the
+        # credit policy, not after each of hundreds of commits a second
+        # (binds, frees, Absolves, releases and use rebalance it, and
+        # the housekeeping loop every REBALANCE_INTERVAL_S).
+        if (
+            self.flow(stream).durability_moves_credit
+            or failed
+            or now - stream.rebalanced_at >= REBALANCE_INTERVAL_S
+        ):
+            self.rebalance(stream, now)
+        stream.flush_writers()
 
     # -- background work -------------------------------------------------------------
-
-    async def _commit(self, streams: list[Stream], due: float | None = None) -> bool:
-        """Sync ``streams``, then send the acks it allows; False if a stream's sync failed."""
-        if not streams:
-            return True
-        loop = asyncio.get_running_loop()
-        trace = self._trace
-        woke = time.monotonic()
-        # When the fsync thread began and ended (for the trace).
-        thread_times = [0.0, 0.0]
-        owners = self.owners
-
-        def sync_all() -> tuple[list[float | None], dict[Stream, LogError]]:
-            took: list[float | None] = []
-            failed: dict[Stream, LogError] = {}
-            thread_times[0] = time.monotonic()
-            # New producer ids first: the data about to be made durable (and
-            # so acknowledged) may be under them (identity.py).
-            try:
-                owners.sync()
-            except OSError as exc:
-                error = LogError(f"producer ids table {owners.path} not durable: {exc}")
-                thread_times[1] = time.monotonic()
-                return [None] * len(streams), dict.fromkeys(streams, error)
-            for stream in streams:
-                start = time.perf_counter()
-                try:
-                    stream.log.sync()
-                except LogError as exc:
-                    failed[stream] = exc
-                    took.append(None)
-                    continue
-                took.append(time.perf_counter() - start)
-            try:
-                # Claims made while the logs were synced, for data appended
-                # under them meanwhile (none: no fsync).
-                owners.sync()
-            except OSError as exc:
-                error = LogError(f"producer ids table {owners.path} not durable: {exc}")
-                failed = dict.fromkeys(streams, error)
-                took = [None] * len(streams)
-            thread_times[1] = time.monotonic()
-            return took, failed
-
-        took, failed = await loop.run_in_executor(self._executor, sync_all)
-        resumed = time.monotonic()
-        for stream, seconds in zip(streams, took, strict=True):
-            if seconds is not None:
-                fsync = self.counters(stream.name).fsync
-                assert fsync is not None
-                fsync.observe(seconds)
-        for stream in streams:
-            if stream in failed:
-                # Nothing is acknowledged that is not durable; the stream is
-                # held (logged once) and the next commit tries again.
-                stream.sync_failed(failed[stream])
-                self._dirty.add(stream)
-            else:
-                stream.on_durable()
-                self.durability.settle(stream.name, stream.log.durable_position)
-                self.save_consumers(stream)  # one that failed is retried
-            now = time.monotonic()
-            # A rebalance visits every writer of the stream: under the
-            # credit policy, not after each of hundreds of commits a second
-            # (binds, frees, Absolves, releases and use rebalance it, and
-            # the housekeeping loop every REBALANCE_INTERVAL_S).
-            if (
-                self.flow(stream).durability_moves_credit
-                or stream in failed
-                or now - stream.rebalanced_at >= REBALANCE_INTERVAL_S
-            ):
-                self.rebalance(stream, now)
-            stream.flush_writers()
-        if trace is not None:
-            trace.commit(
-                due,
-                woke,
-                thread_times[0],
-                thread_times[1],
-                resumed,
-                time.monotonic(),
-                [(s.name, s.log.tail_position, t) for s, t in zip(streams, took, strict=True)],
-            )
-        return not failed
-
-    async def _group_commit(self) -> None:
-        interval = self.config.group_commit_interval_ms / 1000
-        eager = self.config.group_commit_mode == "eager"
-        loop = asyncio.get_running_loop()
-        ok = True
-        while True:
-            if eager and ok:
-                # The next commit starts once the last one is done and
-                # something waits: a batch waits for at most the rest of the
-                # commit under way and its own, never for an interval.
-                due = time.monotonic()
-                if not self._dirty:
-                    self._commit_wanted = loop.create_future()
-                    due = await self._commit_wanted
-            else:
-                # (Eager too, after a failed sync: a failing disk is retried
-                # once per interval, not in a loop.)
-                due = time.monotonic() + interval
-                await asyncio.sleep(interval)
-            dirty, self._dirty = list(self._dirty), set()
-            try:
-                ok = await self._commit(dirty, due)
-            except LogError as exc:
-                # Nothing is acknowledged that is not durable; producers keep
-                # their batches and the next commit tries again.
-                log.error("group commit failed: %s", exc)
-                self._dirty.update(dirty)
-                ok = False
-            except Exception:
-                # A bug: without this task nothing would ever be acknowledged
-                # again, so it is logged and the next interval goes on.
-                log.exception("group commit failed")
-                ok = False
 
     async def _rebalance_loop(self) -> None:
         while True:
