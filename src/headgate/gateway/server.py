@@ -36,7 +36,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -45,7 +44,6 @@ from headgate.config import (
     ConfigError,
     ConsumerSettings,
     GatewayConfig,
-    StreamSettings,
     format_address,
 )
 from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
@@ -73,6 +71,7 @@ from headgate.gateway.log_writer import LogWriter
 from headgate.gateway.policies import Flow, FlowStatistics, make_flow
 from headgate.gateway.readers import TailHub
 from headgate.gateway.recovery import StreamRecovery
+from headgate.gateway.reload import reconfigure
 from headgate.gateway.statistics import (
     ConnectionStatistics,
     GatewaySnapshot,
@@ -628,73 +627,8 @@ class Gateway:
         stream.flush_writers()
 
     def reconfigure(self, config: GatewayConfig) -> None:
-        """Apply a reloaded configuration to the running gateway.
-
-        Capacities and XON/XOFF watermarks change at once; a new window size
-        applies to writers that bind after the reload. Settings that need
-        a new socket or a new log layout (listen address, data directory,
-        term length, maximum message size) and a stream's policy keep their
-        running values until a restart; each one that differs is logged.
-        """
-        config = config.validate()
-        old = self.config
-        for key in (
-            "listen",
-            "unix_socket",
-            "data_dir",
-            "term_length",
-            "max_message_size",
-            "cluster",
-            "cluster_name",
-        ):
-            if getattr(old, key) != getattr(config, key):
-                log.warning("reload: %s changes only at restart", key)
-        kept = replace(
-            config,
-            cluster=old.cluster,
-            cluster_name=old.cluster_name,
-            listen=old.listen,
-            unix_socket=old.unix_socket,
-            data_dir=old.data_dir,
-            term_length=old.term_length,
-            max_message_size=old.max_message_size,
-        )
-        for name, stream in self.streams.items():
-            flow = self.flow(stream)
-            settings = kept.flow_for(name)
-            if settings.policy != flow.policy:
-                log.warning(
-                    "reload: stream %s keeps policy %s until restart (asked for %s)",
-                    name,
-                    flow.policy,
-                    settings.policy,
-                )
-                streams = dict(kept.streams)
-                streams[name] = replace(streams.get(name, StreamSettings()), policy=flow.policy)
-                kept = replace(kept, streams=streams)
-                settings = kept.flow_for(name)
-            flow.update(settings)
-        self.config = kept.validate()
-        for name, stream in self.streams.items():
-            # Consumers the reload declares are created now; one whose
-            # settings changed keeps its stored ones (the log says so), and
-            # one it no longer declares goes at the next start.
-            for consumer, wanted in self.config.consumers_for(name).items():
-                try:
-                    stream.declare_consumer(consumer, wanted, origin="config")
-                except ProtocolError as exc:
-                    log.warning("reload: %s", exc)
-        for name in list(self.streams):
-            retention = self.config.retention_for(name)
-            if retention != self.streams[name].retention:
-                log.info("stream %s: retention %s", name, retention)
-                self.streams[name].set_retention(retention)
-            capacity = self.config.stream_capacity_for(name)
-            if capacity != self.streams[name].capacity:
-                log.info(
-                    "stream %s: capacity %d -> %d", name, self.streams[name].capacity, capacity
-                )
-                self.set_capacity(name, capacity)
+        """Apply a reloaded configuration to the running gateway (see ``reload.py``)."""
+        reconfigure(self, config)
 
     # -- a fleet of gateways ------------------------------------------------------
 
