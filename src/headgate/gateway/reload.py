@@ -24,6 +24,18 @@ from headgate.protocol.errors import ProtocolError
 
 log = logging.getLogger("headgate.gateway")
 
+#: The settings that keep their running values until a restart: they need a
+#: new socket, a new log layout, or a new place in a fleet.
+RESTART_ONLY = (
+    "listen",
+    "unix_socket",
+    "data_dir",
+    "term_length",
+    "max_message_size",
+    "cluster",
+    "cluster_name",
+)
+
 
 class Reloadable(Protocol):
     """What a reload changes in the gateway."""
@@ -52,27 +64,10 @@ def reconfigure(gateway: Reloadable, config: GatewayConfig) -> None:
     """
     config = config.validate()
     old = gateway.config
-    for key in (
-        "listen",
-        "unix_socket",
-        "data_dir",
-        "term_length",
-        "max_message_size",
-        "cluster",
-        "cluster_name",
-    ):
+    for key in RESTART_ONLY:
         if getattr(old, key) != getattr(config, key):
             log.warning("reload: %s changes only at restart", key)
-    kept = replace(
-        config,
-        cluster=old.cluster,
-        cluster_name=old.cluster_name,
-        listen=old.listen,
-        unix_socket=old.unix_socket,
-        data_dir=old.data_dir,
-        term_length=old.term_length,
-        max_message_size=old.max_message_size,
-    )
+    kept = replace(config, **{key: getattr(old, key) for key in RESTART_ONLY})
     for name, stream in gateway.streams.items():
         flow = gateway.flow(stream)
         settings = kept.flow_for(name)
