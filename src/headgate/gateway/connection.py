@@ -57,14 +57,13 @@ from typing import Protocol
 from headgate.config import GatewayConfig
 from headgate.costs import batch_cost
 from headgate.gateway.accounts import Account, DurabilityLoans, Loan, ReadPauses
-from headgate.gateway.auth import Rights, TokenTable
+from headgate.gateway.admission import Admission
+from headgate.gateway.auth import Rights
 from headgate.gateway.budget import (
     Cost,
     LogLimiter,
     PeerShare,
-    PeerShares,
     address_key,
-    token_key,
 )
 from headgate.gateway.fleet import FleetMembership
 from headgate.gateway.identity import ProducerOwners, hello_owner
@@ -165,21 +164,16 @@ class ConnectionHost(Protocol):
     queue: MessageQueue
     durability: DurabilityLoans
     passes: Passes
-    shares: PeerShares
     refusals: LogLimiter
-    tls_pending: int
-    writer_connections: int
     ssl_context: ssl.SSLContext | None
-    tokens: TokenTable | None
     fleet: FleetMembership | None
     owners: ProducerOwners
     producer_connections: dict[int, GatewayConnection]
     created_by: dict[str, int]
+    #: Who may come in: slots, TLS handshakes, tokens and their shares.
+    admission: Admission[GatewayConnection]
 
-    def attach(self, conn: GatewayConnection) -> str | None: ...
     def detach(self, conn: GatewayConnection) -> None: ...
-    def admit_handshake(self, host: str) -> str | None: ...
-    def authenticate(self, token: bytes) -> Rights: ...
     def write_messages(self) -> None: ...
     def mark_dirty(self, stream: Stream) -> None: ...
     def drop_writers(self, conn: GatewayConnection) -> None: ...
@@ -320,7 +314,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             self._handshake = loop.call_later(
                 max(0.0, handshake_due - time.monotonic()), self._handshake_expired
             )
-        slot = gw.attach(self)
+        slot = gw.admission.attach(self)
         if slot is None:
             if self._tls_pending:
                 gw.refusals.warning(time.monotonic(), "refused %s: too many connections", self.peer)
@@ -331,14 +325,14 @@ class GatewayConnection(asyncio.BufferedProtocol):
                     ProtocolError("too many connections", code=ErrorCode.RESOURCE_EXHAUSTED)
                 )
             return
-        self.share = gw.shares.join(address_key(self.host), time.monotonic())
+        self.share = gw.admission.shares.join(address_key(self.host), time.monotonic())
         if slot == "writer":
             self._writer_deadline = loop.call_later(
                 config.handshake_timeout_ms / 1000, self._writer_slot_expired
             )
         if self._tls_pending:
             self._tls_counted = True
-            gw.tls_pending += 1
+            gw.admission.tls_pending += 1
             context = self.gateway.ssl_context
             assert context is not None
             transport.pause_reading()
@@ -449,7 +443,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         """The TLS handshake ended (either way): it no longer counts as in progress."""
         if self._tls_counted:
             self._tls_counted = False
-            self.gateway.tls_pending -= 1
+            self.gateway.admission.tls_pending -= 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._tls_finished()
@@ -891,7 +885,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         quota = rights.max_streams
         if quota is None:
             quota = gw.config.streams_per_token
-        if gw.tokens is not None and gw.created_by.get(rights.name, 0) >= quota:
+        if gw.admission.tokens is not None and gw.created_by.get(rights.name, 0) >= quota:
             return ProtocolError(
                 f"token {rights.name!r} created its maximum of {quota} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
@@ -969,11 +963,11 @@ class GatewayConnection(asyncio.BufferedProtocol):
             case HelloReceived(hello=hello):
                 if self._handshake is not None:
                     self._handshake.cancel()
-                self.rights = gw.authenticate(hello.token)
-                self._pay_as_token()
+                self.rights = gw.admission.authenticate(hello.token)
+                gw.admission.pay_as_token(self, self.rights)
                 self.producer_id = hello.producer_id
                 self.producer_owner, secret = hello_owner(
-                    None if gw.tokens is None else self.rights.name, hello.secret
+                    None if gw.admission.tokens is None else self.rights.name, hello.secret
                 )
                 self.session.send_global(
                     m.Welcome(
@@ -1157,53 +1151,21 @@ class GatewayConnection(asyncio.BufferedProtocol):
         connections with one token take no more of a stream; else None, the
         connection itself.
         """
-        if self.gateway.tokens is None or self.rights is None:
+        if self.gateway.admission.tokens is None or self.rights is None:
             return None
         return self.rights.name
 
-    def _pay_as_token(self) -> None:
-        """Hello accepted: with a tokens file, pay from (and count in) the token's share.
-
-        Raises:
-            ProtocolError: the token's peers already hold ``connections_per_token``.
-        """
-        gw = self.gateway
-        rights = self.rights
-        if gw.tokens is None or rights is None or self.share is None:
-            return  # without tokens, the address's share stays
-        held = gw.shares.get(token_key(rights.name))
-        cap = gw.config.token_connections
-        if held is not None and held.connections >= cap:
-            raise ProtocolError(
-                f"token {rights.name!r} holds its maximum of {cap} connections",
-                code=ErrorCode.RESOURCE_EXHAUSTED,
-            )
-        old = self.share
-        self.share = gw.shares.join(token_key(rights.name), time.monotonic())
-        gw.shares.leave(old, time.monotonic())
-
     def _hold_writer_slot(self) -> None:
         """It bound a stream to write: it is a writer (for the slots kept for writers)."""
-        if not self.is_writer:
-            self.is_writer = True
-            self.gateway.writer_connections += 1
-            if self._writer_deadline is not None:
-                self._writer_deadline.cancel()
-                self._writer_deadline = None
+        if self.gateway.admission.hold_writer_slot(self) and self._writer_deadline is not None:
+            self._writer_deadline.cancel()
+            self._writer_deadline = None
 
     def _writer_slot_expired(self) -> None:
         self._writer_deadline = None
         if self.is_writer or self._closing:
             return
-        config = self.gateway.config
-        self.refuse(
-            ProtocolError(
-                f"the last {config.writer_slots_kept} of {config.max_connections} connection "
-                f"slots are kept for writers, and this connection bound no stream to write "
-                f"within {config.handshake_timeout_ms:.0f} ms",
-                code=ErrorCode.RESOURCE_EXHAUSTED,
-            )
-        )
+        self.refuse(self.gateway.admission.writer_slot_expired())
 
 
 class TlsDoor(asyncio.Protocol):
@@ -1225,7 +1187,7 @@ class TlsDoor(asyncio.Protocol):
         gw = self.gateway
         peer = transport.get_extra_info("peername")
         host = str(peer[0]) if isinstance(peer, tuple) else "unix"
-        refusal = gw.admit_handshake(host)
+        refusal = gw.admission.admit_handshake(host)
         if refusal is not None:
             where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else host
             gw.refusals.warning(time.monotonic(), "refused %s: %s", where, refusal)

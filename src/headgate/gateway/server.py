@@ -8,20 +8,20 @@ adapter, with the receive path), opens and recovers the streams, owns each
 stream's flow-control policy, and answers what the connections ask of the
 streams and their consumers.
 
-Who gets in is decided here too: a share of the connection slots is kept
-for writers (``writer_slots``), TLS handshakes are admitted per address
-and in all before anything is built for them, a Hello's token is
-authenticated, and the peers of one token may hold at most
-``connections_per_token``.
+Who gets in is :class:`~headgate.gateway.admission.Admission`'s to decide
+(connection slots and those kept for writers, TLS handshakes, tokens and
+their shares of the work budget); the log writer and the group commit are
+:class:`~headgate.gateway.log_writer.LogWriter`'s, which the gateway owns;
+what a reload may change is :mod:`headgate.gateway.reload`'s.
 
 The gateway's 0.1 s housekeeping loop checks the connections' deadlines
 (idle, frame, handshake) and the Plead deadline (:meth:`Gateway.check_deadlines`),
 and re-shares credit. Binds, frees and Absolves only mark their stream; it
 is re-shared once per pass of the event loop (:meth:`Gateway.rebalance_soon`).
 
-Durability is a group commit: a task wakes every ``group_commit_interval_ms``,
-fsyncs every log with new appends in a worker thread, then sends the
-cumulative acks that the new durable positions allow.
+Durability is the log writer's group commit; what a commit means for
+credit (re-share it, send what it allows) is the gateway's
+(:meth:`Gateway.after_commit`).
 """
 
 from __future__ import annotations
@@ -46,13 +46,10 @@ from headgate.config import (
     GatewayConfig,
     format_address,
 )
-from headgate.gateway.auth import ALL_RIGHTS, Rights, TokenTable, load_tokens
+from headgate.gateway.admission import Admission
+from headgate.gateway.auth import TokenTable
 from headgate.gateway.budget import (
-    UNITS_PER_MS,
-    HandshakeBudgets,
     LogLimiter,
-    PeerShares,
-    address_key,
 )
 from headgate.gateway.connection import (
     PLEAD_READ_GRACE_S,
@@ -157,7 +154,6 @@ class Gateway:
         #: owns them; a Stream does not know its policy).
         self.flows: dict[str, Flow] = {}
         self.tails = TailHub()
-        self.connections: dict[int, GatewayConnection] = {}
         self.connection_ids: Iterator[int] = itertools.count(1)
         self._servers: list[asyncio.Server] = []
         # Streams whose credit is re-shared at the end of this loop pass.
@@ -212,27 +208,21 @@ class Gateway:
             {},
             limit=self.config.max_producer_ids,
         )
-        #: The work budgets, shared per token (per address before Hello, or
-        #: without a tokens file).
-        rate = self.config.work_budget_ms * UNITS_PER_MS
-        self.shares = PeerShares(rate, rate)
         #: The connection over which each producer id's owner writes now
         #: (GatewayConnection._fence_older_connection).
         self.producer_connections: dict[int, GatewayConnection] = {}
         #: The passes of the event loop in which connections take turns,
         #: one turn per cause (token or address) and pass (``turns``).
         self.passes = Passes()
-        #: TLS handshakes each address may start, and how many are in progress.
-        self.handshakes = HandshakeBudgets(self.config.handshake_rate)
-        self.tls_pending = 0
-        #: Connections that have bound a stream to write (they hold writer slots).
-        self.writer_connections = 0
         #: Refusals are logged at a bounded rate: a flood of them costs no flood of lines.
         self.refusals = LogLimiter(log)
-        #: Accepted tokens, or None when every peer may do anything.
-        self.tokens: TokenTable | None = (
-            None if self.config.auth_file is None else load_tokens(self.config.auth_file)
-        )
+        #: Who may come in: connection slots, TLS handshakes, tokens and their
+        #: work budgets (admission.py).
+        self.admission: Admission[GatewayConnection] = Admission(lambda: self.config)
+        #: Every connection that holds a slot, by id (the admission's table).
+        self.connections = self.admission.connections
+        #: The work budgets, shared per token (the admission's).
+        self.shares = self.admission.shares
         #: This gateway's place in a fleet (the cluster file), or None on its own.
         self.fleet: FleetMembership | None = None
         if self.config.cluster is not None and self.config.cluster_name is not None:
@@ -365,40 +355,24 @@ class Gateway:
             self._tasks.append(asyncio.create_task(self._trace.watch_loop()))
         log.info("listening on %s:%d, data in %s", self.address[0], self.address[1], data)
 
-    def attach(self, conn: GatewayConnection) -> str | None:
-        """Count a new connection in: in which slot, or None if it is one too many.
+    @property
+    def tokens(self) -> TokenTable | None:
+        """Accepted tokens, or None when every peer may do anything (the admission's)."""
+        return self.admission.tokens
 
-        ``"any"``: an ordinary slot. ``"writer"``: only the slots kept for
-        writers are left, and it holds one on condition that it binds a
-        stream to write within the handshake timeout.
-        """
-        config = self.config
-        if len(self.connections) >= config.max_connections:
-            return None
-        self.connections[conn.conn_id] = conn
-        others = len(self.connections) - 1 - self.writer_connections
-        if others >= config.max_connections - config.writer_slots_kept:
-            return "writer"
-        return "any"
+    @tokens.setter
+    def tokens(self, tokens: TokenTable | None) -> None:
+        self.admission.tokens = tokens
 
-    def admit_handshake(self, host: str) -> str | None:
-        """Why a new TLS connection from ``host`` may not start its handshake, or None."""
-        if self.tls_pending >= self.config.max_pending_handshakes:
-            return f"{self.tls_pending} TLS handshakes are already in progress"
-        if not self.handshakes.admit(address_key(host), time.monotonic()):
-            return f"more than {self.config.handshake_rate:g} TLS handshakes a second from {host}"
-        return None
+    @property
+    def tls_pending(self) -> int:
+        """TLS handshakes in progress."""
+        return self.admission.tls_pending
 
-    def authenticate(self, token: bytes) -> Rights:
-        """The rights of a Hello's token; raises UNAUTHENTICATED if it has none."""
-        if self.tokens is None:
-            return ALL_RIGHTS
-        rights = self.tokens.authenticate(token)
-        if rights is None:
-            # The reason never includes the token, not even in part.
-            reason = "no token" if not token else "unknown token"
-            raise ProtocolError(f"authentication failed: {reason}", code=ErrorCode.UNAUTHENTICATED)
-        return rights
+    @property
+    def writer_connections(self) -> int:
+        """Connections that have bound a stream to write (they hold writer slots)."""
+        return self.admission.writer_connections
 
     def buffered_bytes(self) -> int:
         """Bytes all connections hold in memory (see GatewayConnection.buffered_bytes)."""
@@ -865,12 +839,8 @@ class Gateway:
                 stream.flush_writers()
 
     def detach(self, conn: GatewayConnection) -> None:
-        """A connection ended: its writers' unused credit goes back to the pool."""
-        if self.connections.pop(conn.conn_id, None) is not None and conn.is_writer:
-            self.writer_connections -= 1
-        if conn.share is not None:
-            self.shares.leave(conn.share, time.monotonic())
-            conn.share = None
+        """A connection ended: its slot and its writers' unused credit go back."""
+        self.admission.detach(conn)
         self.drop_writers(conn)
 
     def drop_writers(self, conn: GatewayConnection) -> None:
@@ -977,8 +947,7 @@ class Gateway:
         while True:
             await asyncio.sleep(REBALANCE_INTERVAL_S)
             now = time.monotonic()
-            self.handshakes.forget_refilled(now)
-            self.shares.prune(now)
+            self.admission.forget_idle(now)
             try:
                 self.check_consumers(now)
             except Exception:
