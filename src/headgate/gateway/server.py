@@ -6,13 +6,15 @@ listens (TCP, a Unix socket, TLS through
 :class:`~headgate.gateway.connection.GatewayConnection` (the connection
 adapter, with the receive path), opens and recovers the streams, owns each
 stream's flow-control policy, and answers what the connections ask of the
-streams and their consumers.
+streams.
 
 Who gets in is :class:`~headgate.gateway.admission.Admission`'s to decide
 (connection slots and those kept for writers, TLS handshakes, tokens and
 their shares of the work budget); the log writer and the group commit are
 :class:`~headgate.gateway.log_writer.LogWriter`'s, which the gateway owns;
-what a reload may change is :mod:`headgate.gateway.reload`'s.
+what a reload may change is :mod:`headgate.gateway.reload`'s; consumer
+requests and the state files they write are
+:class:`~headgate.gateway.consumer_service.ConsumerService`'s.
 
 The gateway's 0.1 s housekeeping loop checks the connections' deadlines
 (idle, frame, handshake) and the Plead deadline (:meth:`Gateway.check_deadlines`),
@@ -42,7 +44,6 @@ from typing import TYPE_CHECKING
 
 from headgate.config import (
     ConfigError,
-    ConsumerSettings,
     GatewayConfig,
     format_address,
 )
@@ -60,8 +61,7 @@ from headgate.gateway.connection import (
     TlsDoor,
     ring_limit,
 )
-from headgate.gateway.consumers import PendingSave, consumers_file, declare_before_the_stream
-from headgate.gateway.dedup import DedupSnapshot
+from headgate.gateway.consumer_service import ConsumerService
 from headgate.gateway.fleet import FleetMembership, metadata_without_cluster
 from headgate.gateway.identity import ProducerOwners
 from headgate.gateway.log_writer import LogWriter
@@ -167,11 +167,18 @@ class Gateway:
         self.mark_dirty: Callable[[Stream], None] = self.log_writer.mark_dirty
         #: Per group commit, where its time went (off unless HEADGATE_COMMIT_TRACE is set).
         self._trace = self.log_writer.trace
-        # Consumers files are written beside the log's fsync, not behind it.
-        self._consumer_executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="headgate-consumers"
-        )
-        self._consumer_saves: set[asyncio.Task[None]] = set()
+        #: Consumer requests and the state files they write (consumer_service.py).
+        self.consumer_service = ConsumerService(self)
+        consumers = self.consumer_service
+        self.release = consumers.release
+        self.save_consumers = consumers.save_consumers
+        self.consumers_saved = consumers.consumers_saved
+        self.declare_consumer = consumers.declare_consumer
+        self.change_consumer = consumers.change_consumer
+        self.consumer_infos = consumers.consumer_infos
+        self.records_scanned = consumers.records_scanned
+        self.record_counts = consumers.record_counts
+        self.check_consumers = consumers.check_consumers
         #: The streams found on disk at start that are not recovered yet.
         self.recovery = StreamRecovery()
         # Recovery runs in threads of its own: a group commit of the streams
@@ -182,8 +189,6 @@ class Gateway:
         self._recovery_task: asyncio.Task[None] | None = None
         #: Seconds from listening to every stream recovered (None until then).
         self.recovery_seconds: float | None = None
-        # Releases of streams still recovering: applied once they are.
-        self._held_releases: dict[str, dict[str, int]] = {}
         self._stopping = False
         #: The lock on the data directory, from start() to stop().
         self._data_lock: DirectoryLock | None = None
@@ -200,8 +205,6 @@ class Gateway:
         self.ssl_context = server_context(self.config)
         #: New streams created by the peers of each token, by token name.
         self.created_by: dict[str, int] = {}
-        #: Streams not created yet with a consumer declared (``declare_consumer``).
-        self._declared_ahead: set[str] = set()
         #: Owners of producer ids; :meth:`start` reads the table on disk.
         self.owners = ProducerOwners(
             Path(self.config.data_dir) / "state" / "producers.log",
@@ -308,12 +311,7 @@ class Gateway:
         self.recovery = StreamRecovery(on_disk)
         # Consumers declared on streams not created yet (declare_consumer)
         # keep counting against max_streams after a restart.
-        logs, suffix = set(on_disk), ".consumers.json"
-        self._declared_ahead = {
-            entry.name.removesuffix(suffix)
-            for entry in (data / "state").glob(f"*{suffix}")
-            if entry.name.removesuffix(suffix) not in logs
-        }
+        self.consumer_service.find_declared_ahead(data, on_disk)
         if self.fleet is not None and (misplaced := self.fleet.misplaced(on_disk)) is not None:
             log.warning("%s", misplaced)
         loop = asyncio.get_running_loop()
@@ -418,7 +416,7 @@ class Gateway:
                 await asyncio.wait_for(server.wait_closed(), 2.0)
         # Saves in flight end first; Stream.close stores what came after.
         await self.consumers_saved()
-        self._consumer_executor.shutdown(wait=True)
+        self.consumer_service.close()
         for stream in self.streams.values():
             stream.close()
         self.log_writer.close()
@@ -443,7 +441,7 @@ class Gateway:
                 raise LogError(f"stream {name} is not recovered (yet)")
             stream = self._open_stream(name)
             self._install(stream)
-            self._declared_ahead.discard(name)
+            self.consumer_service.stream_created(name)
         return stream
 
     def _open_stream(self, name: str) -> Stream:
@@ -472,7 +470,7 @@ class Gateway:
         self.flows[stream.name] = self._make_flow(stream)
         stream.on_append = self._offer_to_tails
         stream.commit_soon = partial(self.mark_dirty, stream)
-        stream.snapshot_soon = partial(self._snapshot_soon, stream)
+        stream.snapshot_soon = partial(self.consumer_service.snapshot_soon, stream)
         stream.on_acks_written = self._acks_written
         stream.max_party_credit = self.config.max_stream_credit
         self.streams[stream.name] = stream
@@ -515,7 +513,7 @@ class Gateway:
             # before any Release that came while it waited.
             self._serve_held_requests()
             if name in self.streams:
-                self._apply_held_release(self.streams[name])
+                self.consumer_service.apply_held_releases(self.streams[name])
 
     def _serve_held_requests(self) -> None:
         """A stream was recovered (or failed): serve reader requests that waited for it."""
@@ -524,13 +522,6 @@ class Gateway:
                 conn.readers.recovered()
             except ProtocolError as error:
                 conn.refuse(error)
-
-    def _apply_held_release(self, stream: Stream) -> None:
-        for consumer, position in self._held_releases.pop(stream.name, {}).items():
-            try:
-                self.release(stream.name, position, consumer)
-            except ProtocolError as error:
-                log.warning("a Release received while recovering was refused: %s", error)
 
     def _acks_written(self, stream: Stream, arrivals: list[float]) -> None:
         """Acks for batches that arrived at ``arrivals`` were just written out."""
@@ -624,219 +615,6 @@ class Gateway:
         if counters is None:
             counters = self._counters[name] = StreamCounters()
         return counters
-
-    def release(self, name: str, position: int, consumer: str = m.DEFAULT_CONSUMER) -> bool:
-        """Consumer ``consumer`` is done with ``name`` before ``position``: reclaim and re-share.
-
-        Returns whether the consumer moved.
-        """
-        stream = self.streams.get(name)
-        if stream is None and self.recovery.recovering(name):
-            # Applied as soon as the stream is recovered (releases are
-            # cumulative: only the highest position matters).
-            self.recovery.want(name)
-            held = self._held_releases.setdefault(name, {})
-            held[consumer] = max(position, held.get(consumer, 0))
-            return False
-        if stream is None:
-            raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-        moved = stream.release(position, consumer, now=time.monotonic(), store=False)
-        if moved:
-            stream.released_at_us = time.time_ns() // 1000
-            self.save_consumers(stream)
-        # The next group commit stores the release and deletes the terms it
-        # frees, even if nothing is appended to this stream meanwhile.
-        self.mark_dirty(stream)
-        self.rebalance(stream, time.monotonic())
-        stream.flush_writers()
-        return moved
-
-    def save_consumers(self, stream: Stream) -> None:
-        """Store ``stream``'s consumer positions in a thread, unless saved or a save is in flight.
-
-        Releases that arrive while one save is written go into the next, so
-        many cost one write; the log frees what they allow once it is done
-        (``headgate.gateway.consumers``). A failed save is retried after the
-        next group commit.
-        """
-        pending = stream.begin_consumer_save()
-        if pending is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._write_consumers(stream, pending))
-        self._consumer_saves.add(task)
-        task.add_done_callback(self._consumer_saves.discard)
-
-    def _snapshot_soon(self, stream: Stream) -> None:
-        """Write ``stream``'s producer-state snapshot in the consumers' thread, not on the loop.
-
-        Written on the event loop, its fsyncs held every connection for their
-        length, once per release that freed the log (about 90 ms of loop time
-        in 10 s of 1 KiB records released every 250 ms, sampled with py-spy).
-        It shares the thread of the consumers' saves, so the two kinds of
-        state file are written in the order asked, never two at once.
-        """
-        snapshot = stream.take_snapshot()
-        if snapshot is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._write_snapshot(stream, snapshot))
-        self._consumer_saves.add(task)
-        task.add_done_callback(self._consumer_saves.discard)
-
-    async def _write_snapshot(self, stream: Stream, snapshot: DedupSnapshot) -> None:
-        error: OSError | None = None
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._consumer_executor, stream.write_taken_snapshot, snapshot
-            )
-        except OSError as exc:
-            error = exc
-        stream.snapshot_written(snapshot, error)
-        self._after_freeing(stream)
-
-    def _after_freeing(self, stream: Stream) -> None:
-        """A save let ``stream``'s log free: delete the terms (next commit), hand out the credit."""
-        self.mark_dirty(stream)
-        self.rebalance(stream, time.monotonic())
-        stream.flush_writers()
-
-    async def consumers_saved(self, timeout: float = 10.0) -> None:
-        """Wait until what was released is stored and freed (at most ``timeout`` s).
-
-        That is: no save of consumer positions in flight, and no stream
-        waiting for the producer-state snapshot that its freeing needs
-        (written in the consumers' thread). Releases that keep arriving
-        meanwhile extend the wait by one save each.
-        """
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._consumer_saves:
-                await asyncio.gather(*list(self._consumer_saves), return_exceptions=True)
-            elif any(s.snapshot_pending for s in self.streams.values()):
-                await asyncio.sleep(self.config.group_commit_interval_ms / 1000)
-            else:
-                return
-
-    async def _write_consumers(self, stream: Stream, pending: PendingSave) -> None:
-        error: OSError | None = None
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._consumer_executor, stream.consumers.write, pending
-            )
-        except OSError as exc:
-            error = exc
-        stream.end_consumer_save(pending, error)
-        if error is not None:
-            self.mark_dirty(stream)  # the next group commit tries again
-            return
-        # The next group commit deletes the terms this save freed.
-        self._after_freeing(stream)
-        self.save_consumers(stream)  # the Releases that came in meanwhile
-
-    def _consumers_stream(self, name: str) -> Stream:
-        """The stream a consumer request names; refused if there is none, or not yet."""
-        stream = self.streams.get(name)
-        if stream is not None:
-            return stream
-        if self.recovery.recovering(name):
-            self.recovery.want(name)
-            raise ProtocolError(
-                f"stream {name!r} is still being recovered after a restart: try again soon",
-                code=ErrorCode.RECOVERING,
-            )
-        raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
-
-    def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:
-        """Create (or find) a named consumer of a stream; its position, and if new.
-
-        A stream not created yet keeps the declaration until it is (see
-        :func:`~headgate.gateway.consumers.declare_before_the_stream`): a
-        pipeline that starts before its producers holds the stream from its
-        first record. Until then the name counts against ``max_streams``.
-        """
-        name = declare.stream
-        settings = ConsumerSettings(
-            blocking=declare.blocking, on_data_loss="skip" if declare.skip_data_loss else "fail"
-        )
-        if (
-            name not in self.streams
-            and not self.recovery.recovering(name)
-            and self.recovery.failure(name) is None
-        ):
-            if name not in self._declared_ahead and (
-                len(self.streams) + self.recovery.count + len(self._declared_ahead)
-                >= self.config.max_streams
-            ):
-                raise ProtocolError(
-                    f"stream {name!r} does not exist and the gateway holds its maximum of "
-                    f"{self.config.max_streams} streams (with those declared ahead)",
-                    code=ErrorCode.RESOURCE_EXHAUSTED,
-                )
-            answer = declare_before_the_stream(
-                name,
-                consumers_file(Path(self.config.data_dir), name),
-                declare.consumer,
-                settings,
-                declared=self.config.consumers_for(name),
-            )
-            self._declared_ahead.add(name)
-            return answer
-        stream = self._consumers_stream(name)
-        return stream.declare_consumer(declare.consumer, settings)
-
-    def change_consumer(self, change: m.ResetConsumer | m.DeleteConsumer) -> int:
-        """Reset or delete a consumer (an admin's request); its position now (or last)."""
-        stream = self._consumers_stream(change.stream)
-        now = time.monotonic()
-        if isinstance(change, m.ResetConsumer):
-            position = stream.reset_consumer(change.consumer, change.to, now)
-        else:
-            position = stream.delete_consumer(change.consumer)
-        self.mark_dirty(stream)
-        self.rebalance(stream, now)
-        stream.flush_writers()
-        return position
-
-    def consumer_infos(self, name: str) -> tuple[m.ConsumerInfo, ...]:
-        """The consumers of stream ``name`` as ListConsumers answers them, by name."""
-        stream = self._consumers_stream(name)
-        settings = stream.consumers.consumers
-        return tuple(
-            m.ConsumerInfo(
-                consumer=c.name,
-                position=c.position,
-                lag_bytes=c.lag_bytes,
-                lag_ms=round((c.lag_seconds or 0.0) * 1000),
-                blocking=c.blocking,
-                skip_data_loss=settings[c.name].on_data_loss == "skip",
-                detached=c.detached,
-                idle=c.idle,
-                lag_records=c.lag_records,
-            )
-            for c in stream.statistics(time.time_ns() // 1000).consumers
-        )
-
-    def records_scanned(self, name: str) -> int:
-        """Frame headers read so far to count stream ``name``'s records (0: no such stream)."""
-        stream = self.streams.get(name)
-        return 0 if stream is None else stream.records_scanned
-
-    def record_counts(
-        self, name: str, positions: tuple[int, ...]
-    ) -> tuple[int, tuple[int | None, ...]]:
-        """The record index's epoch, and its count at each of ``positions`` (CountRecords)."""
-        stream = self._consumers_stream(name)
-        return stream.records.epoch, tuple(stream.count_known(p) for p in positions)
-
-    def check_consumers(self, now: float) -> None:
-        """The idle rule of every stream's blocking consumers at ``now`` (housekeeping)."""
-        for stream in self.streams.values():
-            if stream.expire_retained():
-                self.mark_dirty(stream)  # the next commit stores it and deletes the terms
-            idle_after, policy = self.config.idle_rule_for(stream.name)
-            if any(a.policy == "detach" for a in stream.check_idle(now, idle_after, policy)):
-                self.mark_dirty(stream)
-                self.rebalance(stream, now)
-                stream.flush_writers()
 
     def detach(self, conn: GatewayConnection) -> None:
         """A connection ended: its slot and its writers' unused credit go back."""
