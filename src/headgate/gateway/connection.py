@@ -14,7 +14,7 @@ and decodes the frames where they landed (``Session.receive_in_place``).
 Each batch becomes a message header from the ring's slab, pointing at the
 batch's bytes, and goes into the gateway's :class:`~headgate.gateway.ring.MessageQueue`;
 the first message into an empty queue schedules the log writer
-(``Gateway.write_messages``) with ``call_soon``. The writer copies each batch
+(``LogWriter.write_messages``) with ``call_soon``. The writer copies each batch
 once, from the ring into the log's mmap (however many batches one read
 brought), and marks it handled; the connection, told once per writer pass,
 reclaims the ring space behind the oldest message still unhandled. Control
@@ -719,7 +719,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
             self.refuse(ProtocolError(str(error), code=ErrorCode.STORAGE_UNAVAILABLE))
             return 0
         except Exception:
-            # A bug, not the peer's doing (as in Gateway.write_messages): this
+            # A bug, not the peer's doing (as in LogWriter.write_messages): this
             # connection ends with INTERNAL, the gateway and its other
             # connections go on. Nothing a peer sends may stop the process.
             log.exception("handling a frame from %s failed", self.peer)

@@ -169,6 +169,7 @@ class Gateway:
         self._trace = self.log_writer.trace
         #: Consumer requests and the state files they write (consumer_service.py).
         self.consumer_service = ConsumerService(self)
+        # What the connections, the log writer and the tests ask the gateway.
         consumers = self.consumer_service
         self.release = consumers.release
         self.save_consumers = consumers.save_consumers
