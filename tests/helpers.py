@@ -407,6 +407,11 @@ class Consumer(Releaser):
         if end <= self.position:
             return
         frames = self.reader.read(self.position, end)
+        if not frames:
+            # [position, end) held only a term's padding, which read() skips.
+            self.position = end
+            self.gw.release(self.stream, self.position, self.name)
+            return
         if max_bytes is not None:
             frames = [f for f in frames if f.end_position - self.position <= max_bytes][:1] or [
                 frames[0]

@@ -808,7 +808,7 @@ class Stream:
     def _want_snapshot(self) -> bool:
         """Have a snapshot written soon; True if it was written at once (no gateway).
 
-        Under a gateway a thread writes it (Gateway._snapshot_soon): written
+        Under a gateway a thread writes it (ConsumerService.snapshot_soon): written
         on the event loop, its fsyncs held every connection for their length,
         once per release that freed the log (about 90 ms of loop time in 10 s
         of 1 KiB records released every 250 ms, sampled with py-spy).
