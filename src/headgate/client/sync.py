@@ -2,10 +2,10 @@
 
 :class:`SyncProducer` runs an asyncio :class:`~headgate.client.Producer` (or,
 for a fleet, a :class:`~headgate.client.FleetProducer`) on its own event
-loop in a background thread. ``send`` only appends to a deque
-(thread-safe under the GIL without a lock); the loop is woken once per
-``handoff_records`` records or once per linger period, not per record, and
-drains the deque into the producer in order.
+loop in a background thread (:mod:`headgate.client.background_loop`).
+``send`` only appends to a deque (thread-safe under the GIL without a lock);
+the loop is woken once per ``handoff_records`` records or once per linger
+period, not per record, and drains the deque into the producer in order.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast, overload
 
 from headgate.client.address import GatewayAddress
+from headgate.client.background_loop import BackgroundLoop
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.fleet import (
     FleetBatchResult,
@@ -160,11 +161,8 @@ class SyncProducer(Generic[S, R]):
         self._deferred: list[Exception] = []
         self._space = threading.Condition()
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="headgate-sync-producer", daemon=True
-        )
-        self._thread.start()
+        self._background = BackgroundLoop("headgate-sync-producer")
+        self._loop = self._background.loop
         self._wake: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._drainer: asyncio.Task[None] | None = None
@@ -298,12 +296,7 @@ class SyncProducer(Generic[S, R]):
                 raise self._fatal
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"not done within {timeout} s") from None
+        return self._background.run(coroutine, timeout)
 
     def _raise_deferred(self) -> None:
         if self._deferred:
@@ -312,11 +305,7 @@ class SyncProducer(Generic[S, R]):
             raise error
 
     def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10.0)
-        if not self._thread.is_alive():
-            self._loop.close()
+        self._background.stop()
 
     # -- the background loop's side -------------------------------------------------
 
