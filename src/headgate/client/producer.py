@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
-from headgate.client.batches import encode_blocks, keyed_switch_extra
+from headgate.client.batches import encode_blocks
 from headgate.client.errors import (
     BufferFull,
     PendingBatch,
@@ -63,18 +63,16 @@ from headgate.client.errors import (
     StreamRefused,
 )
 from headgate.client.link import GatewayLink, describe_failure
-from headgate.client.producer_core import Batch, StreamBatches, check_resend_order
+from headgate.client.open_batch import OpenBatchStream
+from headgate.client.producer_core import Batch, check_resend_order
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
+from headgate.client.spooling import ProducerSpool
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.records import (
-    BLOCK_BASE,
-    KEYED_BLOCK_BASE,
     RECORD_OVERHEAD,
-    encode_records,
-    record_cost,
 )
 from headgate.protocol.session import (
     AckReceived,
@@ -335,39 +333,26 @@ class ProducerStatistics:
 # --- internal state -------------------------------------------------------------
 
 
-class _Stream(StreamBatches):
-    """One stream of the producer: its sans-IO batches, its open batch, and its waiters."""
+class _Stream(OpenBatchStream):
+    """One stream of the producer: its batches, sealed and open, and its waiters."""
 
     __slots__ = (
         "failure",
         "flush_waiters",
         "handle",
-        "keys",
-        "linger",
-        "open_bytes",
-        "opened_at",
         "rebind",
-        "records_spooled",
         "recovery_backoff",
         "refusal_reported",
         "room",
         "scheduled",
         "space_waiters",
         "storage_full",
-        "values",
     )
 
     def __init__(self, name: str, room: int) -> None:
         super().__init__(name)
         # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
-        # The open batch.
-        self.values: list[bytes] = []
-        self.keys: list[bytes | None] | None = None
-        self.open_bytes = BLOCK_BASE
-        self.linger: asyncio.TimerHandle | None = None
-        # When the open batch's first record was sent (the loop's clock).
-        self.opened_at = 0.0
         # What send's fast path lets buffered plus the open batch reach:
         # max_buffered_bytes, or 0 while a send waits for room, so that
         # later sends queue behind it (see Producer._admit).
@@ -385,7 +370,6 @@ class _Stream(StreamBatches):
         # Sends waiting for room, in order, with the bytes each needs; the
         # first one's future is resolved when it may go.
         self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self.records_spooled = 0
 
 
 class _ConnectionFailed(Exception):
@@ -596,11 +580,8 @@ class Producer:
         self._closed = False
         self._reconnects = 0
         self._last_error: str | None = None
-        self._spool: Spool | None = None
-        # Streams whose next batch waits for room in the spool; while any
-        # does, sends wait as they do for max_buffered_bytes.
-        self._spool_waiting: list[_Stream] = []
-        self._spool_full = 0
+        # The spool and its rules (headgate.client.spooling), or None.
+        self._spool: ProducerSpool | None = None
         if spool is not None:
             self._open_spool(Path(spool), spool_max_bytes, explicit_id, producer_secret)
 
@@ -610,37 +591,19 @@ class Producer:
         """Take the spool's identity (or give it ours) and queue what it holds to be sent again."""
         spool = Spool(directory, max_bytes)
         try:
-            if spool.producer_id is not None:
-                if explicit_id is not None and explicit_id != spool.producer_id:
-                    raise ValueError(
-                        f"the spool {directory} belongs to producer id {spool.producer_id}, "
-                        f"not {explicit_id}: leave producer_id out to resume it, or use "
-                        "another spool"
-                    )
-                if secret is not None and spool.producer_secret and secret != spool.producer_secret:
-                    raise ValueError(f"producer_secret is not the one the spool {directory} holds")
-                self.producer_id = spool.producer_id
-                self._secret = spool.producer_secret or self._secret
-            else:
-                spool.write_identity(self.producer_id, self._secret)
+            self.producer_id, self._secret = ProducerSpool.identity(
+                spool,
+                self.producer_id,
+                self._secret,
+                explicit_id=explicit_id,
+                explicit_secret=secret,
+            )
         except BaseException:
             spool.close()
             raise
-        self._spool = spool
-        # Latency of a batch found in the spool counts from now (the loop's
-        # clock is the monotonic one): when it was first sent is not known.
-        now = time.monotonic()
-        for name, batches in spool.recovered.items():
-            s = self._stream(name)
-            for spooled in batches:
-                batch = s.adopt(
-                    spooled.block, spooled.record_count, None, now, spooled.first_sequence
-                )
-                batch.spooled = True
-                self._mark(s)
-        if spool.recovered:
-            count = sum(b.record_count for batches in spool.recovered.values() for b in batches)
-            log.info("spool %s: %d records to send again", directory, count)
+        self._spool = ProducerSpool(spool)
+        # The loop's clock is the monotonic one.
+        self._spool.replay(self._stream, time.monotonic())
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -748,12 +711,12 @@ class Producer:
                 if current is not None and current.cancelling():
                     raise
         self._fail(ProducerError("the producer is closed"))
-        spool = self._spool
-        if spool is not None:
+        spooling = self._spool
+        if spooling is not None:
             self._spool = None
             if delivered:
-                spool.clear()  # the gateway has everything; the identity stays
-            spool.close()
+                spooling.spool.clear()  # the gateway has everything; the identity stays
+            spooling.spool.close()
 
     # -- sending ------------------------------------------------------------------
 
@@ -871,15 +834,7 @@ class Producer:
         Raises:
             ValueError: the record does not fit in any batch.
         """
-        keyed = key is not None or s.keys is not None
-        cost = record_cost(len(value), None if key is None else len(key), keyed=keyed)
-        extra = keyed_switch_extra(len(s.values)) if keyed and s.keys is None else 0
-        if (BLOCK_BASE if key is None else KEYED_BLOCK_BASE) + cost > self._limit:
-            raise ValueError(
-                f"a record of {len(value) + len(key or b'')} bytes does not fit in a "
-                f"batch of at most {self._limit} bytes (max_batch_bytes or the "
-                "gateway's max_message_size)"
-            )
+        cost, extra = s.cost(value, key, self._limit)
         # The comparison with s.room settles the common case (room, nobody
         # waiting) as the fast path does; _has_room has the rule.
         if (
@@ -888,21 +843,11 @@ class Producer:
             and (s.space_waiters or not self._has_room(s, cost + extra))
         ):
             return -(cost + extra)
-        sealed = False
-        if s.open_bytes + cost + extra > self._limit:
-            self._seal(s)
-            sealed = True
-            extra = 0 if key is None else keyed_switch_extra(0)
-        values = s.values
-        if not values:
+        sealed = s.add(value, key, cost, extra, self._limit)
+        if sealed:
+            self._mark(s)
+        if len(s.values) == 1:
             self._arm_linger(s)
-        keys = s.keys
-        if keys is None and key is not None:
-            keys = s.keys = [None] * len(values)
-        if keys is not None:
-            keys.append(key)
-        values.append(value)
-        s.open_bytes += cost + extra
         return sealed
 
     async def _after_seal(self, s: _Stream) -> None:
@@ -924,7 +869,7 @@ class Producer:
         """
         if s.buffered == 0 and not s.values:
             return True
-        if self._spool_waiting:
+        if self._spool is not None and self._spool.waiting:
             return False
         return s.buffered + s.open_bytes + needed <= self._max_buffered
 
@@ -967,7 +912,8 @@ class Producer:
         """
         waiters = s.space_waiters
         if not waiters:
-            s.room = 0 if self._spool_waiting else self._max_buffered
+            spooling = self._spool
+            s.room = 0 if spooling is not None and spooling.waiting else self._max_buffered
             return
         needed, waiter = waiters[0]
         if not waiter.done() and self._has_room(s, needed):
@@ -1081,32 +1027,6 @@ class Producer:
             raise s.failure
         return s
 
-    def _spool_everything(self) -> None:
-        """On giving up: spool every record still held, so that a producer on the spool has them.
-
-        Batches of a stream whose sequence is known are numbered on from it
-        (nothing numbered was sent, so the gateway has none of them); the
-        others are spooled unnumbered and numbered by the producer that
-        resumes. Beyond ``spool_max_bytes`` if need be: they are already
-        held in memory, within ``max_buffered_bytes`` per stream.
-        """
-        spool = self._spool
-        if spool is None:
-            return
-        for s in self._streams.values():
-            if s.failure is not None:
-                continue
-            self._seal(s)
-            if s.next_sequence is not None:
-                s.number_all()
-            for batch in s.held():
-                if not batch.spooled:
-                    first = None if batch.first_sequence < 0 else batch.first_sequence
-                    spool.append(s.name, first, batch.count, batch.block)
-                    batch.spooled = True
-                    s.records_spooled += batch.count
-        spool.sync()
-
     def _pending_batches(self) -> dict[str, list[PendingBatch]]:
         """Every stream's records not acknowledged, as batches: what a give-up hands back."""
         pending: dict[str, list[PendingBatch]] = {}
@@ -1122,9 +1042,10 @@ class Producer:
                 )
                 for b in s.held()
             ]
-            if s.values:
-                block = encode_records(s.values, s.keys)
-                batches.append(PendingBatch(s.name, None, len(s.values), block))
+            open_block = s.open_block()
+            if open_block is not None:
+                block, count = open_block
+                batches.append(PendingBatch(s.name, None, count, block))
             if batches:
                 pending[s.name] = batches
         return pending
@@ -1192,17 +1113,8 @@ class Producer:
             self._pump()
 
     def _seal(self, s: _Stream) -> None:
-        values = s.values
-        if not values:
-            return
-        block = encode_records(values, s.keys)
-        s.values = []
-        s.keys = None
-        s.open_bytes = BLOCK_BASE
-        if s.linger is not None:
-            s.linger.cancel()
-            s.linger = None
-        self._enqueue(s, block, len(values), None, s.opened_at)
+        if s.seal() is not None:
+            self._mark(s)
 
     def _enqueue(
         self, s: _Stream, block: bytes, count: int, delivery: Delivery | None, opened_at: float
@@ -1252,19 +1164,17 @@ class Producer:
                 continue
             if batch is None:
                 continue
-            spool = self._spool
-            if spool is not None and not batch.spooled and not self._spool_room(s, batch):
+            spooling = self._spool
+            if spooling is not None and not batch.spooled and not self._spool_room(s, batch):
                 continue  # an acknowledgement marks the stream again
             s.number(batch)
-            if spool is not None and not batch.spooled:
+            if spooling is not None:
                 # Durable before its bytes leave: _write syncs the spool first.
                 try:
-                    spool.append(s.name, batch.first_sequence, batch.count, batch.block)
+                    spooling.write(s, batch)
                 except OSError as exc:
                     self._spool_failed(exc)
                     return
-                batch.spooled = True
-                s.records_spooled += batch.count
             # can_send_batch first: a refused send_batch would still have
             # copied the whole batch.
             if not optimistic and not session.can_send_batch(handle, len(batch.block)):
@@ -1281,40 +1191,22 @@ class Producer:
 
     def _spool_room(self, s: _Stream, batch: Batch) -> bool:
         """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
-        spool = self._spool
-        assert spool is not None
-        if spool.fits(len(batch.block)):
+        spooling = self._spool
+        assert spooling is not None
+        if spooling.room(s, batch, self._streams.values()):
             return True
-        acked = {t.name: t.stored_end for t in self._streams.values() if t.stored_end is not None}
-        if spool.reclaim(acked) and spool.fits(len(batch.block)):
-            return True
-        if not self._spool_waiting:
-            self._spool_full += 1
-            for t in self._streams.values():
-                if not t.space_waiters:
-                    t.room = 0
-        if s not in self._spool_waiting:
-            self._spool_waiting.append(s)
+        for t in self._streams.values():
+            if not t.space_waiters:
+                t.room = 0  # sends queue behind the spool (see _admit)
         return False
 
     def _spool_failed(self, exc: OSError) -> None:
         """The spool cannot be written (a full or failing disk): nothing more may be sent."""
-        spool = self._spool
-        where = "" if spool is None else f" {spool.directory}"
+        spooling = self._spool
+        where = "" if spooling is None else f" {spooling.spool.directory}"
         self._fail(ProducerError(f"cannot write the spool{where}: {exc}"))
         if self._conn is not None:
             self._conn.end("the spool failed")
-
-    def _spool_freed(self) -> None:
-        """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
-        waiting = self._spool_waiting
-        if not waiting:
-            return
-        self._spool_waiting = []
-        for s in waiting:
-            self._mark(s)
-        for s in self._streams.values():
-            self._admit(s)
 
     def _spend_slot(self, session: Session, handle: int, block_length: int) -> None:
         # Window policy: a batch takes a whole slot, whatever its size.
@@ -1326,7 +1218,7 @@ class Producer:
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
         if data and conn.writable:
-            if self._spool is not None and (conn.syncing or self._spool.needs_sync):
+            if self._spool is not None and (conn.syncing or self._spool.spool.needs_sync):
                 self._write_after_sync(conn, data)
                 return
             conn.send(data)
@@ -1342,12 +1234,12 @@ class Producer:
             self._start_sync(conn)
 
     def _start_sync(self, conn: _Connection) -> None:
-        spool = self._spool
+        spooling = self._spool
         loop = self._loop
-        assert spool is not None and loop is not None
+        assert spooling is not None and loop is not None
         covered, conn.held = conn.held, []
         conn.syncing = True
-        future = loop.run_in_executor(None, spool.take_sync())
+        future = loop.run_in_executor(None, spooling.spool.take_sync())
         future.add_done_callback(lambda done: self._synced(conn, covered, done))
 
     def _synced(self, conn: _Connection, covered: list[bytes], done: asyncio.Future[None]) -> None:
@@ -1360,8 +1252,8 @@ class Producer:
             return  # those batches are resent on the next connection
         conn.send(b"".join(covered))
         if conn.held:
-            spool = self._spool
-            if spool is not None and spool.needs_sync:
+            spooling = self._spool
+            if spooling is not None and spooling.spool.needs_sync:
                 self._start_sync(conn)
             else:
                 held, conn.held = conn.held, []
@@ -1402,7 +1294,10 @@ class Producer:
                 pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
             if pause is None:
                 try:
-                    self._spool_everything()
+                    if self._spool is not None:
+                        self._spool.spool_everything(
+                            s for s in self._streams.values() if s.failure is None
+                        )
                 except OSError as exc:
                     log.error("cannot write the spool on giving up: %s", exc)
                 self._fail(
@@ -1585,7 +1480,7 @@ class Producer:
             self._secret = welcome.producer_secret
             if self._spool is not None:
                 # Before any batch is spooled (none is numbered before an Ack).
-                self._spool.write_identity(self.producer_id, self._secret)
+                self._spool.spool.write_identity(self.producer_id, self._secret)
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
@@ -1649,33 +1544,20 @@ class Producer:
             # sequence ends (see StreamBatches.resume).
             s.recovery_backoff = None
             renumbered = s.resume(next_sequence, ack.durable_position, now)
-            self._respool(s, renumbered)
+            if self._spool is not None:
+                self._spool.respool(s, renumbered)
             self._mark(s)
         elif s.ack(next_sequence, ack.durable_position, now):
             conn.progressed = True
         if self._spool is not None:
-            self._spool.acked(s.name, next_sequence)
-            self._spool_freed()
+            waited = self._spool.acked(s, next_sequence)
+            if waited:
+                # Room may have been made: waiting batches and sends try again.
+                for t in waited:
+                    self._mark(cast("_Stream", t))
+                for t in self._streams.values():
+                    self._admit(t)
         self._wake(s)
-
-    def _respool(self, s: _Stream, renumbered: int) -> None:
-        """After an initial Ack: rewrite the stream's spool files if their numbers no longer hold.
-
-        Batches spooled under numbers the gateway's copy contradicts
-        (``renumbered``), or under none, are numbered now and the stream's
-        spool files replaced, so that the spool holds what will be sent.
-        """
-        spool = self._spool
-        if spool is None or not (
-            renumbered or any(b.spooled and b.first_sequence < 0 for b in s.queue)
-        ):
-            return
-        for batch in s.queue:
-            s.number(batch)
-            if not batch.spooled:
-                batch.spooled = True
-                s.records_spooled += batch.count
-        spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
     def _too_large(self, s: _Stream) -> None:
         """A record of ``s`` exceeds the gateway's frame limit, learnt after it was taken."""
@@ -1708,15 +1590,10 @@ class Producer:
         if s.failure is not None:
             return
         s.failure = error
-        if s.linger is not None:
-            s.linger.cancel()
-            s.linger = None
+        s.discard_open()
         if s.rebind is not None:
             s.rebind.cancel()
             s.rebind = None
-        s.values = []
-        s.keys = None
-        s.open_bytes = BLOCK_BASE
         for batch in s.clear():
             if batch.delivery is not None:
                 batch.delivery._fail(error)
@@ -1747,6 +1624,7 @@ class Producer:
         conn = self._conn
         # The loop's clock, which the acks were timed on (no loop yet: no acks).
         now = self._loop.time() if self._loop is not None else 0.0
+        spooling = self._spool
         streams: dict[str, StreamStatistics] = {}
         for name, s in self._streams.items():
             guarantees = None
@@ -1760,13 +1638,13 @@ class Producer:
                 stream=name,
                 records_sent=s.records_sent,
                 records_acked=s.records_acked,
-                records_spooled=s.records_spooled,
+                records_spooled=0 if spooling is None else spooling.records_spooled.get(name, 0),
                 bytes_sent=s.bytes_sent,
                 bytes_acked=s.bytes_acked,
                 open_records=len(s.values),
                 batches_queued=len(s.queue),
                 batches_in_flight=len(s.unacked),
-                buffered_bytes=s.buffered + (s.open_bytes if s.values else 0),
+                buffered_bytes=s.buffered + s.open_held,
                 batches_dropped=s.batches_dropped,
                 next_sequence=s.next_sequence,
                 guarantees=guarantees,
@@ -1786,6 +1664,6 @@ class Producer:
             last_error=self._last_error,
             failure=str(self._failure) if self._failure is not None else None,
             streams=streams,
-            spool_bytes=None if self._spool is None else self._spool.bytes_used,
-            spool_full=self._spool_full,
+            spool_bytes=None if spooling is None else spooling.spool.bytes_used,
+            spool_full=0 if spooling is None else spooling.full,
         )
