@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from headgate.client.open_batch import OpenBatchStream
+from headgate.client.open_batch import APPENDED, CUT, OPENED, OpenBatchStream
 from headgate.protocol.records import BLOCK_BASE, decode_records, encode_records
 
 LIMIT = 1024
@@ -20,8 +20,8 @@ class Timer:
 
 
 def take(s: OpenBatchStream, value: bytes, key: bytes | None = None) -> bool:
-    cost, extra = s.cost(value, key, LIMIT)
-    return s.add(value, key, cost, extra, LIMIT)
+    """Append without a bound on the stream's bytes; True if the batch was cut first."""
+    return s.append(value, key, LIMIT, float("inf")) == CUT
 
 
 def test_the_estimate_covers_what_the_open_batch_encodes_to() -> None:
@@ -72,5 +72,15 @@ def test_a_record_no_batch_can_hold_is_refused_before_anything_changes() -> None
     s = OpenBatchStream("s")
     take(s, b"small")
     with pytest.raises(ValueError, match="does not fit in a batch of at most 1024 bytes"):
-        s.cost(b"x" * LIMIT, None, LIMIT)
+        s.append(b"x" * LIMIT, None, LIMIT, float("inf"))
     assert s.values == [b"small"]
+
+
+def test_a_record_beyond_the_room_is_not_taken_and_says_what_it_needs() -> None:
+    s = OpenBatchStream("s")
+    assert s.append(b"first", None, LIMIT, 1 << 20) == OPENED
+    assert s.append(b"second", None, LIMIT, 1 << 20) == APPENDED
+    held = s.open_bytes
+    needed = -s.append(b"x" * 100, None, LIMIT, held + 50)
+    assert needed > 100 and s.values == [b"first", b"second"] and s.open_bytes == held
+    assert s.append(b"x" * 100, None, LIMIT, held + needed) == APPENDED, "exactly enough room"

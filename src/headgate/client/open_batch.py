@@ -26,7 +26,15 @@ from headgate.client.batches import Block, keyed_switch_extra
 from headgate.client.producer_core import Batch, StreamBatches
 from headgate.protocol.records import BLOCK_BASE, KEYED_BLOCK_BASE, encode_records, record_cost
 
-__all__ = ["Cancellable", "OpenBatchStream"]
+__all__ = ["APPENDED", "CUT", "OPENED", "Cancellable", "OpenBatchStream"]
+
+#: :meth:`OpenBatchStream.append` took the record into the open batch (0, so that
+#: a caller tells the common case apart with a plain truth test).
+APPENDED = 0
+#: It took the record as the first of a new open batch.
+OPENED = 1
+#: It sealed the open batch first (the record would not fit), then opened the next.
+CUT = 2
 
 
 class Cancellable(Protocol):
@@ -57,47 +65,52 @@ class OpenBatchStream(StreamBatches):
         """Bytes the open batch holds (0 when it is empty), for ``max_buffered_bytes``."""
         return self.open_bytes if self.values else 0
 
-    def cost(self, value: bytes, key: bytes | None, limit: int) -> tuple[int, int]:
-        """What taking a record adds to the open batch: its own bytes, and the switch to keys.
+    def append(self, value: bytes, key: bytes | None, limit: int, room: float) -> int:
+        """Take a record into the open batch, if the stream's bytes stay within ``room``.
 
-        The second part is what the batch's earlier keyless records grow
-        by when this record is its first with a key.
+        ``room`` bounds the stream's bytes not acknowledged (its sealed
+        batches' and the open batch's) with this record; a record that would
+        take the open batch past ``limit`` cuts the batch first, and opens
+        the next one.
+
+        Returns :data:`APPENDED`, :data:`OPENED` (the record is the first of
+        its batch: arm the linger timer), :data:`CUT` (the batch before was
+        sealed, and the record opened the next), or minus the bytes the
+        record needs when they do not fit in ``room``, having taken nothing.
 
         Raises:
             ValueError: the record alone does not fit in a batch of ``limit`` bytes.
         """
-        keyed = key is not None or self.keys is not None
+        keys = self.keys
+        keyed = key is not None or keys is not None
         cost = record_cost(len(value), None if key is None else len(key), keyed=keyed)
-        extra = keyed_switch_extra(len(self.values)) if keyed and self.keys is None else 0
+        # What the batch's earlier keyless records grow by when this is its
+        # first record with a key.
+        extra = keyed_switch_extra(len(self.values)) if keyed and keys is None else 0
         if (BLOCK_BASE if key is None else KEYED_BLOCK_BASE) + cost > limit:
             raise ValueError(
                 f"a record of {len(value) + len(key or b'')} bytes does not fit in a "
                 f"batch of at most {limit} bytes (max_batch_bytes or the "
                 "gateway's max_message_size)"
             )
-        return cost, extra
-
-    def add(self, value: bytes, key: bytes | None, cost: int, extra: int, limit: int) -> bool:
-        """Take a record (of :meth:`cost` ``cost`` and ``extra``); True if the batch was cut first.
-
-        A record that would take the open batch past ``limit`` seals it, and
-        opens the next one. The caller arms the linger timer when the record
-        is the first of its batch (``len(values) == 1`` after this).
-        """
-        sealed = False
+        if self.buffered + self.open_bytes + cost + extra > room:
+            return -(cost + extra)
+        outcome = APPENDED
         if self.open_bytes + cost + extra > limit:
             self.seal()
-            sealed = True
+            outcome = CUT
+            keys = None
             extra = 0 if key is None else keyed_switch_extra(0)
         values = self.values
-        keys = self.keys
+        if not values and outcome == APPENDED:
+            outcome = OPENED
         if keys is None and key is not None:
             keys = self.keys = [None] * len(values)
         if keys is not None:
             keys.append(key)
         values.append(value)
         self.open_bytes += cost + extra
-        return sealed
+        return outcome
 
     def seal(self) -> Batch | None:
         """Encode the open batch and queue it for sending; None if it was empty."""

@@ -7,10 +7,24 @@ credit, and the batches sent but not yet acknowledged. Nothing is per record
 except a list append: the records block is encoded when a batch is sealed,
 and durability is tracked per batch.
 
-Which batch goes next, under which sequence number, and what an Ack or a
-lost connection does to the batches held is the sans-IO core's rule
-(:mod:`headgate.client.producer_core`); records are cut into blocks by
-:mod:`headgate.client.batches`. This module is their asyncio adapter.
+This module is the adapter that wires the rooms, each of which does one job:
+
+- :mod:`~headgate.client.producer_core`: which batch goes next, under which
+  sequence number, and what an Ack or a lost connection does to the
+  batches held (sans-IO);
+- :mod:`~headgate.client.open_batch`: what a record adds to the open batch
+  and when the batch is cut (sans-IO);
+- :mod:`~headgate.client.batches`: ``send_many``'s records cut into blocks;
+- :mod:`~headgate.client.spooling`: what goes to the spool when, and what
+  is sent again from it (sans-IO);
+- :mod:`~headgate.client.link`: the connection, its session and timers;
+- :mod:`~headgate.client.delivery`, :mod:`~headgate.client.producer_options`
+  and :mod:`~headgate.client.producer_statistics`: what callers get back,
+  pass in, and read.
+
+What stays here is what needs the event loop: the linger and rebind timers,
+the waits for room and for acknowledgements, the spool's fsync before a
+write, and reconnecting.
 
 Sending is driven by :meth:`Producer._pump`, called whenever something could
 let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
@@ -46,14 +60,14 @@ import secrets
 import ssl as ssl_module
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
 from headgate.client.batches import encode_blocks
+from headgate.client.delivery import BatchResult, Delivery
 from headgate.client.errors import (
     BufferFull,
     PendingBatch,
@@ -63,8 +77,10 @@ from headgate.client.errors import (
     StreamRefused,
 )
 from headgate.client.link import GatewayLink, describe_failure
-from headgate.client.open_batch import OpenBatchStream
+from headgate.client.open_batch import CUT, OpenBatchStream
 from headgate.client.producer_core import Batch, check_resend_order
+from headgate.client.producer_options import Policy, ProducerOptions
+from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
 from headgate.client.spooling import ProducerSpool
@@ -100,33 +116,8 @@ __all__ = [
     "StreamStatistics",
 ]
 
-#: ``"wait"`` sends only within guarantees; ``"optimistic"`` sends at once and
-#: lets the session resend what the gateway drops.
-Policy = Literal["wait", "optimistic", "window"]
-
-
-class ProducerOptions(TypedDict, total=False):
-    """The keyword options of :class:`Producer`, for the clients that wrap one.
-
-    :class:`~headgate.client.SyncProducer` takes them as ``**options`` and
-    hands them on, so their defaults live in one place, ``Producer``'s
-    signature (a test checks that the keys match it).
-    """
-
-    producer_id: int | None
-    producer_secret: bytes | None
-    policy: Policy
-    linger_ms: float
-    max_batch_bytes: int
-    max_buffered_bytes: int
-    client_name: str
-    reconnect_timeout: float | None
-    security: ClientSecurity | None
-    spool: str | os.PathLike[str] | None
-    spool_max_bytes: int
-    cluster: str | os.PathLike[str] | None
-
-
+# The room of a record let in by _wait_room: it goes whatever the bound.
+_UNBOUNDED = float("inf")
 _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
 _MIN_ATTEMPT = 0.5
@@ -144,190 +135,6 @@ _RETRYABLE = frozenset(
         ErrorCode.INTERNAL,
     }
 )
-
-
-# --- results and statistics ----------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    """Records of one :meth:`Producer.send_many` call, durable in the stream log."""
-
-    #: The stream.
-    stream: str
-    #: The sequence number of the first record (records are numbered per stream
-    #: and producer id; the rest follow consecutively).
-    first_sequence: int
-    #: How many records.
-    record_count: int
-    #: The log's durable end position when the last of them was acknowledged.
-    durable_position: int
-
-
-class Delivery:
-    """The pending durability of one :meth:`Producer.send_many` call.
-
-    Await it for a :class:`BatchResult`; it raises :class:`StreamRefused` or
-    :class:`ProducerError` if the records cannot be delivered.
-    """
-
-    __slots__ = ("_count", "_error", "_first", "_pending", "_result", "_waiters", "stream")
-
-    def __init__(self, stream: str) -> None:
-        #: The stream the records were sent on.
-        self.stream = stream
-        self._pending = 0
-        self._count = 0
-        self._first: int | None = None
-        self._result: BatchResult | None = None
-        self._error: BaseException | None = None
-        # Futures exist only while someone awaits, so an unawaited failed
-        # delivery never leaves "exception was never retrieved" behind.
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def done(self) -> bool:
-        """Whether the records are durable or lost."""
-        return self._result is not None or self._error is not None
-
-    def result(self) -> BatchResult:
-        """The result; raises the failure, or ``asyncio.InvalidStateError`` if pending."""
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            raise asyncio.InvalidStateError("the records are not acknowledged yet")
-        return self._result
-
-    def __await__(self) -> Generator[Any, None, BatchResult]:
-        if not self.done():
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                yield from waiter.__await__()
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        return self.result()
-
-    def __repr__(self) -> str:
-        state = "done" if self._result else "failed" if self._error else "pending"
-        return f"<Delivery {self.stream!r} {self._count} records {state}>"
-
-    # -- producer side --
-
-    def _add(self, count: int) -> None:
-        self._pending += 1
-        self._count += count
-
-    def _numbered(self, first_sequence: int) -> None:
-        if self._first is None:
-            self._first = first_sequence
-
-    def _unnumbered(self, first_sequence: int) -> None:
-        """A batch numbered ``first_sequence`` lost its number (a gap renumbers it).
-
-        If it was our first batch, the number it gets next is our first: the
-        batches of one delivery are queued, and so renumbered, in order.
-        """
-        if self._first == first_sequence:
-            self._first = None
-
-    def _split(self, extra: int) -> None:
-        """One of our batches was cut into ``extra`` more (the gateway's frames are smaller)."""
-        self._pending += extra
-
-    def _acked(self, durable_position: int) -> None:
-        self._pending -= 1
-        if self._pending == 0 and not self.done():
-            first = self._first if self._first is not None else 0
-            self._result = BatchResult(self.stream, first, self._count, durable_position)
-            self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        if not self.done():
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._waiters.clear()
-
-
-@dataclass(frozen=True, slots=True)
-class StreamStatistics:
-    """A snapshot of one stream of a producer."""
-
-    #: The stream name.
-    stream: str
-    #: Records sent to the gateway at least once.
-    records_sent: int
-    #: Records the gateway acknowledged durable.
-    records_acked: int
-    #: Records-block bytes sent at least once.
-    bytes_sent: int
-    #: Records-block bytes acknowledged.
-    bytes_acked: int
-    #: Records this producer wrote to its spool (those it found there on
-    #: opening are not counted); 0 without a spool.
-    records_spooled: int
-    #: Records in the open batch, not sealed yet.
-    open_records: int
-    #: Sealed batches waiting for credit or a connection.
-    batches_queued: int
-    #: Batches sent and not yet acknowledged.
-    batches_in_flight: int
-    #: Bytes held for the stream and not yet acknowledged: the records blocks
-    #: of its sealed batches plus the open batch's (what max_buffered_bytes bounds).
-    buffered_bytes: int
-    #: Batches the gateway dropped (optimistic policy) and the session resent.
-    batches_dropped: int
-    #: The sequence number the next batch gets; None before the first initial Ack.
-    next_sequence: int | None
-    #: Our guarantees on the stream's channel; None while the stream is not bound.
-    guarantees: int | None
-    #: Why the gateway refused the stream, or None.
-    refused: str | None
-    #: The gateway's notice that it cannot store the stream now (its disk is
-    #: full), until it sends an Ack or guarantees again; None otherwise.
-    #: Records wait, they are not lost.
-    storage_full: str | None = None
-    #: Send-to-durable-ack latency (seconds) of the latest acknowledged
-    #: batches (up to :data:`~headgate.latency.WINDOW_SIZE`, none older than
-    #: :data:`~headgate.latency.WINDOW_HORIZON_S`): from the ``send()`` of a
-    #: batch's first record (from ``send_many()`` for its batches) to the
-    #: arrival of the Ack that made it durable. None before any in the window.
-    ack_latency_p50: float | None = None
-    ack_latency_p99: float | None = None
-    ack_latency_max: float | None = None
-    #: How many acknowledged batches those percentiles are over.
-    ack_latency_batches: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ProducerStatistics:
-    """A snapshot of a producer and its streams."""
-
-    #: The producer id the gateway deduplicates by.
-    producer_id: int
-    #: The gateway's address.
-    address: GatewayAddress
-    #: The sending policy.
-    policy: Policy
-    #: Whether a session with the gateway is open now.
-    connected: bool
-    #: How many times the connection was lost after being open.
-    reconnects: int
-    #: The last connection problem, or None.
-    last_error: str | None
-    #: Why the producer gave up, or None while it is working.
-    failure: str | None
-    #: One snapshot per stream used so far.
-    streams: Mapping[str, StreamStatistics]
-    #: Bytes the spool's files take on disk; None without a spool.
-    spool_bytes: int | None = None
-    #: How many times a batch waited because the spool was full.
-    spool_full: int = 0
 
 
 # --- internal state -------------------------------------------------------------
@@ -815,9 +622,12 @@ class Producer:
             self._start()
         data = value if type(value) is bytes else _as_bytes(value, "value")
         key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
-        outcome = self._append(s, data, key_data)
-        if outcome < 0:
-            raise BufferFull(stream, self._max_buffered)
+        # As _append, with its common case inline (one call per record).
+        outcome = s.append(data, key_data, self._limit, s.room)
+        if outcome:  # not APPENDED
+            outcome = self._appended(s, data, key_data, outcome)
+            if outcome < 0:
+                raise BufferFull(stream, self._max_buffered)
         if outcome or s.handle is None:
             self._pump()
 
@@ -834,21 +644,30 @@ class Producer:
         Raises:
             ValueError: the record does not fit in any batch.
         """
-        cost, extra = s.cost(value, key, self._limit)
-        # The comparison with s.room settles the common case (room, nobody
-        # waiting) as the fast path does; _has_room has the rule.
-        if (
-            s.buffered + s.open_bytes + cost + extra > s.room
-            and not admitted
-            and (s.space_waiters or not self._has_room(s, cost + extra))
-        ):
-            return -(cost + extra)
-        sealed = s.add(value, key, cost, extra, self._limit)
-        if sealed:
+        # s.room settles the common case (room, nobody waiting) as the fast
+        # path does; _has_room has the rule for the rest.
+        outcome = s.append(value, key, self._limit, _UNBOUNDED if admitted else s.room)
+        return self._appended(s, value, key, outcome) if outcome else False
+
+    def _appended(self, s: _Stream, value: bytes, key: bytes | None, outcome: int) -> int:
+        """What :meth:`_append` does when the record did not simply go into the open batch.
+
+        ``outcome`` is what :meth:`OpenBatchStream.append` returned, not
+        ``APPENDED``: without room, the rule for buffered bytes decides
+        (and the record is taken beyond ``s.room`` if it may be); the first
+        record of a batch arms its linger timer; a cut batch has work.
+        """
+        if outcome < 0:
+            if s.space_waiters or not self._has_room(s, -outcome):
+                return outcome
+            outcome = s.append(value, key, self._limit, _UNBOUNDED)
+            if not outcome:
+                return False
+        self._arm_linger(s)
+        if outcome == CUT:
             self._mark(s)
-        if len(s.values) == 1:
-            self._arm_linger(s)
-        return sealed
+            return True
+        return False
 
     async def _after_seal(self, s: _Stream) -> None:
         self._pump()
