@@ -16,15 +16,15 @@ This module is the adapter that wires the rooms, each of which does one job:
   and when the batch is cut (sans-IO);
 - :mod:`~headgate.client.batches`: ``send_many``'s records cut into blocks;
 - :mod:`~headgate.client.spooling`: what goes to the spool when, and what
-  is sent again from it (sans-IO);
+  is sent again from it (sans-IO); :mod:`~headgate.client.spool_sync`:
+  a round's bytes leave only after the fsync of its spool entries;
 - :mod:`~headgate.client.link`: the connection, its session and timers;
 - :mod:`~headgate.client.delivery`, :mod:`~headgate.client.producer_options`
   and :mod:`~headgate.client.producer_statistics`: what callers get back,
   pass in, and read.
 
 What stays here is what needs the event loop: the linger and rebind timers,
-the waits for room and for acknowledgements, the spool's fsync before a
-write, and reconnecting.
+the waits for room and for acknowledgements, and reconnecting.
 
 Sending is driven by :meth:`Producer._pump`, called whenever something could
 let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
@@ -83,6 +83,7 @@ from headgate.client.producer_options import Policy, ProducerOptions
 from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
+from headgate.client.spool_sync import SyncedWrites
 from headgate.client.spooling import ProducerSpool
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
@@ -211,10 +212,15 @@ class _Connection(GatewayLink):
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
         self.progressed = False
-        # With a spool: bytes waiting for their entries' fsync, which runs
-        # in a thread while ``syncing``.
-        self.held: list[bytes] = []
-        self.syncing = False
+        # With a spool: writes wait for its fsync (headgate.client.spool_sync).
+        spooling = producer._spool
+        self.synced_writes = (
+            None
+            if spooling is None
+            else SyncedWrites(
+                spooling.spool, self.send, lambda: self.writable, producer._spool_failed
+            )
+        )
 
     def end(self, reason: str) -> None:
         """Close, remembering the first reason given (what the producer reports)."""
@@ -1037,46 +1043,11 @@ class Producer:
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
         if data and conn.writable:
-            if self._spool is not None and (conn.syncing or self._spool.spool.needs_sync):
-                self._write_after_sync(conn, data)
-                return
-            conn.send(data)
-
-    def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
-        """Write ``data`` once the spool entries of its batches are durable.
-
-        The fsync runs in a thread, so that acknowledgements and sends go
-        on meanwhile; bytes produced during one wait for the next, in order.
-        """
-        conn.held.append(data)
-        if not conn.syncing:
-            self._start_sync(conn)
-
-    def _start_sync(self, conn: _Connection) -> None:
-        spooling = self._spool
-        loop = self._loop
-        assert spooling is not None and loop is not None
-        covered, conn.held = conn.held, []
-        conn.syncing = True
-        future = loop.run_in_executor(None, spooling.spool.take_sync())
-        future.add_done_callback(lambda done: self._synced(conn, covered, done))
-
-    def _synced(self, conn: _Connection, covered: list[bytes], done: asyncio.Future[None]) -> None:
-        conn.syncing = False
-        if done.cancelled() or done.exception() is not None:
-            error = done.exception() if not done.cancelled() else None
-            self._spool_failed(error if isinstance(error, OSError) else OSError(str(error)))
-            return
-        if not conn.writable:
-            return  # those batches are resent on the next connection
-        conn.send(b"".join(covered))
-        if conn.held:
-            spooling = self._spool
-            if spooling is not None and spooling.spool.needs_sync:
-                self._start_sync(conn)
+            synced_writes = conn.synced_writes
+            if synced_writes is None:
+                conn.send(data)
             else:
-                held, conn.held = conn.held, []
-                conn.send(b"".join(held))
+                synced_writes.write(data)
 
     # -- connection management -------------------------------------------------------
 
@@ -1452,27 +1423,13 @@ class Producer:
             refused = None
             if isinstance(s.failure, StreamRefused):
                 refused = str(s.failure)
-            latency = s.latency.summary(now)
-            streams[name] = StreamStatistics(
-                stream=name,
-                records_sent=s.records_sent,
-                records_acked=s.records_acked,
+            streams[name] = StreamStatistics.of(
+                s,
+                now,
                 records_spooled=0 if spooling is None else spooling.records_spooled.get(name, 0),
-                bytes_sent=s.bytes_sent,
-                bytes_acked=s.bytes_acked,
-                open_records=len(s.values),
-                batches_queued=len(s.queue),
-                batches_in_flight=len(s.unacked),
-                buffered_bytes=s.buffered + s.open_held,
-                batches_dropped=s.batches_dropped,
-                next_sequence=s.next_sequence,
                 guarantees=guarantees,
                 refused=refused,
                 storage_full=s.storage_full,
-                ack_latency_p50=None if latency is None else latency.p50,
-                ack_latency_p99=None if latency is None else latency.p99,
-                ack_latency_max=None if latency is None else latency.max,
-                ack_latency_batches=0 if latency is None else latency.count,
             )
         return ProducerStatistics(
             producer_id=self.producer_id,

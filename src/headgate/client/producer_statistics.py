@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from headgate.client.address import GatewayAddress
+from headgate.client.open_batch import OpenBatchStream
 from headgate.client.producer_options import Policy
 
 __all__ = ["ProducerStatistics", "StreamStatistics"]
@@ -62,6 +63,44 @@ class StreamStatistics:
     ack_latency_max: float | None = None
     #: How many acknowledged batches those percentiles are over.
     ack_latency_batches: int = 0
+
+    @classmethod
+    def of(
+        cls,
+        s: OpenBatchStream,
+        now: float,
+        *,
+        records_spooled: int,
+        guarantees: int | None,
+        refused: str | None,
+        storage_full: str | None,
+    ) -> StreamStatistics:
+        """The snapshot of stream ``s``'s batches at ``now`` (the clock its acks were timed on).
+
+        The rest is what the producer knows of the stream beside its batches.
+        """
+        latency = s.latency.summary(now)
+        return cls(
+            stream=s.name,
+            records_sent=s.records_sent,
+            records_acked=s.records_acked,
+            records_spooled=records_spooled,
+            bytes_sent=s.bytes_sent,
+            bytes_acked=s.bytes_acked,
+            open_records=len(s.values),
+            batches_queued=len(s.queue),
+            batches_in_flight=len(s.unacked),
+            buffered_bytes=s.buffered + s.open_held,
+            batches_dropped=s.batches_dropped,
+            next_sequence=s.next_sequence,
+            guarantees=guarantees,
+            refused=refused,
+            storage_full=storage_full,
+            ack_latency_p50=None if latency is None else latency.p50,
+            ack_latency_p99=None if latency is None else latency.p99,
+            ack_latency_max=None if latency is None else latency.max,
+            ack_latency_batches=0 if latency is None else latency.count,
+        )
 
 
 @dataclass(frozen=True, slots=True)
