@@ -14,6 +14,8 @@ This module is the adapter that wires the rooms, each of which does one job:
   batches held (sans-IO);
 - :mod:`~headgate.client.open_batch`: what a record adds to the open batch
   and when the batch is cut (sans-IO);
+- :mod:`~headgate.client.buffer_bound`: the bound on a stream's bytes not
+  acknowledged, and the line of sends waiting for room (sans-IO);
 - :mod:`~headgate.client.batches`: ``send_many``'s records cut into blocks;
 - :mod:`~headgate.client.spooling`: what goes to the spool when, and what
   is sent again from it (sans-IO); :mod:`~headgate.client.spool_sync`:
@@ -24,7 +26,7 @@ This module is the adapter that wires the rooms, each of which does one job:
   pass in, and read.
 
 What stays here is what needs the event loop: the linger and rebind timers,
-the waits for room and for acknowledgements, and reconnecting.
+awaiting room and acknowledgements, the sending rounds, and reconnecting.
 
 Sending is driven by :meth:`Producer._pump`, called whenever something could
 let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING, Any, cast
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
 from headgate.client.batches import encode_blocks
+from headgate.client.buffer_bound import BoundedStream
 from headgate.client.delivery import BatchResult, Delivery
 from headgate.client.errors import (
     BufferFull,
@@ -77,7 +80,7 @@ from headgate.client.errors import (
     StreamRefused,
 )
 from headgate.client.link import GatewayLink, describe_failure
-from headgate.client.open_batch import CUT, OpenBatchStream
+from headgate.client.open_batch import CUT
 from headgate.client.producer_core import Batch, check_resend_order
 from headgate.client.producer_options import Policy, ProducerOptions
 from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
@@ -141,8 +144,8 @@ _RETRYABLE = frozenset(
 # --- internal state -------------------------------------------------------------
 
 
-class _Stream(OpenBatchStream):
-    """One stream of the producer: its batches, sealed and open, and its waiters."""
+class _Stream(BoundedStream):
+    """One stream of the producer: its batches (sealed, open, within the bound) and its waiters."""
 
     __slots__ = (
         "failure",
@@ -151,20 +154,14 @@ class _Stream(OpenBatchStream):
         "rebind",
         "recovery_backoff",
         "refusal_reported",
-        "room",
         "scheduled",
-        "space_waiters",
         "storage_full",
     )
 
-    def __init__(self, name: str, room: int) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, bound: int) -> None:
+        super().__init__(name, bound)
         # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
-        # What send's fast path lets buffered plus the open batch reach:
-        # max_buffered_bytes, or 0 while a send waits for room, so that
-        # later sends queue behind it (see Producer._admit).
-        self.room = room
         # Per connection: our handle (its initial Ack sets ``ready``).
         self.handle: int | None = None
         # While the gateway is still recovering the stream after a restart
@@ -175,9 +172,6 @@ class _Stream(OpenBatchStream):
         self.failure: ProducerError | None = None
         self.refusal_reported = False
         self.flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
-        # Sends waiting for room, in order, with the bytes each needs; the
-        # first one's future is resolved when it may go.
-        self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
 
 class _ConnectionFailed(Exception):
@@ -683,20 +677,17 @@ class Producer:
 
     # -- the bound on buffered bytes ----------------------------------------------------
 
+    def _spool_full(self) -> bool:
+        """Whether a batch waits for room in the spool (then every send waits too)."""
+        spooling = self._spool
+        return spooling is not None and bool(spooling.waiting)
+
     def _has_room(self, s: _Stream, needed: int) -> bool:
         """Whether ``needed`` more bytes keep ``s`` within ``max_buffered_bytes``.
 
-        What counts is everything not acknowledged: the sealed batches'
-        blocks and the open batch's (as its size estimate). A stream that
-        holds nothing takes anything, so that a record or call larger than
-        the bound still goes, alone. The fast paths of send and
-        _append_nowait make the same comparison against ``s.room``.
+        (The rule is :meth:`BoundedStream.has_room`'s.)
         """
-        if s.buffered == 0 and not s.values:
-            return True
-        if self._spool is not None and self._spool.waiting:
-            return False
-        return s.buffered + s.open_bytes + needed <= self._max_buffered
+        return s.has_room(needed, self._max_buffered, spool_full=self._spool_full())
 
     async def _wait_room(self, s: _Stream, needed: int) -> None:
         """Wait, behind the stream's earlier waiting sends, until ``needed`` bytes fit.
@@ -709,10 +700,8 @@ class Producer:
         self._seal(s)
         self._pump()
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (needed, waiter)
+        entry = s.wait_in_line(needed, waiter)
         waiters = s.space_waiters
-        waiters.append(entry)
-        s.room = 0  # later sends queue behind this one
         try:
             self._admit(s)
             await waiter
@@ -735,14 +724,7 @@ class Producer:
         One at a time: a send let in stays first in line until it has
         appended, so that nothing overtakes it, then calls this again.
         """
-        waiters = s.space_waiters
-        if not waiters:
-            spooling = self._spool
-            s.room = 0 if spooling is not None and spooling.waiting else self._max_buffered
-            return
-        needed, waiter = waiters[0]
-        if not waiter.done() and self._has_room(s, needed):
-            waiter.set_result(None)
+        s.admit(self._max_buffered, spool_full=self._spool_full())
 
     async def send_many(
         self,
