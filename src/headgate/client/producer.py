@@ -58,7 +58,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import ssl as ssl_module
 import time
 from collections import deque
@@ -68,7 +67,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
-from headgate.client.batches import encode_blocks
+from headgate.client.batches import encode_blocks, record_bytes
 from headgate.client.buffer_bound import BoundedStream
 from headgate.client.delivery import BatchResult, Delivery
 from headgate.client.errors import (
@@ -82,7 +81,7 @@ from headgate.client.errors import (
 from headgate.client.link import GatewayLink, describe_failure
 from headgate.client.open_batch import CUT
 from headgate.client.producer_core import Batch, check_resend_order
-from headgate.client.producer_options import Policy, ProducerOptions
+from headgate.client.producer_options import Policy, ProducerOptions, check_options
 from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
@@ -223,12 +222,6 @@ class _Connection(GatewayLink):
         self.close()
 
 
-def _as_bytes(value: object, what: str) -> bytes:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"a record {what} must be bytes, not {type(value).__name__}")
-
-
 # --- the producer -------------------------------------------------------------
 
 
@@ -338,31 +331,20 @@ class Producer:
             raise TypeError("a Producer needs the gateway's address (or cluster=...)")
         explicit_id = producer_id
         security = security or ClientSecurity()
-        if policy not in ("wait", "optimistic", "window"):
-            raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
-        if producer_id is None:
-            producer_id = secrets.randbits(63)
-        if not 0 <= producer_id < m.PRODUCER_ID_LIMIT:
-            # Spark reads producer ids as a signed 64-bit long.
-            raise ValueError(f"producer_id must be in [0, 2**63), got {producer_id}")
-        if producer_secret is not None:
-            if not isinstance(producer_secret, bytes | bytearray):
-                raise TypeError("producer_secret must be bytes (from an earlier producer)")
-            if not 1 <= len(producer_secret) <= m.MAX_SECRET_BYTES:
-                raise ValueError(f"producer_secret must be 1 to {m.MAX_SECRET_BYTES} bytes")
-        if linger_ms < 0:
-            raise ValueError(f"linger_ms must not be negative, got {linger_ms}")
-        if max_batch_bytes < 64:
-            raise ValueError(f"max_batch_bytes is too small: {max_batch_bytes}")
-        if max_buffered_bytes < 1:
-            raise ValueError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
-        if reconnect_timeout is not None and reconnect_timeout < 0:
-            raise ValueError(f"reconnect_timeout must not be negative, got {reconnect_timeout}")
+        producer_id, secret = check_options(
+            producer_id=producer_id,
+            producer_secret=producer_secret,
+            policy=policy,
+            linger_ms=linger_ms,
+            max_batch_bytes=max_batch_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            reconnect_timeout=reconnect_timeout,
+        )
         self._address = GatewayAddress.parse(address)
         #: The producer id the gateway deduplicates by.
         self.producer_id = producer_id
         # Presented in every Hello once known (see producer_secret).
-        self._secret = b"" if producer_secret is None else bytes(producer_secret)
+        self._secret = secret
         self._policy: Policy = policy
         self._optimistic = policy == "optimistic"
         # Window policy: guarantees per batch slot, known from Welcome.
@@ -584,8 +566,8 @@ class Producer:
 
     async def _send_slow(self, stream: str, value: object, key: object) -> None:
         s = await self._stream_for_send(stream)
-        data = value if type(value) is bytes else _as_bytes(value, "value")
-        key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
+        data = value if type(value) is bytes else record_bytes(value, "value")
+        key_data = None if key is None else key if type(key) is bytes else record_bytes(key, "key")
         outcome = self._append(s, data, key_data)
         if outcome < 0:
             await self._wait_room(s, -outcome)
@@ -620,8 +602,8 @@ class Producer:
         s = self._stream(stream)
         if self._runner is None:
             self._start()
-        data = value if type(value) is bytes else _as_bytes(value, "value")
-        key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
+        data = value if type(value) is bytes else record_bytes(value, "value")
+        key_data = None if key is None else key if type(key) is bytes else record_bytes(key, "key")
         # As _append, with its common case inline (one call per record).
         outcome = s.append(data, key_data, self._limit, s.room)
         if outcome:  # not APPENDED

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast, overload
 
 from headgate.client.address import GatewayAddress
 from headgate.client.background_loop import BackgroundLoop
+from headgate.client.batches import record_bytes
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.fleet import (
     FleetBatchResult,
@@ -193,9 +194,9 @@ class SyncProducer(Generic[S, R]):
         if self._fatal is not None:
             raise self._fatal
         if type(value) is not bytes:
-            value = _as_bytes(value, "value")
+            value = record_bytes(value, "value")
         if key is not None and type(key) is not bytes:
-            key = _as_bytes(key, "key")
+            key = record_bytes(key, "key")
         self._pending.append((stream, value, key))
         self._count += 1
         if self._count >= self._handoff:
@@ -412,9 +413,3 @@ class SyncProducer(Generic[S, R]):
 
     async def _statistics(self) -> S:
         return cast("S", self._producer.statistics())
-
-
-def _as_bytes(value: object, what: str) -> bytes:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"a record {what} must be bytes, not {type(value).__name__}")
