@@ -17,6 +17,8 @@ This module is the adapter that wires the rooms, each of which does one job:
 - :mod:`~headgate.client.buffer_bound`: the bound on a stream's bytes not
   acknowledged, and the line of sends waiting for room (sans-IO);
 - :mod:`~headgate.client.batches`: ``send_many``'s records cut into blocks;
+- :mod:`~headgate.client.handover`: what a give-up hands back, and what
+  :meth:`Producer.resend` takes (sans-IO);
 - :mod:`~headgate.client.spooling`: what goes to the spool when, and what
   is sent again from it (sans-IO); :mod:`~headgate.client.spool_sync`:
   a round's bytes leave only after the fsync of its spool entries;
@@ -78,9 +80,10 @@ from headgate.client.errors import (
     SessionRefused,
     StreamRefused,
 )
+from headgate.client.handover import pending_of, resend_by_stream
 from headgate.client.link import GatewayLink, describe_failure
 from headgate.client.open_batch import CUT
-from headgate.client.producer_core import Batch, check_resend_order
+from headgate.client.producer_core import Batch
 from headgate.client.producer_options import Policy, ProducerOptions, check_options
 from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
 from headgate.client.security import ClientSecurity
@@ -820,22 +823,7 @@ class Producer:
         """Every stream's records not acknowledged, as batches: what a give-up hands back."""
         pending: dict[str, list[PendingBatch]] = {}
         for s in self._streams.values():
-            if s.failure is not None:
-                continue
-            batches = [
-                PendingBatch(
-                    s.name,
-                    None if b.first_sequence < 0 else b.first_sequence,
-                    b.count,
-                    b.block,
-                )
-                for b in s.held()
-            ]
-            open_block = s.open_block()
-            if open_block is not None:
-                block, count = open_block
-                batches.append(PendingBatch(s.name, None, count, block))
-            if batches:
+            if s.failure is None and (batches := pending_of(s)):
                 pending[s.name] = batches
         return pending
 
@@ -856,22 +844,7 @@ class Producer:
             ValueError: a stream was already used by this producer, or its
                 numbered batches are out of order or after unnumbered ones.
         """
-        batches: Iterable[PendingBatch]
-        if isinstance(pending, Mapping):
-            batches = [b for stream_batches in pending.values() for b in stream_batches]
-        else:
-            batches = list(pending)
-        by_stream: dict[str, list[PendingBatch]] = {}
-        for batch in batches:
-            by_stream.setdefault(batch.stream, []).append(batch)
-        for name, stream_batches in by_stream.items():
-            s = self._streams.get(name)
-            if s is not None and (s.used or s.values):
-                raise ValueError(
-                    f"stream {name!r} was already used by this producer; resend() must "
-                    "come before any other send on it"
-                )
-            check_resend_order(name, ((b.first_sequence, b.record_count) for b in stream_batches))
+        by_stream = resend_by_stream(pending, self._used)
         deliveries: dict[str, Delivery] = {}
         now = time.monotonic()  # the loop's clock; resent batches are timed from here
         for name, stream_batches in by_stream.items():
@@ -885,6 +858,11 @@ class Producer:
             self._start()
         self._pump()
         return deliveries
+
+    def _used(self, name: str) -> bool:
+        """Whether this producer took records on stream ``name`` already."""
+        s = self._streams.get(name)
+        return s is not None and (s.used or bool(s.values))
 
     # -- batches ------------------------------------------------------------------
 
