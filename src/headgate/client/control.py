@@ -120,13 +120,16 @@ class _Connection(GatewayLink):
         #: Ping nonce -> the positions its Pong confirms.
         self.probes: dict[int, dict[str, int]] = {}
 
-    def end(self, closed: _Closed) -> None:
-        if not self.ended.done():
-            self.ended.set_result(closed)
+    def end(self, closed: _Closed) -> bool:
+        """The connection ended; True if this is its first end (the one that counts)."""
+        if self.ended.done():
+            return False
+        self.ended.set_result(closed)
         if not self.opened.done():
             self.opened.set_exception(closed)
             # Retrieved here: an attempt given up meanwhile leaves no warning.
             self.opened.exception()
+        return True
 
 
 class ReleaseClient:
@@ -192,9 +195,15 @@ class ReleaseClient:
         self._sent = 0
         self._refusals = 0
         self._last_error: str | None = None
-        # The loop waits on this between its rounds; other threads set it
-        # through the loop (_wake).
+        # The loop waits on this between its rounds: set by a release or
+        # close (through the loop: _wake), the last Pong awaited while
+        # closing, and the connection's end. Only the first two cut a
+        # pause between connection attempts short (``_called``).
         self._wakeup = asyncio.Event()
+        self._called = False
+        # A wake-up is on its way to the loop (under _lock): a burst of
+        # releases costs the loop one, not one each.
+        self._wake_pending = False
         self._background = BackgroundLoop(f"headgate-release-{self.address}")
         self._runner = self._background.submit(self._run())
 
@@ -212,6 +221,9 @@ class ReleaseClient:
             if position <= self._wanted.get(stream, -1):
                 return
             self._wanted[stream] = position
+            if self._wake_pending:
+                return  # the loop has yet to look: it will see this one too
+            self._wake_pending = True
         self._wake()
 
     def flush(self, timeout: float) -> bool:
@@ -230,6 +242,7 @@ class ReleaseClient:
         flushed = self.flush(timeout)
         with self._lock:
             self._closing = True
+            self._wake_pending = True
         self._wake()
         concurrent.futures.wait([self._runner], timeout + 1.0)
         # (What still runs, a connection attempt, is cancelled.)
@@ -268,7 +281,13 @@ class ReleaseClient:
         return {s: p for s, p in self._wanted.items() if p > self._settled.get(s, -1)}
 
     def _wake(self) -> None:
-        self._background.call(self._wakeup.set)
+        self._background.call(self._on_call)
+
+    def _on_call(self) -> None:
+        with self._lock:
+            self._wake_pending = False  # what comes later wakes the loop again
+        self._called = True
+        self._wakeup.set()
 
     # -- the background loop ---------------------------------------------------------
 
@@ -334,11 +353,14 @@ class ReleaseClient:
                 await self._sleep(pause)
 
     async def _sleep(self, seconds: float) -> None:
-        """Pause ``seconds``, or less if a release or close comes meanwhile."""
+        """Pause ``seconds``, or less if a release or close comes (or came) meanwhile."""
+        if not self._called:
+            self._wakeup.clear()  # (set by the connection's end)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wakeup.wait()
         self._wakeup.clear()
+        self._called = False
 
     async def _open(self) -> _Connection:
         """Connect and complete the handshake; return the open connection."""
@@ -385,6 +407,7 @@ class ReleaseClient:
         try:
             while True:
                 wakeup.clear()
+                self._called = False  # what it asked for is read below
                 if conn.ended.done():
                     raise conn.ended.result()
                 with self._lock:
@@ -422,18 +445,12 @@ class ReleaseClient:
                     conn.flush()
                     await _linger(conn)
                     return
-                # Until a release, close() or the last Pong wakes us, or the
-                # connection ends; while closing, only a bounded time.
-                woken = loop.create_task(wakeup.wait())
+                # Until a release, close(), the last Pong or the
+                # connection's end wakes us; while closing, a bounded time.
                 try:
-                    done, _ = await asyncio.wait(
-                        (woken, conn.ended),
-                        timeout=_CLOSING_SILENCE if closing else None,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                finally:
-                    woken.cancel()
-                if not done:
+                    async with asyncio.timeout(_CLOSING_SILENCE if closing else None):
+                        await wakeup.wait()
+                except TimeoutError:
                     closing_since = closing_since or loop.time()
                     if loop.time() - closing_since >= _CLOSING_SILENCE:
                         probes.clear()  # the gateway is silent; close() reports the rest
@@ -521,7 +538,8 @@ class ReleaseClient:
         pass  # a few small messages at a time; the transport buffers them
 
     def _ended(self, link: GatewayLink, closed: _Closed) -> None:
-        cast("_Connection", link).end(closed)
+        if cast("_Connection", link).end(closed):
+            self._wakeup.set()  # (a later report of the same end must not cut a pause short)
 
 
 async def _linger(conn: _Connection) -> None:
