@@ -960,11 +960,13 @@ class Producer:
         """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
         spooling = self._spool
         assert spooling is not None
+        waits = spooling.full
         if spooling.room(s, batch, self._streams.values()):
             return True
-        for t in self._streams.values():
-            if not t.space_waiters:
-                t.room = 0  # sends queue behind the spool (see _admit)
+        if spooling.full != waits:  # the first batch to wait: sends queue behind it
+            for t in self._streams.values():
+                if not t.space_waiters:
+                    t.room = 0  # (see _admit)
         return False
 
     def _spool_failed(self, exc: OSError) -> None:
