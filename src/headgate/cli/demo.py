@@ -33,6 +33,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from headgate.client.background_loop import BackgroundLoop as BackgroundLoop
 from headgate.config import GatewayConfig, StreamSettings
 from headgate.gateway import Gateway, GatewayStreamStatistics
 from headgate.log.lock import DirectoryInUse
@@ -111,46 +112,6 @@ def demo_gateway_config(data_dir: Path) -> GatewayConfig:
         group_commit_interval_ms=2.0,
         streams={"audit": StreamSettings(capacity=1024**2)},
     )
-
-
-class BackgroundLoop:
-    """An asyncio loop in a background thread, for the gateway or the producer."""
-
-    def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self._thread.start()
-
-    def run(self, coro: Any, timeout: float | None = None) -> Any:
-        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return future.result(timeout)
-
-    def submit(self, coro: Any) -> Future[Any]:
-        """Start ``coro`` on the loop; the returned future tells when it is done."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
-
-    def call(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` on the loop soon; nothing happens once the loop is closed."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(callback)
-
-    def stop(self) -> None:
-        """Cancel what still runs on the loop, then stop and close it."""
-        if self._thread.is_alive():
-
-            async def cancel_the_rest() -> None:
-                me = asyncio.current_task()
-                rest = [t for t in asyncio.all_tasks() if t is not me]
-                for task in rest:
-                    task.cancel()
-                await asyncio.gather(*rest, return_exceptions=True)
-
-            with contextlib.suppress(Exception):
-                self.run(cancel_the_rest(), 10)
-            self.call(self.loop.stop)
-            self._thread.join(10)
-        if not self._thread.is_alive() and not self.loop.is_closed():
-            self.loop.close()
 
 
 @dataclass

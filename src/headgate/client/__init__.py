@@ -16,6 +16,7 @@ stored records and tails a stream live, from a :class:`StartAt` or a position.
 
 from headgate.client.address import GatewayAddress
 from headgate.client.control import ReleaseClient, ReleaseStatistics
+from headgate.client.delivery import BatchResult, Delivery
 from headgate.client.errors import (
     BufferFull,
     PendingBatch,
@@ -25,14 +26,9 @@ from headgate.client.errors import (
     StreamRefused,
 )
 from headgate.client.fleet import FleetProducer, FleetStatistics, PartitionUnavailable
-from headgate.client.producer import (
-    BatchResult,
-    Delivery,
-    Policy,
-    Producer,
-    ProducerStatistics,
-    StreamStatistics,
-)
+from headgate.client.producer import Producer
+from headgate.client.producer_options import Policy
+from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
 from headgate.client.reader import (
     MissedBatches,
     Reader,

@@ -34,10 +34,28 @@ from headgate.protocol.records import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-__all__ = ["Block", "encode_blocks", "keyed_switch_extra", "split_block", "without_first"]
+__all__ = [
+    "Block",
+    "encode_blocks",
+    "keyed_switch_extra",
+    "record_bytes",
+    "split_block",
+    "without_first",
+]
 
 #: One encoded records block and how many records it holds.
 Block = tuple[bytes, int]
+
+
+def record_bytes(value: object, what: str) -> bytes:
+    """A record's value or key (``what``) as bytes: bytes-like objects are copied, nothing else is.
+
+    Raises:
+        TypeError: ``value`` is not bytes-like.
+    """
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"a record {what} must be bytes, not {type(value).__name__}")
 
 
 def keyed_switch_extra(count: int) -> int:

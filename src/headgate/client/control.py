@@ -6,12 +6,17 @@ Each client commits the positions of one named consumer (``consumer``,
 The pipeline learns that a micro-batch is committed in Spark's
 ``StreamingQueryListener``, which runs on a py4j callback thread that Spark
 shares with every other listener. So :meth:`ReleaseClient.release` never
-waits: it records the newest position of the stream and wakes a background
-thread, which owns the connection to the gateway and does the talking.
+waits: it records the newest position of the stream and wakes the client's
+own event loop, which runs in a background thread
+(:mod:`headgate.client.background_loop`) and does the talking over the same
+:class:`~headgate.client.link.GatewayLink` as the Producer and the Reader:
+the link connects, runs the session and its timers (keepalive Ping, idle and
+handshake timeouts: the lifecycle's rules), and writes; this module decides
+what to write.
 
 Releases are cumulative, so only the newest position of each stream matters:
 positions that pile up while the gateway is away collapse into one message
-per stream. After each burst of Release messages the thread sends a Ping. The
+per stream. After each burst of Release messages the client sends a Ping. The
 gateway handles messages in order, so its Pong proves that every Release
 before it was applied; only then is a position *settled*. Positions that are
 not settled when a connection is lost are sent again on the next one
@@ -34,30 +39,35 @@ backoff, as tokens files can be reloaded.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import logging
-import select
-import socket
 import ssl
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 from headgate.client.address import GatewayAddress
+from headgate.client.background_loop import BackgroundLoop
 from headgate.client.backoff import Backoff
-from headgate.client.link import describe_failure
+from headgate.client.link import GatewayLink, describe_failure
 from headgate.client.security import ClientSecurity, SecurityError
 from headgate.config import ConsumerSettings
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
-from headgate.protocol.session import MessageReceived, Role, Session, WelcomeReceived
+from headgate.protocol.session import Event, MessageReceived, Role, Session, WelcomeReceived
 
 __all__ = ["ReleaseClient", "ReleaseStatistics"]
 
 log = logging.getLogger("headgate.release")
 
 _BACKOFF_START = 0.05
-_READ_SIZE = 64 * 1024
+# While closing: how long the gateway may stay silent, twice over, before
+# the Pongs still awaited are given up (close() reports what they covered).
+_CLOSING_SILENCE = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +101,35 @@ class _Closed(Exception):
         super().__init__(reason)
         self.refused = refused
         self.code = code
+
+
+class _Connection(GatewayLink):
+    """One connection's link, and what the client keeps per connection."""
+
+    def __init__(self, client: ReleaseClient, session: Session) -> None:
+        super().__init__(client, session)
+        loop = asyncio.get_running_loop()
+        #: Resolved by the Welcome; fails with the :class:`_Closed` of an early end.
+        self.opened: asyncio.Future[None] = loop.create_future()
+        #: Why the connection ended; the first reason counts.
+        self.ended: asyncio.Future[_Closed] = loop.create_future()
+        #: Resolved once the transport is gone.
+        self.gone: asyncio.Future[None] = loop.create_future()
+        #: Positions written on this connection.
+        self.written: dict[str, int] = {}
+        #: Ping nonce -> the positions its Pong confirms.
+        self.probes: dict[int, dict[str, int]] = {}
+
+    def end(self, closed: _Closed) -> bool:
+        """The connection ended; True if this is its first end (the one that counts)."""
+        if self.ended.done():
+            return False
+        self.ended.set_result(closed)
+        if not self.opened.done():
+            self.opened.set_exception(closed)
+            # Retrieved here: an attempt given up meanwhile leaves no warning.
+            self.opened.exception()
+        return True
 
 
 class ReleaseClient:
@@ -156,14 +195,17 @@ class ReleaseClient:
         self._sent = 0
         self._refusals = 0
         self._last_error: str | None = None
-        # The background thread sleeps in select(); a byte on this pair wakes it.
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._thread = threading.Thread(
-            target=self._run, name=f"headgate-release-{self.address}", daemon=True
-        )
-        self._thread.start()
+        # The loop waits on this between its rounds: set by a release or
+        # close (through the loop: _wake), the last Pong awaited while
+        # closing, and the connection's end. Only the first two cut a
+        # pause between connection attempts short (``_called``).
+        self._wakeup = asyncio.Event()
+        self._called = False
+        # A wake-up is on its way to the loop (under _lock): a burst of
+        # releases costs the loop one, not one each.
+        self._wake_pending = False
+        self._background = BackgroundLoop(f"headgate-release-{self.address}")
+        self._runner = self._background.submit(self._run())
 
     # -- the caller's side ----------------------------------------------------------
 
@@ -179,6 +221,9 @@ class ReleaseClient:
             if position <= self._wanted.get(stream, -1):
                 return
             self._wanted[stream] = position
+            if self._wake_pending:
+                return  # the loop has yet to look: it will see this one too
+            self._wake_pending = True
         self._wake()
 
     def flush(self, timeout: float) -> bool:
@@ -187,7 +232,7 @@ class ReleaseClient:
         with self._settled_cv:
             while self._unsettled():
                 remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._thread.is_alive():
+                if remaining <= 0 or self._runner.done():
                     return False
                 self._settled_cv.wait(remaining)
         return True
@@ -197,13 +242,11 @@ class ReleaseClient:
         flushed = self.flush(timeout)
         with self._lock:
             self._closing = True
+            self._wake_pending = True
         self._wake()
-        self._thread.join(timeout + 1.0)
-        if not self._thread.is_alive():
-            # (A thread still inside a connection attempt sees _closing and
-            # ends by itself; its wake-up pair goes with the object.)
-            self._wake_r.close()
-            self._wake_w.close()
+        concurrent.futures.wait([self._runner], timeout + 1.0)
+        # (What still runs, a connection attempt, is cancelled.)
+        self._background.stop()
         if not flushed:
             with self._lock:
                 unsettled = self._unsettled()
@@ -238,14 +281,27 @@ class ReleaseClient:
         return {s: p for s, p in self._wanted.items() if p > self._settled.get(s, -1)}
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            self._wake_w.send(b"\0")
+        self._background.call(self._on_call)
 
-    # -- the background thread ---------------------------------------------------------
+    def _on_call(self) -> None:
+        with self._lock:
+            self._wake_pending = False  # what comes later wakes the loop again
+        self._called = True
+        self._wakeup.set()
 
-    def _run(self) -> None:
+    # -- the background loop ---------------------------------------------------------
+
+    async def _run(self) -> None:
+        try:
+            await self._connect_forever()
+        except Exception:
+            log.exception("the release client for the gateway at %s stopped", self.address)
+            raise
+
+    async def _connect_forever(self) -> None:
+        loop = asyncio.get_running_loop()
         backoff = Backoff(
-            time.monotonic(),
+            loop.time(),
             give_up_after=None,
             first=_BACKOFF_START,
             longest=self._max_backoff,
@@ -256,7 +312,7 @@ class ReleaseClient:
                 if self._closing:
                     return
             try:
-                sock, session = self._open()
+                conn = await self._open()
             except (OSError, _Closed, SecurityError) as exc:
                 with self._lock:
                     if self._closing:
@@ -270,125 +326,90 @@ class ReleaseClient:
                         level = logging.ERROR  # waiting will not fix it by itself
                     log.log(level, "cannot reach the gateway at %s: %s", self.address, reason)
                 self._last_error = reason
-                self._sleep(backoff.failed(time.monotonic()) or 0.0)
+                await self._sleep(backoff.failed(loop.time()) or 0.0)
                 continue
-            opened = time.monotonic()
+            opened = loop.time()
             with self._lock:
                 self._connected = True
                 self._connections += 1
             log.info("releases go to the gateway at %s", self.address)
             try:
-                self._serve(sock, session)
-            except (OSError, _Closed) as exc:
+                await self._serve(conn)
+            except _Closed as exc:
                 self._last_error = _describe(exc)
-                if not (isinstance(exc, _Closed) and exc.refused):
+                if not exc.refused:
                     log.warning("lost the gateway at %s: %s", self.address, self._last_error)
             finally:
                 with self._lock:
                     self._connected = False
-                sock.close()
+                conn.abort()
             with self._lock:
                 if self._closing:
                     return
             # Releases carry no acknowledgement worth the name: only time
             # makes a session healthy.
-            pause = backoff.ended(opened, time.monotonic(), progressed=False)
+            pause = backoff.ended(opened, loop.time(), progressed=False)
             if pause:
-                self._sleep(pause)
+                await self._sleep(pause)
 
-    def _sleep(self, seconds: float) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            select.select([self._wake_r], [], [], seconds)
-        self._drain_wake()
+    async def _sleep(self, seconds: float) -> None:
+        """Pause ``seconds``, or less if a release or close comes (or came) meanwhile."""
+        if not self._called:
+            self._wakeup.clear()  # (set by the connection's end)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wakeup.wait()
+        self._wakeup.clear()
+        self._called = False
 
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
-            while self._wake_r.recv(4096):
-                pass
-
-    def _open(self) -> tuple[socket.socket, Session]:
-        """Connect and complete the handshake; return the socket and the open session."""
+    async def _open(self) -> _Connection:
+        """Connect and complete the handshake; return the open connection."""
         token = self._security.token_bytes()
-        sock = self.address.connect_socket(self._connect_timeout)
-        sock = self._security.wrap_socket(sock, None if self.address.is_unix else self.address.host)
-        try:
-            # The Welcome must come within connect_timeout: the session's
-            # handshake clock.
+        context = self._security.ssl_context()
+        loop = asyncio.get_running_loop()
+
+        def link() -> _Connection:
+            # The Welcome must come within connect_timeout of the connection:
+            # the session's handshake clock, which the link runs.
             session = Session(
-                Role.PRODUCER, now=time.monotonic(), handshake_timeout=self._connect_timeout
+                Role.PRODUCER, now=loop.time(), handshake_timeout=self._connect_timeout
             )
             session.send_global(m.Hello(producer_id=0, client_name=self._client_name, token=token))
-            sock.sendall(session.data_to_send())
-            while True:
-                due = session.get_timer()
-                assert due is not None  # (the handshake clock runs until Welcome)
-                sock.settimeout(max(0.01, due - time.monotonic()))
-                try:
-                    data = sock.recv(_READ_SIZE)
-                except TimeoutError:
-                    expired = session.handle_timer(time.monotonic())
-                    if expired is None:
-                        continue  # woken a little early
-                    raise _Closed(str(expired.args[0])) from None
-                if not data:
-                    raise _Closed("the gateway closed the connection before Welcome")
-                for event in self._receive(session, sock, data):
-                    if isinstance(event, WelcomeReceived):
-                        sock.setblocking(False)
-                        return sock, session
-        except BaseException:
-            sock.close()
-            raise
+            return _Connection(self, session)
 
-    def _receive(self, session: Session, sock: socket.socket, data: bytes) -> list[object]:
-        """Feed the session; turn Error and Goodbye into :class:`_Closed`."""
-        try:
-            events = session.receive_data(data, time.monotonic())
-        except ProtocolError as exc:
-            with contextlib.suppress(OSError):
-                sock.sendall(session.fail(exc))
-            raise _Closed(f"the gateway broke the protocol: {exc}") from None
-        # The gateway ended the session (the lifecycle's rule; it scopes an
-        # Error to a handle only for a writer's stream, which we never bind).
-        message = session.ending
-        if isinstance(message, m.Error):
-            text = f"{message.code.name}: {message.text}"
-            refused = message.code in (
-                ErrorCode.UNEXPECTED_FRAME,
-                ErrorCode.FORBIDDEN,
-                ErrorCode.UNKNOWN_CONSUMER,
+        async with asyncio.timeout(self._connect_timeout):
+            _, conn = await self.address.connect(
+                link, ssl=context, server_hostname=self._security.server_name
             )
-            raise _Closed(text, refused=refused, code=message.code)
-        if isinstance(message, m.Goodbye):
-            raise _Closed(f"the gateway said goodbye ({message.code.name})")
-        self._send_all(sock, session)  # Pongs for the gateway's Pings
-        return list(events)
-
-    def _send_all(self, sock: socket.socket, session: Session) -> None:
-        """Write what the session queued; raise if the gateway takes none of it for a while."""
-        data = session.data_to_send()
-        if not data:
-            return
-        sock.settimeout(self._connect_timeout)
         try:
-            sock.sendall(data)
-        finally:
-            sock.setblocking(False)
-        session.lifecycle.sent(time.monotonic())
+            conn.start_timer()
+            await conn.opened
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
 
-    def _serve(self, sock: socket.socket, session: Session) -> None:
-        """Send what is wanted, collect Pongs, until the connection ends or we close.
+    async def _serve(self, conn: _Connection) -> None:
+        """Send what is wanted until the connection ends or we close; Pongs settle it.
 
-        The session's clocks (its lifecycle) say when a keepalive Ping is
-        due, and when the gateway has been silent too long.
+        The link runs the session's clocks (its lifecycle): keepalive Pings,
+        and the end of a gateway silent too long. Pongs are taken as they
+        arrive (:meth:`link_events`).
         """
-        written: dict[str, int] = {}  # positions written on this connection
+        loop = asyncio.get_running_loop()
+        session = conn.session
+        written = conn.written
+        probes = conn.probes
         declared: set[str] = set()  # streams whose consumer was declared on it
-        probes: dict[int, dict[str, int]] = {}  # Ping nonce -> what it confirms
         nonce = 0
         closing_since: float | None = None
+        wakeup = self._wakeup
         try:
             while True:
+                wakeup.clear()
+                self._called = False  # what it asked for is read below
+                if conn.ended.done():
+                    raise conn.ended.result()
                 with self._lock:
                     closing = self._closing
                     todo = {
@@ -416,29 +437,22 @@ class ReleaseClient:
                     nonce += 1
                     probes[nonce] = dict(written)
                     session.send_global(m.Ping(nonce=nonce))
-                    self._send_all(sock, session)
+                    conn.flush()
                     with self._lock:
                         self._sent += len(todo)
-                expired = session.handle_timer(time.monotonic())
-                if expired is not None:
-                    raise _Closed(str(expired.args[0]))
-                self._send_all(sock, session)  # a keepalive Ping, if one was due
                 if closing and not todo and not probes:
                     session.send_global(m.Goodbye(code=ErrorCode.NONE))
-                    self._send_all(sock, session)
-                    _linger(sock)
+                    conn.flush()
+                    await _linger(conn)
                     return
-                # While closing, wait only a bounded time for the last Pongs.
-                due = session.get_timer()
-                wait = 1.0 if due is None else min(1.0, max(0.0, due - time.monotonic()))
-                readable, _, _ = select.select([sock, self._wake_r], [], [], wait)
-                if self._wake_r in readable:
-                    self._drain_wake()
-                if sock in readable:
-                    self._read(sock, session, probes)
-                elif closing and not readable:
-                    closing_since = closing_since or time.monotonic()
-                    if time.monotonic() - closing_since >= 1.0:
+                # Until a release, close(), the last Pong or the
+                # connection's end wakes us; while closing, a bounded time.
+                try:
+                    async with asyncio.timeout(_CLOSING_SILENCE if closing else None):
+                        await wakeup.wait()
+                except TimeoutError:
+                    closing_since = closing_since or loop.time()
+                    if loop.time() - closing_since >= _CLOSING_SILENCE:
                         probes.clear()  # the gateway is silent; close() reports the rest
         except _Closed as exc:
             if exc.refused:
@@ -453,44 +467,89 @@ class ReleaseClient:
                     self._settled_cv.notify_all()
             raise
 
-    def _read(
-        self, sock: socket.socket, session: Session, probes: dict[int, dict[str, int]]
-    ) -> None:
-        chunks = []
-        try:
-            chunks.append(sock.recv(_READ_SIZE))
-            # TLS may hold decrypted bytes that select() cannot see.
-            while isinstance(sock, ssl.SSLSocket) and chunks[-1] and sock.pending():
-                chunks.append(sock.recv(_READ_SIZE))
-        except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-            if not chunks:
-                return
-        data = b"".join(chunks)
-        if not data:
-            raise _Closed("the gateway closed the connection")
-        for event in self._receive(session, sock, data):
+    # The link's reports (headgate.client.link.LinkOwner), on the loop; each
+    # names its connection.
+
+    def link_events(self, link: GatewayLink, events: Iterable[Event]) -> None:
+        conn = cast("_Connection", link)
+        if conn.session.ending is not None:
+            # link_ending follows: a Pong that came with the gateway's Error
+            # confirms nothing (the refusal settles what was written).
+            return
+        for event in events:
             if isinstance(event, MessageReceived) and isinstance(event.message, m.Pong):
-                confirmed = probes.pop(event.message.nonce, None)
-                if confirmed is None:
-                    continue
-                for older in [n for n in probes if n < event.message.nonce]:
-                    del probes[older]
-                with self._settled_cv:
-                    for stream, position in confirmed.items():
-                        if position > self._settled.get(stream, -1):
-                            self._settled[stream] = position
-                        if position > self._applied.get(stream, -1):
-                            self._applied[stream] = position
-                    self._settled_cv.notify_all()
+                self._confirmed(conn, event.message.nonce)
+            elif isinstance(event, WelcomeReceived):
+                conn.start_timer()  # from the handshake's clock to keepalive and idle
+                if not conn.opened.done():
+                    conn.opened.set_result(None)
+        conn.flush()  # Pongs for the gateway's Pings
+
+    def _confirmed(self, conn: _Connection, nonce: int) -> None:
+        """A Pong: the Releases before its Ping are applied."""
+        probes = conn.probes
+        confirmed = probes.pop(nonce, None)
+        if confirmed is None:
+            return
+        for older in [n for n in probes if n < nonce]:
+            del probes[older]
+        with self._settled_cv:
+            for stream, position in confirmed.items():
+                if position > self._settled.get(stream, -1):
+                    self._settled[stream] = position
+                if position > self._applied.get(stream, -1):
+                    self._applied[stream] = position
+            self._settled_cv.notify_all()
+        if self._closing and not probes:
+            self._wakeup.set()  # a closing client waits for the last Pong
+
+    def link_ending(self, link: GatewayLink, message: m.Goodbye | m.Error) -> None:
+        # The gateway ended the session (the lifecycle's rule; it scopes an
+        # Error to a handle only for a writer's stream, which we never bind).
+        if isinstance(message, m.Error):
+            text = f"{message.code.name}: {message.text}"
+            refused = message.code in (
+                ErrorCode.UNEXPECTED_FRAME,
+                ErrorCode.FORBIDDEN,
+                ErrorCode.UNKNOWN_CONSUMER,
+            )
+            self._ended(link, _Closed(text, refused=refused, code=message.code))
+        else:
+            self._ended(link, _Closed(f"the gateway said goodbye ({message.code.name})"))
+
+    def link_broken(self, link: GatewayLink, error: ProtocolError) -> None:
+        self._ended(link, _Closed(f"the gateway broke the protocol: {error}"))
+
+    def link_expired(self, link: GatewayLink, reason: str) -> None:
+        self._ended(link, _Closed(reason))
+
+    def link_lost(self, link: GatewayLink, exc: Exception | None) -> None:
+        conn = cast("_Connection", link)
+        if exc is not None:
+            self._ended(conn, _Closed(describe_failure(exc)))
+        elif not conn.opened.done():
+            self._ended(conn, _Closed("the gateway closed the connection before Welcome"))
+        else:
+            self._ended(conn, _Closed("the gateway closed the connection"))
+        if not conn.gone.done():
+            conn.gone.set_result(None)
+
+    def link_drained(self, link: GatewayLink) -> None:
+        pass  # a few small messages at a time; the transport buffers them
+
+    def _ended(self, link: GatewayLink, closed: _Closed) -> None:
+        if cast("_Connection", link).end(closed):
+            self._wakeup.set()  # (a later report of the same end must not cut a pause short)
 
 
-def _linger(sock: socket.socket) -> None:
-    """Half-close and read to the end, so the gateway gets everything before the close."""
-    with contextlib.suppress(OSError):
-        sock.shutdown(socket.SHUT_WR)
-        sock.settimeout(1.0)
-        while sock.recv(_READ_SIZE):
-            pass
+async def _linger(conn: _Connection) -> None:
+    """Half-close and wait for the gateway's close, so it gets everything before ours."""
+    transport = conn.transport
+    if transport is not None and transport.can_write_eof():
+        with contextlib.suppress(OSError, RuntimeError):
+            transport.write_eof()
+    await asyncio.wait([conn.gone], timeout=1.0)
+    conn.close()
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,7 +1,8 @@
 """One connection to a gateway and its protocol session: what every client shares.
 
-The :class:`~headgate.client.Producer` and the :class:`~headgate.client.Reader`
-each talk to a gateway over one :class:`GatewayLink`: it opens the
+The :class:`~headgate.client.Producer`, the :class:`~headgate.client.Reader`
+and the :class:`~headgate.client.ReleaseClient` each talk to a gateway over
+one :class:`GatewayLink`: it opens the
 connection (TCP, TLS or a Unix socket, :mod:`headgate.client.address`), feeds
 what arrives to the sans-IO :class:`~headgate.protocol.session.Session`,
 answers a peer that breaks the protocol with the session's Error, runs the
@@ -9,10 +10,7 @@ session's timers (keepalive Ping, idle timeout: the lifecycle decides when
 and why, :mod:`headgate.protocol.lifecycle`), and writes what the session
 queued. What the events mean is its owner's business (:class:`LinkOwner`).
 
-The :class:`~headgate.client.ReleaseClient` runs in a thread of its own over a
-blocking socket, so it keeps its loop; it shares :func:`describe_failure`,
-the one wording of why a connection failed, and the same Session and
-lifecycle underneath.
+:func:`describe_failure` is the one wording of why a connection failed.
 """
 
 from __future__ import annotations

@@ -7,10 +7,28 @@ credit, and the batches sent but not yet acknowledged. Nothing is per record
 except a list append: the records block is encoded when a batch is sealed,
 and durability is tracked per batch.
 
-Which batch goes next, under which sequence number, and what an Ack or a
-lost connection does to the batches held is the sans-IO core's rule
-(:mod:`headgate.client.producer_core`); records are cut into blocks by
-:mod:`headgate.client.batches`. This module is their asyncio adapter.
+This module is the adapter that wires the rooms, each of which does one job:
+
+- :mod:`~headgate.client.producer_core`: which batch goes next, under which
+  sequence number, and what an Ack or a lost connection does to the
+  batches held (sans-IO);
+- :mod:`~headgate.client.open_batch`: what a record adds to the open batch
+  and when the batch is cut (sans-IO);
+- :mod:`~headgate.client.buffer_bound`: the bound on a stream's bytes not
+  acknowledged, and the line of sends waiting for room (sans-IO);
+- :mod:`~headgate.client.batches`: ``send_many``'s records cut into blocks;
+- :mod:`~headgate.client.handover`: what a give-up hands back, and what
+  :meth:`Producer.resend` takes (sans-IO);
+- :mod:`~headgate.client.spooling`: what goes to the spool when, and what
+  is sent again from it (sans-IO); :mod:`~headgate.client.spool_sync`:
+  a round's bytes leave only after the fsync of its spool entries;
+- :mod:`~headgate.client.link`: the connection, its session and timers;
+- :mod:`~headgate.client.delivery`, :mod:`~headgate.client.producer_options`
+  and :mod:`~headgate.client.producer_statistics`: what callers get back,
+  pass in, and read.
+
+What stays here is what needs the event loop: the linger and rebind timers,
+awaiting room and acknowledgements, the sending rounds, and reconnecting.
 
 Sending is driven by :meth:`Producer._pump`, called whenever something could
 let a batch go out (a seal, guarantees, an initial Ack, a new connection, the
@@ -42,18 +60,18 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import ssl as ssl_module
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from headgate.client.address import GatewayAddress
 from headgate.client.backoff import Backoff
-from headgate.client.batches import encode_blocks, keyed_switch_extra
+from headgate.client.batches import encode_blocks, record_bytes
+from headgate.client.buffer_bound import BoundedStream
+from headgate.client.delivery import BatchResult, Delivery
 from headgate.client.errors import (
     BufferFull,
     PendingBatch,
@@ -62,19 +80,21 @@ from headgate.client.errors import (
     SessionRefused,
     StreamRefused,
 )
+from headgate.client.handover import pending_of, resend_by_stream
 from headgate.client.link import GatewayLink, describe_failure
-from headgate.client.producer_core import Batch, StreamBatches, check_resend_order
+from headgate.client.open_batch import CUT
+from headgate.client.producer_core import Batch
+from headgate.client.producer_options import Policy, ProducerOptions, check_options
+from headgate.client.producer_statistics import ProducerStatistics, StreamStatistics
 from headgate.client.security import ClientSecurity
 from headgate.client.spool import Spool
+from headgate.client.spool_sync import SyncedWrites
+from headgate.client.spooling import ProducerSpool
 from headgate.costs import batch_cost
 from headgate.protocol import messages as m
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.records import (
-    BLOCK_BASE,
-    KEYED_BLOCK_BASE,
     RECORD_OVERHEAD,
-    encode_records,
-    record_cost,
 )
 from headgate.protocol.session import (
     AckReceived,
@@ -102,33 +122,8 @@ __all__ = [
     "StreamStatistics",
 ]
 
-#: ``"wait"`` sends only within guarantees; ``"optimistic"`` sends at once and
-#: lets the session resend what the gateway drops.
-Policy = Literal["wait", "optimistic", "window"]
-
-
-class ProducerOptions(TypedDict, total=False):
-    """The keyword options of :class:`Producer`, for the clients that wrap one.
-
-    :class:`~headgate.client.SyncProducer` takes them as ``**options`` and
-    hands them on, so their defaults live in one place, ``Producer``'s
-    signature (a test checks that the keys match it).
-    """
-
-    producer_id: int | None
-    producer_secret: bytes | None
-    policy: Policy
-    linger_ms: float
-    max_batch_bytes: int
-    max_buffered_bytes: int
-    client_name: str
-    reconnect_timeout: float | None
-    security: ClientSecurity | None
-    spool: str | os.PathLike[str] | None
-    spool_max_bytes: int
-    cluster: str | os.PathLike[str] | None
-
-
+# The room of a record let in by _wait_room: it goes whatever the bound.
+_UNBOUNDED = float("inf")
 _BACKOFF_START = 0.05
 _BACKOFF_MAX = 2.0
 _MIN_ATTEMPT = 0.5
@@ -148,230 +143,27 @@ _RETRYABLE = frozenset(
 )
 
 
-# --- results and statistics ----------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BatchResult:
-    """Records of one :meth:`Producer.send_many` call, durable in the stream log."""
-
-    #: The stream.
-    stream: str
-    #: The sequence number of the first record (records are numbered per stream
-    #: and producer id; the rest follow consecutively).
-    first_sequence: int
-    #: How many records.
-    record_count: int
-    #: The log's durable end position when the last of them was acknowledged.
-    durable_position: int
-
-
-class Delivery:
-    """The pending durability of one :meth:`Producer.send_many` call.
-
-    Await it for a :class:`BatchResult`; it raises :class:`StreamRefused` or
-    :class:`ProducerError` if the records cannot be delivered.
-    """
-
-    __slots__ = ("_count", "_error", "_first", "_pending", "_result", "_waiters", "stream")
-
-    def __init__(self, stream: str) -> None:
-        #: The stream the records were sent on.
-        self.stream = stream
-        self._pending = 0
-        self._count = 0
-        self._first: int | None = None
-        self._result: BatchResult | None = None
-        self._error: BaseException | None = None
-        # Futures exist only while someone awaits, so an unawaited failed
-        # delivery never leaves "exception was never retrieved" behind.
-        self._waiters: list[asyncio.Future[None]] = []
-
-    def done(self) -> bool:
-        """Whether the records are durable or lost."""
-        return self._result is not None or self._error is not None
-
-    def result(self) -> BatchResult:
-        """The result; raises the failure, or ``asyncio.InvalidStateError`` if pending."""
-        if self._error is not None:
-            raise self._error
-        if self._result is None:
-            raise asyncio.InvalidStateError("the records are not acknowledged yet")
-        return self._result
-
-    def __await__(self) -> Generator[Any, None, BatchResult]:
-        if not self.done():
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                yield from waiter.__await__()
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        return self.result()
-
-    def __repr__(self) -> str:
-        state = "done" if self._result else "failed" if self._error else "pending"
-        return f"<Delivery {self.stream!r} {self._count} records {state}>"
-
-    # -- producer side --
-
-    def _add(self, count: int) -> None:
-        self._pending += 1
-        self._count += count
-
-    def _numbered(self, first_sequence: int) -> None:
-        if self._first is None:
-            self._first = first_sequence
-
-    def _unnumbered(self, first_sequence: int) -> None:
-        """A batch numbered ``first_sequence`` lost its number (a gap renumbers it).
-
-        If it was our first batch, the number it gets next is our first: the
-        batches of one delivery are queued, and so renumbered, in order.
-        """
-        if self._first == first_sequence:
-            self._first = None
-
-    def _split(self, extra: int) -> None:
-        """One of our batches was cut into ``extra`` more (the gateway's frames are smaller)."""
-        self._pending += extra
-
-    def _acked(self, durable_position: int) -> None:
-        self._pending -= 1
-        if self._pending == 0 and not self.done():
-            first = self._first if self._first is not None else 0
-            self._result = BatchResult(self.stream, first, self._count, durable_position)
-            self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        if not self.done():
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._waiters.clear()
-
-
-@dataclass(frozen=True, slots=True)
-class StreamStatistics:
-    """A snapshot of one stream of a producer."""
-
-    #: The stream name.
-    stream: str
-    #: Records sent to the gateway at least once.
-    records_sent: int
-    #: Records the gateway acknowledged durable.
-    records_acked: int
-    #: Records-block bytes sent at least once.
-    bytes_sent: int
-    #: Records-block bytes acknowledged.
-    bytes_acked: int
-    #: Records this producer wrote to its spool (those it found there on
-    #: opening are not counted); 0 without a spool.
-    records_spooled: int
-    #: Records in the open batch, not sealed yet.
-    open_records: int
-    #: Sealed batches waiting for credit or a connection.
-    batches_queued: int
-    #: Batches sent and not yet acknowledged.
-    batches_in_flight: int
-    #: Bytes held for the stream and not yet acknowledged: the records blocks
-    #: of its sealed batches plus the open batch's (what max_buffered_bytes bounds).
-    buffered_bytes: int
-    #: Batches the gateway dropped (optimistic policy) and the session resent.
-    batches_dropped: int
-    #: The sequence number the next batch gets; None before the first initial Ack.
-    next_sequence: int | None
-    #: Our guarantees on the stream's channel; None while the stream is not bound.
-    guarantees: int | None
-    #: Why the gateway refused the stream, or None.
-    refused: str | None
-    #: The gateway's notice that it cannot store the stream now (its disk is
-    #: full), until it sends an Ack or guarantees again; None otherwise.
-    #: Records wait, they are not lost.
-    storage_full: str | None = None
-    #: Send-to-durable-ack latency (seconds) of the latest acknowledged
-    #: batches (up to :data:`~headgate.latency.WINDOW_SIZE`, none older than
-    #: :data:`~headgate.latency.WINDOW_HORIZON_S`): from the ``send()`` of a
-    #: batch's first record (from ``send_many()`` for its batches) to the
-    #: arrival of the Ack that made it durable. None before any in the window.
-    ack_latency_p50: float | None = None
-    ack_latency_p99: float | None = None
-    ack_latency_max: float | None = None
-    #: How many acknowledged batches those percentiles are over.
-    ack_latency_batches: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ProducerStatistics:
-    """A snapshot of a producer and its streams."""
-
-    #: The producer id the gateway deduplicates by.
-    producer_id: int
-    #: The gateway's address.
-    address: GatewayAddress
-    #: The sending policy.
-    policy: Policy
-    #: Whether a session with the gateway is open now.
-    connected: bool
-    #: How many times the connection was lost after being open.
-    reconnects: int
-    #: The last connection problem, or None.
-    last_error: str | None
-    #: Why the producer gave up, or None while it is working.
-    failure: str | None
-    #: One snapshot per stream used so far.
-    streams: Mapping[str, StreamStatistics]
-    #: Bytes the spool's files take on disk; None without a spool.
-    spool_bytes: int | None = None
-    #: How many times a batch waited because the spool was full.
-    spool_full: int = 0
-
-
 # --- internal state -------------------------------------------------------------
 
 
-class _Stream(StreamBatches):
-    """One stream of the producer: its sans-IO batches, its open batch, and its waiters."""
+class _Stream(BoundedStream):
+    """One stream of the producer: its batches (sealed, open, within the bound) and its waiters."""
 
     __slots__ = (
         "failure",
         "flush_waiters",
         "handle",
-        "keys",
-        "linger",
-        "open_bytes",
-        "opened_at",
         "rebind",
-        "records_spooled",
         "recovery_backoff",
         "refusal_reported",
-        "room",
         "scheduled",
-        "space_waiters",
         "storage_full",
-        "values",
     )
 
-    def __init__(self, name: str, room: int) -> None:
-        super().__init__(name)
+    def __init__(self, name: str, bound: int) -> None:
+        super().__init__(name, bound)
         # The gateway's STORAGE_FULL notice, until an Ack or guarantees come.
         self.storage_full: str | None = None
-        # The open batch.
-        self.values: list[bytes] = []
-        self.keys: list[bytes | None] | None = None
-        self.open_bytes = BLOCK_BASE
-        self.linger: asyncio.TimerHandle | None = None
-        # When the open batch's first record was sent (the loop's clock).
-        self.opened_at = 0.0
-        # What send's fast path lets buffered plus the open batch reach:
-        # max_buffered_bytes, or 0 while a send waits for room, so that
-        # later sends queue behind it (see Producer._admit).
-        self.room = room
         # Per connection: our handle (its initial Ack sets ``ready``).
         self.handle: int | None = None
         # While the gateway is still recovering the stream after a restart
@@ -382,10 +174,6 @@ class _Stream(StreamBatches):
         self.failure: ProducerError | None = None
         self.refusal_reported = False
         self.flush_waiters: list[tuple[int, asyncio.Future[None]]] = []
-        # Sends waiting for room, in order, with the bytes each needs; the
-        # first one's future is resolved when it may go.
-        self.space_waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-        self.records_spooled = 0
 
 
 class _ConnectionFailed(Exception):
@@ -420,22 +208,21 @@ class _Connection(GatewayLink):
         # Whether the gateway acknowledged a batch on this connection: what
         # makes a short session healthy (see headgate.client.backoff).
         self.progressed = False
-        # With a spool: bytes waiting for their entries' fsync, which runs
-        # in a thread while ``syncing``.
-        self.held: list[bytes] = []
-        self.syncing = False
+        # With a spool: writes wait for its fsync (headgate.client.spool_sync).
+        spooling = producer._spool
+        self.synced_writes = (
+            None
+            if spooling is None
+            else SyncedWrites(
+                spooling.spool, self.send, lambda: self.writable, producer._spool_failed
+            )
+        )
 
     def end(self, reason: str) -> None:
         """Close, remembering the first reason given (what the producer reports)."""
         if self.reason is None:
             self.reason = reason
         self.close()
-
-
-def _as_bytes(value: object, what: str) -> bytes:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"a record {what} must be bytes, not {type(value).__name__}")
 
 
 # --- the producer -------------------------------------------------------------
@@ -547,31 +334,20 @@ class Producer:
             raise TypeError("a Producer needs the gateway's address (or cluster=...)")
         explicit_id = producer_id
         security = security or ClientSecurity()
-        if policy not in ("wait", "optimistic", "window"):
-            raise ValueError(f"policy must be 'wait', 'optimistic' or 'window', not {policy!r}")
-        if producer_id is None:
-            producer_id = secrets.randbits(63)
-        if not 0 <= producer_id < m.PRODUCER_ID_LIMIT:
-            # Spark reads producer ids as a signed 64-bit long.
-            raise ValueError(f"producer_id must be in [0, 2**63), got {producer_id}")
-        if producer_secret is not None:
-            if not isinstance(producer_secret, bytes | bytearray):
-                raise TypeError("producer_secret must be bytes (from an earlier producer)")
-            if not 1 <= len(producer_secret) <= m.MAX_SECRET_BYTES:
-                raise ValueError(f"producer_secret must be 1 to {m.MAX_SECRET_BYTES} bytes")
-        if linger_ms < 0:
-            raise ValueError(f"linger_ms must not be negative, got {linger_ms}")
-        if max_batch_bytes < 64:
-            raise ValueError(f"max_batch_bytes is too small: {max_batch_bytes}")
-        if max_buffered_bytes < 1:
-            raise ValueError(f"max_buffered_bytes must be positive, got {max_buffered_bytes}")
-        if reconnect_timeout is not None and reconnect_timeout < 0:
-            raise ValueError(f"reconnect_timeout must not be negative, got {reconnect_timeout}")
+        producer_id, secret = check_options(
+            producer_id=producer_id,
+            producer_secret=producer_secret,
+            policy=policy,
+            linger_ms=linger_ms,
+            max_batch_bytes=max_batch_bytes,
+            max_buffered_bytes=max_buffered_bytes,
+            reconnect_timeout=reconnect_timeout,
+        )
         self._address = GatewayAddress.parse(address)
         #: The producer id the gateway deduplicates by.
         self.producer_id = producer_id
         # Presented in every Hello once known (see producer_secret).
-        self._secret = b"" if producer_secret is None else bytes(producer_secret)
+        self._secret = secret
         self._policy: Policy = policy
         self._optimistic = policy == "optimistic"
         # Window policy: guarantees per batch slot, known from Welcome.
@@ -596,11 +372,8 @@ class Producer:
         self._closed = False
         self._reconnects = 0
         self._last_error: str | None = None
-        self._spool: Spool | None = None
-        # Streams whose next batch waits for room in the spool; while any
-        # does, sends wait as they do for max_buffered_bytes.
-        self._spool_waiting: list[_Stream] = []
-        self._spool_full = 0
+        # The spool and its rules (headgate.client.spooling), or None.
+        self._spool: ProducerSpool | None = None
         if spool is not None:
             self._open_spool(Path(spool), spool_max_bytes, explicit_id, producer_secret)
 
@@ -610,37 +383,19 @@ class Producer:
         """Take the spool's identity (or give it ours) and queue what it holds to be sent again."""
         spool = Spool(directory, max_bytes)
         try:
-            if spool.producer_id is not None:
-                if explicit_id is not None and explicit_id != spool.producer_id:
-                    raise ValueError(
-                        f"the spool {directory} belongs to producer id {spool.producer_id}, "
-                        f"not {explicit_id}: leave producer_id out to resume it, or use "
-                        "another spool"
-                    )
-                if secret is not None and spool.producer_secret and secret != spool.producer_secret:
-                    raise ValueError(f"producer_secret is not the one the spool {directory} holds")
-                self.producer_id = spool.producer_id
-                self._secret = spool.producer_secret or self._secret
-            else:
-                spool.write_identity(self.producer_id, self._secret)
+            self.producer_id, self._secret = ProducerSpool.identity(
+                spool,
+                self.producer_id,
+                self._secret,
+                explicit_id=explicit_id,
+                explicit_secret=secret,
+            )
         except BaseException:
             spool.close()
             raise
-        self._spool = spool
-        # Latency of a batch found in the spool counts from now (the loop's
-        # clock is the monotonic one): when it was first sent is not known.
-        now = time.monotonic()
-        for name, batches in spool.recovered.items():
-            s = self._stream(name)
-            for spooled in batches:
-                batch = s.adopt(
-                    spooled.block, spooled.record_count, None, now, spooled.first_sequence
-                )
-                batch.spooled = True
-                self._mark(s)
-        if spool.recovered:
-            count = sum(b.record_count for batches in spool.recovered.values() for b in batches)
-            log.info("spool %s: %d records to send again", directory, count)
+        self._spool = ProducerSpool(spool)
+        # The loop's clock is the monotonic one.
+        self._spool.replay(self._stream, time.monotonic())
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -748,12 +503,12 @@ class Producer:
                 if current is not None and current.cancelling():
                     raise
         self._fail(ProducerError("the producer is closed"))
-        spool = self._spool
-        if spool is not None:
+        spooling = self._spool
+        if spooling is not None:
             self._spool = None
             if delivered:
-                spool.clear()  # the gateway has everything; the identity stays
-            spool.close()
+                spooling.spool.clear()  # the gateway has everything; the identity stays
+            spooling.spool.close()
 
     # -- sending ------------------------------------------------------------------
 
@@ -814,8 +569,8 @@ class Producer:
 
     async def _send_slow(self, stream: str, value: object, key: object) -> None:
         s = await self._stream_for_send(stream)
-        data = value if type(value) is bytes else _as_bytes(value, "value")
-        key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
+        data = value if type(value) is bytes else record_bytes(value, "value")
+        key_data = None if key is None else key if type(key) is bytes else record_bytes(key, "key")
         outcome = self._append(s, data, key_data)
         if outcome < 0:
             await self._wait_room(s, -outcome)
@@ -850,11 +605,14 @@ class Producer:
         s = self._stream(stream)
         if self._runner is None:
             self._start()
-        data = value if type(value) is bytes else _as_bytes(value, "value")
-        key_data = None if key is None else key if type(key) is bytes else _as_bytes(key, "key")
-        outcome = self._append(s, data, key_data)
-        if outcome < 0:
-            raise BufferFull(stream, self._max_buffered)
+        data = value if type(value) is bytes else record_bytes(value, "value")
+        key_data = None if key is None else key if type(key) is bytes else record_bytes(key, "key")
+        # As _append, with its common case inline (one call per record).
+        outcome = s.append(data, key_data, self._limit, s.room)
+        if outcome:  # not APPENDED
+            outcome = self._appended(s, data, key_data, outcome)
+            if outcome < 0:
+                raise BufferFull(stream, self._max_buffered)
         if outcome or s.handle is None:
             self._pump()
 
@@ -871,39 +629,30 @@ class Producer:
         Raises:
             ValueError: the record does not fit in any batch.
         """
-        keyed = key is not None or s.keys is not None
-        cost = record_cost(len(value), None if key is None else len(key), keyed=keyed)
-        extra = keyed_switch_extra(len(s.values)) if keyed and s.keys is None else 0
-        if (BLOCK_BASE if key is None else KEYED_BLOCK_BASE) + cost > self._limit:
-            raise ValueError(
-                f"a record of {len(value) + len(key or b'')} bytes does not fit in a "
-                f"batch of at most {self._limit} bytes (max_batch_bytes or the "
-                "gateway's max_message_size)"
-            )
-        # The comparison with s.room settles the common case (room, nobody
-        # waiting) as the fast path does; _has_room has the rule.
-        if (
-            s.buffered + s.open_bytes + cost + extra > s.room
-            and not admitted
-            and (s.space_waiters or not self._has_room(s, cost + extra))
-        ):
-            return -(cost + extra)
-        sealed = False
-        if s.open_bytes + cost + extra > self._limit:
-            self._seal(s)
-            sealed = True
-            extra = 0 if key is None else keyed_switch_extra(0)
-        values = s.values
-        if not values:
-            self._arm_linger(s)
-        keys = s.keys
-        if keys is None and key is not None:
-            keys = s.keys = [None] * len(values)
-        if keys is not None:
-            keys.append(key)
-        values.append(value)
-        s.open_bytes += cost + extra
-        return sealed
+        # s.room settles the common case (room, nobody waiting) as the fast
+        # path does; _has_room has the rule for the rest.
+        outcome = s.append(value, key, self._limit, _UNBOUNDED if admitted else s.room)
+        return self._appended(s, value, key, outcome) if outcome else False
+
+    def _appended(self, s: _Stream, value: bytes, key: bytes | None, outcome: int) -> int:
+        """What :meth:`_append` does when the record did not simply go into the open batch.
+
+        ``outcome`` is what :meth:`OpenBatchStream.append` returned, not
+        ``APPENDED``: without room, the rule for buffered bytes decides
+        (and the record is taken beyond ``s.room`` if it may be); the first
+        record of a batch arms its linger timer; a cut batch has work.
+        """
+        if outcome < 0:
+            if s.space_waiters or not self._has_room(s, -outcome):
+                return outcome
+            outcome = s.append(value, key, self._limit, _UNBOUNDED)
+            if not outcome:
+                return False
+        self._arm_linger(s)
+        if outcome == CUT:
+            self._mark(s)
+            return True
+        return False
 
     async def _after_seal(self, s: _Stream) -> None:
         self._pump()
@@ -913,20 +662,17 @@ class Producer:
 
     # -- the bound on buffered bytes ----------------------------------------------------
 
+    def _spool_full(self) -> bool:
+        """Whether a batch waits for room in the spool (then every send waits too)."""
+        spooling = self._spool
+        return spooling is not None and bool(spooling.waiting)
+
     def _has_room(self, s: _Stream, needed: int) -> bool:
         """Whether ``needed`` more bytes keep ``s`` within ``max_buffered_bytes``.
 
-        What counts is everything not acknowledged: the sealed batches'
-        blocks and the open batch's (as its size estimate). A stream that
-        holds nothing takes anything, so that a record or call larger than
-        the bound still goes, alone. The fast paths of send and
-        _append_nowait make the same comparison against ``s.room``.
+        (The rule is :meth:`BoundedStream.has_room`'s.)
         """
-        if s.buffered == 0 and not s.values:
-            return True
-        if self._spool_waiting:
-            return False
-        return s.buffered + s.open_bytes + needed <= self._max_buffered
+        return s.has_room(needed, self._max_buffered, spool_full=self._spool_full())
 
     async def _wait_room(self, s: _Stream, needed: int) -> None:
         """Wait, behind the stream's earlier waiting sends, until ``needed`` bytes fit.
@@ -939,10 +685,8 @@ class Producer:
         self._seal(s)
         self._pump()
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (needed, waiter)
+        entry = s.wait_in_line(needed, waiter)
         waiters = s.space_waiters
-        waiters.append(entry)
-        s.room = 0  # later sends queue behind this one
         try:
             self._admit(s)
             await waiter
@@ -965,13 +709,7 @@ class Producer:
         One at a time: a send let in stays first in line until it has
         appended, so that nothing overtakes it, then calls this again.
         """
-        waiters = s.space_waiters
-        if not waiters:
-            s.room = 0 if self._spool_waiting else self._max_buffered
-            return
-        needed, waiter = waiters[0]
-        if not waiter.done() and self._has_room(s, needed):
-            waiter.set_result(None)
+        s.admit(self._max_buffered, spool_full=self._spool_full())
 
     async def send_many(
         self,
@@ -1081,51 +819,11 @@ class Producer:
             raise s.failure
         return s
 
-    def _spool_everything(self) -> None:
-        """On giving up: spool every record still held, so that a producer on the spool has them.
-
-        Batches of a stream whose sequence is known are numbered on from it
-        (nothing numbered was sent, so the gateway has none of them); the
-        others are spooled unnumbered and numbered by the producer that
-        resumes. Beyond ``spool_max_bytes`` if need be: they are already
-        held in memory, within ``max_buffered_bytes`` per stream.
-        """
-        spool = self._spool
-        if spool is None:
-            return
-        for s in self._streams.values():
-            if s.failure is not None:
-                continue
-            self._seal(s)
-            if s.next_sequence is not None:
-                s.number_all()
-            for batch in s.held():
-                if not batch.spooled:
-                    first = None if batch.first_sequence < 0 else batch.first_sequence
-                    spool.append(s.name, first, batch.count, batch.block)
-                    batch.spooled = True
-                    s.records_spooled += batch.count
-        spool.sync()
-
     def _pending_batches(self) -> dict[str, list[PendingBatch]]:
         """Every stream's records not acknowledged, as batches: what a give-up hands back."""
         pending: dict[str, list[PendingBatch]] = {}
         for s in self._streams.values():
-            if s.failure is not None:
-                continue
-            batches = [
-                PendingBatch(
-                    s.name,
-                    None if b.first_sequence < 0 else b.first_sequence,
-                    b.count,
-                    b.block,
-                )
-                for b in s.held()
-            ]
-            if s.values:
-                block = encode_records(s.values, s.keys)
-                batches.append(PendingBatch(s.name, None, len(s.values), block))
-            if batches:
+            if s.failure is None and (batches := pending_of(s)):
                 pending[s.name] = batches
         return pending
 
@@ -1146,22 +844,7 @@ class Producer:
             ValueError: a stream was already used by this producer, or its
                 numbered batches are out of order or after unnumbered ones.
         """
-        batches: Iterable[PendingBatch]
-        if isinstance(pending, Mapping):
-            batches = [b for stream_batches in pending.values() for b in stream_batches]
-        else:
-            batches = list(pending)
-        by_stream: dict[str, list[PendingBatch]] = {}
-        for batch in batches:
-            by_stream.setdefault(batch.stream, []).append(batch)
-        for name, stream_batches in by_stream.items():
-            s = self._streams.get(name)
-            if s is not None and (s.used or s.values):
-                raise ValueError(
-                    f"stream {name!r} was already used by this producer; resend() must "
-                    "come before any other send on it"
-                )
-            check_resend_order(name, ((b.first_sequence, b.record_count) for b in stream_batches))
+        by_stream = resend_by_stream(pending, self._used)
         deliveries: dict[str, Delivery] = {}
         now = time.monotonic()  # the loop's clock; resent batches are timed from here
         for name, stream_batches in by_stream.items():
@@ -1175,6 +858,11 @@ class Producer:
             self._start()
         self._pump()
         return deliveries
+
+    def _used(self, name: str) -> bool:
+        """Whether this producer took records on stream ``name`` already."""
+        s = self._streams.get(name)
+        return s is not None and (s.used or bool(s.values))
 
     # -- batches ------------------------------------------------------------------
 
@@ -1192,17 +880,8 @@ class Producer:
             self._pump()
 
     def _seal(self, s: _Stream) -> None:
-        values = s.values
-        if not values:
-            return
-        block = encode_records(values, s.keys)
-        s.values = []
-        s.keys = None
-        s.open_bytes = BLOCK_BASE
-        if s.linger is not None:
-            s.linger.cancel()
-            s.linger = None
-        self._enqueue(s, block, len(values), None, s.opened_at)
+        if s.seal() is not None:
+            self._mark(s)
 
     def _enqueue(
         self, s: _Stream, block: bytes, count: int, delivery: Delivery | None, opened_at: float
@@ -1252,19 +931,17 @@ class Producer:
                 continue
             if batch is None:
                 continue
-            spool = self._spool
-            if spool is not None and not batch.spooled and not self._spool_room(s, batch):
+            spooling = self._spool
+            if spooling is not None and not batch.spooled and not self._spool_room(s, batch):
                 continue  # an acknowledgement marks the stream again
             s.number(batch)
-            if spool is not None and not batch.spooled:
+            if spooling is not None:
                 # Durable before its bytes leave: _write syncs the spool first.
                 try:
-                    spool.append(s.name, batch.first_sequence, batch.count, batch.block)
+                    spooling.write(s, batch)
                 except OSError as exc:
                     self._spool_failed(exc)
                     return
-                batch.spooled = True
-                s.records_spooled += batch.count
             # can_send_batch first: a refused send_batch would still have
             # copied the whole batch.
             if not optimistic and not session.can_send_batch(handle, len(batch.block)):
@@ -1281,40 +958,24 @@ class Producer:
 
     def _spool_room(self, s: _Stream, batch: Batch) -> bool:
         """Whether the spool can take ``batch`` now; if not, ``s`` waits, and so do sends."""
-        spool = self._spool
-        assert spool is not None
-        if spool.fits(len(batch.block)):
+        spooling = self._spool
+        assert spooling is not None
+        waits = spooling.full
+        if spooling.room(s, batch, self._streams.values()):
             return True
-        acked = {t.name: t.stored_end for t in self._streams.values() if t.stored_end is not None}
-        if spool.reclaim(acked) and spool.fits(len(batch.block)):
-            return True
-        if not self._spool_waiting:
-            self._spool_full += 1
+        if spooling.full != waits:  # the first batch to wait: sends queue behind it
             for t in self._streams.values():
                 if not t.space_waiters:
-                    t.room = 0
-        if s not in self._spool_waiting:
-            self._spool_waiting.append(s)
+                    t.room = 0  # (see _admit)
         return False
 
     def _spool_failed(self, exc: OSError) -> None:
         """The spool cannot be written (a full or failing disk): nothing more may be sent."""
-        spool = self._spool
-        where = "" if spool is None else f" {spool.directory}"
+        spooling = self._spool
+        where = "" if spooling is None else f" {spooling.spool.directory}"
         self._fail(ProducerError(f"cannot write the spool{where}: {exc}"))
         if self._conn is not None:
             self._conn.end("the spool failed")
-
-    def _spool_freed(self) -> None:
-        """Acknowledgements may have made room in the spool: let waiting batches and sends try."""
-        waiting = self._spool_waiting
-        if not waiting:
-            return
-        self._spool_waiting = []
-        for s in waiting:
-            self._mark(s)
-        for s in self._streams.values():
-            self._admit(s)
 
     def _spend_slot(self, session: Session, handle: int, block_length: int) -> None:
         # Window policy: a batch takes a whole slot, whatever its size.
@@ -1326,46 +987,11 @@ class Producer:
     def _write(self, conn: _Connection) -> None:
         data = conn.session.data_to_send()
         if data and conn.writable:
-            if self._spool is not None and (conn.syncing or self._spool.needs_sync):
-                self._write_after_sync(conn, data)
-                return
-            conn.send(data)
-
-    def _write_after_sync(self, conn: _Connection, data: bytes) -> None:
-        """Write ``data`` once the spool entries of its batches are durable.
-
-        The fsync runs in a thread, so that acknowledgements and sends go
-        on meanwhile; bytes produced during one wait for the next, in order.
-        """
-        conn.held.append(data)
-        if not conn.syncing:
-            self._start_sync(conn)
-
-    def _start_sync(self, conn: _Connection) -> None:
-        spool = self._spool
-        loop = self._loop
-        assert spool is not None and loop is not None
-        covered, conn.held = conn.held, []
-        conn.syncing = True
-        future = loop.run_in_executor(None, spool.take_sync())
-        future.add_done_callback(lambda done: self._synced(conn, covered, done))
-
-    def _synced(self, conn: _Connection, covered: list[bytes], done: asyncio.Future[None]) -> None:
-        conn.syncing = False
-        if done.cancelled() or done.exception() is not None:
-            error = done.exception() if not done.cancelled() else None
-            self._spool_failed(error if isinstance(error, OSError) else OSError(str(error)))
-            return
-        if not conn.writable:
-            return  # those batches are resent on the next connection
-        conn.send(b"".join(covered))
-        if conn.held:
-            spool = self._spool
-            if spool is not None and spool.needs_sync:
-                self._start_sync(conn)
+            synced_writes = conn.synced_writes
+            if synced_writes is None:
+                conn.send(data)
             else:
-                held, conn.held = conn.held, []
-                conn.send(b"".join(held))
+                synced_writes.write(data)
 
     # -- connection management -------------------------------------------------------
 
@@ -1402,7 +1028,10 @@ class Producer:
                 pause = backoff.ended(opened, loop.time(), progressed=conn.progressed)
             if pause is None:
                 try:
-                    self._spool_everything()
+                    if self._spool is not None:
+                        self._spool.spool_everything(
+                            s for s in self._streams.values() if s.failure is None
+                        )
                 except OSError as exc:
                     log.error("cannot write the spool on giving up: %s", exc)
                 self._fail(
@@ -1585,7 +1214,7 @@ class Producer:
             self._secret = welcome.producer_secret
             if self._spool is not None:
                 # Before any batch is spooled (none is numbered before an Ack).
-                self._spool.write_identity(self.producer_id, self._secret)
+                self._spool.spool.write_identity(self.producer_id, self._secret)
         self._limit = min(self._max_batch_bytes, welcome.max_message_size - m.BATCH_HEADER_SIZE)
         if self._policy == "window":
             self._slot = batch_cost(welcome.max_message_size)
@@ -1649,33 +1278,20 @@ class Producer:
             # sequence ends (see StreamBatches.resume).
             s.recovery_backoff = None
             renumbered = s.resume(next_sequence, ack.durable_position, now)
-            self._respool(s, renumbered)
+            if self._spool is not None:
+                self._spool.respool(s, renumbered)
             self._mark(s)
         elif s.ack(next_sequence, ack.durable_position, now):
             conn.progressed = True
         if self._spool is not None:
-            self._spool.acked(s.name, next_sequence)
-            self._spool_freed()
+            waited = self._spool.acked(s, next_sequence)
+            if waited:
+                # Room may have been made: waiting batches and sends try again.
+                for t in waited:
+                    self._mark(cast("_Stream", t))
+                for t in self._streams.values():
+                    self._admit(t)
         self._wake(s)
-
-    def _respool(self, s: _Stream, renumbered: int) -> None:
-        """After an initial Ack: rewrite the stream's spool files if their numbers no longer hold.
-
-        Batches spooled under numbers the gateway's copy contradicts
-        (``renumbered``), or under none, are numbered now and the stream's
-        spool files replaced, so that the spool holds what will be sent.
-        """
-        spool = self._spool
-        if spool is None or not (
-            renumbered or any(b.spooled and b.first_sequence < 0 for b in s.queue)
-        ):
-            return
-        for batch in s.queue:
-            s.number(batch)
-            if not batch.spooled:
-                batch.spooled = True
-                s.records_spooled += batch.count
-        spool.restart(s.name, [(b.first_sequence, b.count, b.block) for b in s.queue])
 
     def _too_large(self, s: _Stream) -> None:
         """A record of ``s`` exceeds the gateway's frame limit, learnt after it was taken."""
@@ -1708,15 +1324,10 @@ class Producer:
         if s.failure is not None:
             return
         s.failure = error
-        if s.linger is not None:
-            s.linger.cancel()
-            s.linger = None
+        s.discard_open()
         if s.rebind is not None:
             s.rebind.cancel()
             s.rebind = None
-        s.values = []
-        s.keys = None
-        s.open_bytes = BLOCK_BASE
         for batch in s.clear():
             if batch.delivery is not None:
                 batch.delivery._fail(error)
@@ -1747,6 +1358,7 @@ class Producer:
         conn = self._conn
         # The loop's clock, which the acks were timed on (no loop yet: no acks).
         now = self._loop.time() if self._loop is not None else 0.0
+        spooling = self._spool
         streams: dict[str, StreamStatistics] = {}
         for name, s in self._streams.items():
             guarantees = None
@@ -1755,27 +1367,13 @@ class Producer:
             refused = None
             if isinstance(s.failure, StreamRefused):
                 refused = str(s.failure)
-            latency = s.latency.summary(now)
-            streams[name] = StreamStatistics(
-                stream=name,
-                records_sent=s.records_sent,
-                records_acked=s.records_acked,
-                records_spooled=s.records_spooled,
-                bytes_sent=s.bytes_sent,
-                bytes_acked=s.bytes_acked,
-                open_records=len(s.values),
-                batches_queued=len(s.queue),
-                batches_in_flight=len(s.unacked),
-                buffered_bytes=s.buffered + (s.open_bytes if s.values else 0),
-                batches_dropped=s.batches_dropped,
-                next_sequence=s.next_sequence,
+            streams[name] = StreamStatistics.of(
+                s,
+                now,
+                records_spooled=0 if spooling is None else spooling.records_spooled.get(name, 0),
                 guarantees=guarantees,
                 refused=refused,
                 storage_full=s.storage_full,
-                ack_latency_p50=None if latency is None else latency.p50,
-                ack_latency_p99=None if latency is None else latency.p99,
-                ack_latency_max=None if latency is None else latency.max,
-                ack_latency_batches=0 if latency is None else latency.count,
             )
         return ProducerStatistics(
             producer_id=self.producer_id,
@@ -1786,6 +1384,6 @@ class Producer:
             last_error=self._last_error,
             failure=str(self._failure) if self._failure is not None else None,
             streams=streams,
-            spool_bytes=None if self._spool is None else self._spool.bytes_used,
-            spool_full=self._spool_full,
+            spool_bytes=None if spooling is None else spooling.spool.bytes_used,
+            spool_full=0 if spooling is None else spooling.full,
         )

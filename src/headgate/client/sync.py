@@ -2,10 +2,10 @@
 
 :class:`SyncProducer` runs an asyncio :class:`~headgate.client.Producer` (or,
 for a fleet, a :class:`~headgate.client.FleetProducer`) on its own event
-loop in a background thread. ``send`` only appends to a deque
-(thread-safe under the GIL without a lock); the loop is woken once per
-``handoff_records`` records or once per linger period, not per record, and
-drains the deque into the producer in order.
+loop in a background thread (:mod:`headgate.client.background_loop`).
+``send`` only appends to a deque (thread-safe under the GIL without a lock);
+the loop is woken once per ``handoff_records`` records or once per linger
+period, not per record, and drains the deque into the producer in order.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, Unpack, cast, overload
 
 from headgate.client.address import GatewayAddress
+from headgate.client.background_loop import BackgroundLoop
+from headgate.client.batches import record_bytes
 from headgate.client.errors import ProducerError, StreamRefused
 from headgate.client.fleet import (
     FleetBatchResult,
@@ -160,11 +162,8 @@ class SyncProducer(Generic[S, R]):
         self._deferred: list[Exception] = []
         self._space = threading.Condition()
         self._closed = False
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="headgate-sync-producer", daemon=True
-        )
-        self._thread.start()
+        self._background = BackgroundLoop("headgate-sync-producer")
+        self._loop = self._background.loop
         self._wake: asyncio.Event | None = None
         self._lock: asyncio.Lock | None = None
         self._drainer: asyncio.Task[None] | None = None
@@ -195,9 +194,9 @@ class SyncProducer(Generic[S, R]):
         if self._fatal is not None:
             raise self._fatal
         if type(value) is not bytes:
-            value = _as_bytes(value, "value")
+            value = record_bytes(value, "value")
         if key is not None and type(key) is not bytes:
-            key = _as_bytes(key, "key")
+            key = record_bytes(key, "key")
         self._pending.append((stream, value, key))
         self._count += 1
         if self._count >= self._handoff:
@@ -298,12 +297,7 @@ class SyncProducer(Generic[S, R]):
                 raise self._fatal
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None) -> T:
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"not done within {timeout} s") from None
+        return self._background.run(coroutine, timeout)
 
     def _raise_deferred(self) -> None:
         if self._deferred:
@@ -312,11 +306,7 @@ class SyncProducer(Generic[S, R]):
             raise error
 
     def _stop_loop(self) -> None:
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10.0)
-        if not self._thread.is_alive():
-            self._loop.close()
+        self._background.stop()
 
     # -- the background loop's side -------------------------------------------------
 
@@ -423,9 +413,3 @@ class SyncProducer(Generic[S, R]):
 
     async def _statistics(self) -> S:
         return cast("S", self._producer.statistics())
-
-
-def _as_bytes(value: object, what: str) -> bytes:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"a record {what} must be bytes, not {type(value).__name__}")
