@@ -237,8 +237,12 @@ def test_a_new_producer_resumes_after_the_held_batches_of_the_old_one(
         flushing = asyncio.create_task(second.flush("a"))
         await asyncio.sleep(0.5)
         assert not flushing.done()  # held: nothing of it is acknowledged yet
+        # Told at its bind, and still so after its channel's opening (a zero
+        # guarantee, which does not end the notice).
+        assert second.statistics().streams["a"].storage_full is not None
         disk.free(serve.process.pid)
         await asyncio.wait_for(flushing, 30)
+        assert second.statistics().streams["a"].storage_full is None
         await second.close()
 
     run(scenario())

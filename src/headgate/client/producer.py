@@ -1106,7 +1106,10 @@ class Producer:
                 else:
                     granted = conn.handles.get(event.handle)
                     if granted is not None:
-                        granted.storage_full = None
+                        if event.amount > 0:
+                            # Guarantees after STORAGE_FULL end it; the
+                            # channel's opening zero guarantee does not.
+                            granted.storage_full = None
                         self._mark(granted)
             elif isinstance(event, MessageReceived):
                 self._on_message(conn, event.message)
