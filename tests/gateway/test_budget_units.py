@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from headgate.gateway.budget import (
     token_key,
 )
 from headgate.gateway.turns import (
+    ALONE_SECONDS,
     MAX_DEBT_PASSES,
     QUANTUM_SECONDS,
     TURN_COST,
@@ -322,6 +324,36 @@ async def test_a_cause_alone_takes_every_turn_its_connections_want() -> None:
     unshared = [_Backlog(None, None, 64 << 20) for _ in range(4)]
     await _run_passes(unshared, 50)
     assert sum(b.taken for b in shared) >= 0.9 * sum(b.taken for b in unshared)
+
+
+async def test_a_cause_alone_uses_one_turns_time_a_pass_however_many_connections_it_has() -> None:
+    """Sixteen busy connections of one cause, alone: a pass lasts about one turn, not sixteen.
+
+    Whoever comes next (another producer's batch, a Hello) waits for the
+    pass under way; so a cause's connections take their turns one after
+    another, and every one of them still has turns.
+    """
+    passes = Passes()
+    crowd = TurnShare()
+    step_seconds = ALONE_SECONDS / 4
+    steps_in: dict[int, int] = {}
+
+    class Dear(_Backlog):
+        def step(self, limit: int) -> int:
+            until = time.monotonic() + step_seconds
+            while time.monotonic() < until:
+                pass
+            steps_in[passes.number] = steps_in.get(passes.number, 0) + 1
+            return super().step(limit)
+
+    many = [Dear(passes, crowd, 64 << 20) for _ in range(16)]
+    await _run_passes(list(many), 64)
+    for backlog in many:
+        backlog.taker.cancel()
+    # A turn ends after the slice that reached the time: ALONE_SECONDS / step_seconds
+    # steps, and one more (sixteen turns would be 80).
+    assert max(steps_in.values()) <= 6, steps_in
+    assert min(b.taken for b in many) > 0, "every connection of the cause has turns"
 
 
 async def test_a_cause_whose_batches_cost_more_to_store_gets_fewer_turns() -> None:
