@@ -122,6 +122,32 @@ def test_a_flood_of_refusals_is_a_few_log_lines_that_count_the_rest(
     ]
 
 
+def test_a_handshake_refused_for_the_rate_is_held_until_its_address_may_have_one() -> None:
+    """Refused at once, a flood retries at once; held, it tries about as often as it is let in."""
+    handshakes = HandshakeBudgets(rate=4, max_hold=1.0, max_held=6)
+    flood = address_key("10.0.0.9")
+    assert all(handshakes.admit(flood, now=0.0) for _ in range(4))
+    assert not handshakes.admit(flood, now=0.0)
+    key, seconds = handshakes.hold(flood, now=0.0)
+    assert seconds == pytest.approx(0.25), "a quarter second: one handshake at 4 a second"
+    assert handshakes.held == 1
+    other = address_key("10.0.0.8")
+    assert handshakes.hold(other, now=0.0)[1] == 0.0, "it has handshakes: refused otherwise"
+    # Those held from one address are let go one by one, at its rate; at
+    # most max_held in all, whatever the addresses: the rest are closed at once.
+    held = [handshakes.hold(flood, now=0.0)[1] for _ in range(6)]
+    assert held == [pytest.approx(0.5), pytest.approx(0.75), 1.0, 1.0, 1.0, 0.0]
+    for _ in range(6):
+        handshakes.release(key)
+    assert handshakes.held == 0
+    # Never longer than max_hold, and a held address is not forgotten meanwhile.
+    slow = HandshakeBudgets(rate=0.1, max_hold=1.0)
+    assert slow.admit(flood, now=0.0)
+    assert slow.hold(flood, now=0.0)[1] == 1.0
+    slow.forget_refilled(now=100.0)
+    assert len(slow) == 1
+
+
 def test_costs_are_named_and_a_listing_or_a_page_grows_with_what_it_serves() -> None:
     assert Cost.CONTROL == Cost.FRAME + Cost.PING
     assert Cost.FRAME > 0, "an empty frame is charged too"

@@ -1245,11 +1245,22 @@ class TlsDoor(asyncio.Protocol):
         if refusal is not None:
             where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else host
             gw.refusals.warning(time.monotonic(), "refused %s: %s", where, refusal)
-            transport.abort()
+            # Held unread until its address may have a handshake again, then
+            # closed (budget.HandshakeBudgets.hold: a flood refused at once retries at once).
+            key, hold = gw.handshakes.hold(address_key(host), time.monotonic())
+            if hold > 0:
+                transport.pause_reading()
+                asyncio.get_running_loop().call_later(hold, self._close_held, transport, key)
+            else:
+                transport.abort()
             return
         conn = GatewayConnection(gw, next(gw._ids), tls=True)
         transport.set_protocol(conn)
         conn.connection_made(transport)
+
+    def _close_held(self, transport: asyncio.Transport, key: str) -> None:
+        self.gateway.handshakes.release(key)
+        transport.abort()
 
     def data_received(self, data: bytes) -> None:
         """Nothing is read before the connection is handed over."""
@@ -1338,7 +1349,11 @@ class Gateway:
         #: one turn per cause (token or address) and pass (``turns``).
         self.passes = Passes()
         #: TLS handshakes each address may start, and how many are in progress.
-        self.handshakes = HandshakeBudgets(self.config.handshake_rate)
+        self.handshakes = HandshakeBudgets(
+            self.config.handshake_rate,
+            max_hold=self.config.handshake_timeout_ms / 1000,
+            max_held=self.config.max_pending_handshakes,
+        )
         self.tls_pending = 0
         #: Connections that have bound a stream to write (they hold writer slots).
         self.writer_connections = 0
