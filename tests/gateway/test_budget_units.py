@@ -382,6 +382,48 @@ async def test_a_cause_alone_uses_one_turns_time_a_pass_however_many_connections
     assert min(b.taken for b in many) > 0, "every connection of the cause has turns"
 
 
+async def test_a_producer_between_its_sends_still_shares_the_loop_with_a_flood() -> None:
+    """A cause that wants the loop every few passes (a producer waiting for its
+    Acks between sends) keeps the loop shared in between: the flooding cause
+    gets its quantum a pass, not a whole turn, so the producer's next send
+    never waits for a long pass."""
+    passes = Passes()
+    flood, producer = TurnShare(), TurnShare()
+    step_seconds = QUANTUM_SECONDS / 2
+    flood_steps: dict[int, int] = {}
+
+    class Dear(_Backlog):
+        def __init__(self, share: TurnShare, pending: int, counts: dict[int, int] | None) -> None:
+            super().__init__(passes, share, pending)
+            self.counts = counts
+
+        def step(self, limit: int) -> int:
+            until = time.monotonic() + step_seconds
+            while time.monotonic() < until:
+                pass
+            if self.counts is not None:
+                self.counts[passes.number] = self.counts.get(passes.number, 0) + 1
+            return super().step(min(limit, 4096))
+
+    flooders = [Dear(flood, 64 << 20, flood_steps) for _ in range(2)]
+    sender = Dear(producer, 0, None)
+    for backlog in flooders:
+        backlog.taker.received()
+    sends_at: list[int] = []
+    for i in range(48):
+        if i % 4 == 0:  # a send every fourth pass, heavy enough to count
+            sends_at.append(passes.number)
+            sender.pending += 4096  # one step: heavy, and done in its pass
+            sender.taker.received()
+        await asyncio.sleep(0)
+    for backlog in [*flooders, sender]:
+        backlog.taker.cancel()
+    between = [n for n in flood_steps if n > sends_at[1]]
+    assert between
+    # A quantum is two steps (and one that crosses it); a whole turn would be eight.
+    assert max(flood_steps[n] for n in between) <= 4, flood_steps
+
+
 async def test_a_cause_whose_batches_cost_more_to_store_gets_fewer_turns() -> None:
     """The log writer's appends are taken from the cause's time too (deficit round robin)."""
     passes = Passes()

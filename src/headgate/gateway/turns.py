@@ -70,6 +70,13 @@ QUANTUM_SECONDS = 0.0005
 #: The loop's time in a pass that makes a cause one of those that share it
 #: (:meth:`Passes.contended`): a quarter of its quantum.
 HEAVY_SECONDS = QUANTUM_SECONDS / 4
+#: How many passes the loop stays shared (:meth:`Passes.contended`) after
+#: one in which two causes or more used a fair part of it. A producer that
+#: waits for its Acks between sends wants the loop only every few passes; if
+#: the loop were shared only in the passes it is busy in, a flooding cause
+#: would take whole turns (and the appends of all they decoded) in between,
+#: and each of the producer's sends would wait for one of those long passes.
+CONTENDED_PASSES = 8
 #: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
 MAX_DEBT_PASSES = 32
 #: The loop's time a cause may use in one pass while no other cause shares
@@ -133,7 +140,7 @@ class Passes:
     loop runs callbacks scheduled in one pass in the next one).
     """
 
-    __slots__ = ("_scheduled", "heavy", "heavy_before", "number", "turn")
+    __slots__ = ("_scheduled", "_shared_until", "heavy", "heavy_before", "number", "turn")
 
     def __init__(self) -> None:
         self.number = 0
@@ -144,6 +151,8 @@ class Passes:
         #: or a quarter of a turn's bytes or cost), and of the one before.
         self.heavy = 0
         self.heavy_before = 0
+        #: The last pass that is shared because of an earlier one (CONTENDED_PASSES).
+        self._shared_until = -1
         self._scheduled = False
 
     def visit(self, share: TurnShare) -> None:
@@ -203,19 +212,21 @@ class Passes:
             asyncio.get_running_loop().call_soon(self._next)
 
     def _next(self) -> None:
+        if self.heavy > 1:
+            self._shared_until = self.number + CONTENDED_PASSES
         self.number += 1
         self.heavy_before, self.heavy = self.heavy, 0
         self._scheduled = False
 
     def contended(self) -> bool:
         """Whether the loop is shared: more than one cause used a fair part of
-        this pass, or of the one before.
+        this pass, or of one of the :data:`CONTENDED_PASSES` before.
 
         A cause that only wants a little (a Ping, a reader's keep-alive, a
         flood its budget holds) takes its turns as they come and makes nobody
         wait: only causes that both want the loop share it.
         """
-        return max(self.heavy, self.heavy_before) > 1
+        return self.heavy > 1 or self.number <= self._shared_until
 
 
 class TurnTaker:
