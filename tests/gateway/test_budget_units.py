@@ -27,6 +27,7 @@ from headgate.gateway.turns import (
     TURN_COST,
     TURN_SECONDS,
     Passes,
+    SharedWork,
     TurnShare,
     TurnTaker,
 )
@@ -422,6 +423,30 @@ async def test_a_producer_between_its_sends_still_shares_the_loop_with_a_flood()
     assert between
     # A quantum is two steps (and one that crosses it); a whole turn would be eight.
     assert max(flood_steps[n] for n in between) <= 4, flood_steps
+
+
+async def test_work_for_several_writers_is_paid_by_their_causes_per_writer() -> None:
+    """A stream's Acks for three writers, two of one cause: it pays two thirds.
+    What one writer's cause was charged inside it already is not charged again."""
+    charged: dict[int, float] = {}
+
+    class Spy(Passes):
+        def spent(self, share: TurnShare, seconds: float) -> None:
+            charged[id(share)] = charged.get(id(share), 0.0) + seconds
+            super().spent(share, seconds)
+
+    passes = Spy()
+    many, one = TurnShare(), TurnShare()
+    with SharedWork(passes, [many, many, one]):
+        until = time.monotonic() + 0.003
+        while time.monotonic() < until:
+            pass
+        passes.spent(one, 0.0015)  # its own write, charged to it at once
+    own = 0.0015
+    shared = charged[id(many)] * 3 / 2
+    assert shared >= 0.003 - own - 1e-4
+    assert charged[id(one)] == pytest.approx(own + shared / 3)
+    assert passes.turn is None, "the work ended: nothing is excluded from later charges"
 
 
 async def test_a_cause_whose_batches_cost_more_to_store_gets_fewer_turns() -> None:

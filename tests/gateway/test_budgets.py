@@ -24,9 +24,10 @@ import pytest
 from headgate.client import ClientSecurity, Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
+from headgate.gateway import server as server_module
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
 from headgate.gateway.server import GIL_SWITCH_INTERVAL_S, READ_SECONDS, RING_INITIAL
-from headgate.gateway.turns import Passes, TurnShare
+from headgate.gateway.turns import Passes, SharedWork, TurnShare
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
@@ -254,6 +255,35 @@ async def test_the_loops_time_reading_and_answering_a_peer_is_charged_to_its_cau
     # read's or a write's (at least the loop's own share of each read).
     assert charged.get(id(conn.share.turn), 0.0) >= 10 * READ_SECONDS
     peer.close()
+
+
+async def test_a_streams_acks_after_a_commit_are_charged_to_its_writers_causes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's work after a group commit (a stream's Acks and credit for all
+    its writers) grows with the writers: their causes pay it, by writer."""
+    payers: list[TurnShare] = []
+
+    class Recording(SharedWork):
+        def __init__(self, passes: Passes, shares: list[TurnShare]) -> None:
+            super().__init__(passes, shares)
+            payers.extend(shares)
+
+    monkeypatch.setattr(server_module, "SharedWork", Recording)
+    gw = Gateway(config(tmp_path, auth_file=tokens(tmp_path / "tokens.toml")))
+    await gw.start()
+    try:
+        async with Producer(
+            gw.address, security=ClientSecurity(token=FLOOD), producer_id=41
+        ) as producer:
+            for i in range(20):
+                await producer.send("f-acks", b"r%d" % i)
+                await producer.flush()
+            share = gw.shares.get(token_key("flood"))
+            assert share is not None
+            assert share.turn in payers
+    finally:
+        await gw.stop()
 
 
 @pytest.mark.parametrize(("ending", "pings"), [("fin", 12_000), ("close", 20_000)])

@@ -105,7 +105,7 @@ from headgate.gateway.statistics import (
 )
 from headgate.gateway.streams import GatewayStreamStatistics, Stream, Writer
 from headgate.gateway.tls import server_context
-from headgate.gateway.turns import MIN_SLICE, Passes, TurnTaker
+from headgate.gateway.turns import MIN_SLICE, Passes, SharedWork, TurnTaker
 from headgate.log import LogError
 from headgate.log.lock import DirectoryLock
 from headgate.protocol import messages as m
@@ -280,6 +280,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.account = Account(
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
+        self.account.turn_of = lambda: None if self.share is None else self.share.turn
         #: The debt of this connection's batches in the ring, a unit each
         #: (grown as they are decoded, repaid as the log writer handles them).
         self._ring_loan: Loan | None = None
@@ -2280,27 +2281,34 @@ class Gateway:
                 assert fsync is not None
                 fsync.observe(seconds)
         for stream in streams:
-            if stream in failed:
-                # Nothing is acknowledged that is not durable; the stream is
-                # held (logged once) and the next commit tries again.
-                stream.sync_failed(failed[stream])
-                self._dirty.add(stream)
-            else:
-                stream.on_durable()
-                self.durability.settle(stream.name, stream.log.durable_position)
-                self.save_consumers(stream)  # one that failed is retried
-            now = time.monotonic()
-            # A rebalance visits every writer of the stream: under the
-            # credit policy, not after each of hundreds of commits a second
-            # (binds, frees, Absolves, releases and use rebalance it, and
-            # the housekeeping loop every REBALANCE_INTERVAL_S).
-            if (
-                self.flow(stream).durability_moves_credit
-                or stream in failed
-                or now - stream.rebalanced_at >= REBALANCE_INTERVAL_S
-            ):
-                self.rebalance(stream, now)
-            stream.flush_writers()
+            # The stream's writers' causes pay for its Acks and credit (turns.SharedWork).
+            writers = [
+                t
+                for w in stream.writers
+                if w.account is not None and (t := w.account.turn_of()) is not None
+            ]
+            with SharedWork(self.passes, writers):
+                if stream in failed:
+                    # Nothing is acknowledged that is not durable; the stream is
+                    # held (logged once) and the next commit tries again.
+                    stream.sync_failed(failed[stream])
+                    self._dirty.add(stream)
+                else:
+                    stream.on_durable()
+                    self.durability.settle(stream.name, stream.log.durable_position)
+                    self.save_consumers(stream)  # one that failed is retried
+                now = time.monotonic()
+                # A rebalance visits every writer of the stream: under the
+                # credit policy, not after each of hundreds of commits a second
+                # (binds, frees, Absolves, releases and use rebalance it, and
+                # the housekeeping loop every REBALANCE_INTERVAL_S).
+                if (
+                    self.flow(stream).durability_moves_credit
+                    or stream in failed
+                    or now - stream.rebalanced_at >= REBALANCE_INTERVAL_S
+                ):
+                    self.rebalance(stream, now)
+                stream.flush_writers()
         if trace is not None:
             trace.commit(
                 due,

@@ -48,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["Passes", "TurnShare", "TurnTaker"]
+__all__ = ["Passes", "SharedWork", "TurnShare", "TurnTaker"]
 
 #: Bounds of the bytes handed to the session at once, and its first size.
 MIN_SLICE = 256
@@ -146,7 +146,7 @@ class Passes:
         self.number = 0
         #: The turn being taken now, if any: time charged to a cause while it
         #: runs (:meth:`spent`) is not its own (see :meth:`TurnTaker.exclude`).
-        self.turn: TurnTaker | None = None
+        self.turn: TurnTaker | SharedWork | None = None
         #: Causes that used a fair part of this pass (:data:`HEAVY_SECONDS`,
         #: or a quarter of a turn's bytes or cost), and of the one before.
         self.heavy = 0
@@ -227,6 +227,54 @@ class Passes:
         wait: only causes that both want the loop share it.
         """
         return self.heavy > 1 or self.number <= self._shared_until
+
+
+class SharedWork:
+    """The loop's work for several causes at once, paid by them in equal parts.
+
+    After a group commit the gateway sends a stream's Acks and credit to all
+    its writers at once, in one piece of work whose length grows with the
+    writers (sixteen connections of one token writing one stream cost it
+    sixteen times what one writer costs): each writer's cause pays its part,
+    as the broker seed charges fan-out to the cause. Time charged inside it
+    to one cause already (a connection's own write of its answers, see
+    :meth:`Passes.spent`) is not charged again::
+
+        with SharedWork(passes, [turn of each writer's cause]):
+            ...  # the stream's Acks, credit, writes
+
+    Args:
+        passes: the gateway's passes.
+        shares: one entry per writer (a cause with two writers appears twice).
+    """
+
+    __slots__ = ("_excluded", "_outer", "_passes", "_shares", "_started")
+
+    def __init__(self, passes: Passes, shares: list[TurnShare]) -> None:
+        self._passes = passes
+        self._shares = shares
+        self._outer: TurnTaker | SharedWork | None = None
+        self._started = 0.0
+        self._excluded = 0.0
+
+    def __enter__(self) -> SharedWork:
+        self._outer, self._passes.turn = self._passes.turn, self
+        self._excluded = 0.0
+        self._started = time.monotonic()
+        return self
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of it were charged to one cause already (:meth:`Passes.spent`)."""
+        self._excluded += seconds
+
+    def __exit__(self, *_: object) -> None:
+        passes = self._passes
+        passes.turn = self._outer
+        elapsed = time.monotonic() - self._started - self._excluded
+        if elapsed > 0 and self._shares:
+            part = elapsed / len(self._shares)
+            for share in self._shares:
+                passes.spent(share, part)
 
 
 class TurnTaker:
