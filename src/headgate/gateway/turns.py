@@ -79,10 +79,11 @@ HEAVY_SECONDS = QUANTUM_SECONDS / 4
 CONTENDED_PASSES = 8
 #: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
 MAX_DEBT_PASSES = 32
-#: The loop's time a cause may use in one pass while no other cause shares
-#: the loop (its turns, and the appends and reads charged to it in the
-#: pass): one turn's. Its connections then take turns one after another, a
-#: pass each, instead of one turn each in every pass: a pass stays about
+#: The loop's time a cause's turns may take in one pass while no other cause
+#: shares the loop: one turn's (the appends of what they decoded follow in
+#: the next pass, in proportion; a lone connection is bounded by its turn as
+#: before). Its connections then take turns one after another, a pass each,
+#: instead of one turn each in every pass: a pass stays about
 #: this long however many connections a cause opens, so a cause that comes
 #: (a producer's next batch, a Hello) waits for one such pass, not for
 #: sixteen turns and the appends of all they decoded (at the start of a
@@ -105,7 +106,18 @@ class TurnShare:
     what the causes share.
     """
 
-    __slots__ = ("bytes", "cost", "credit", "heavy", "pass_number", "used", "used_pass", "waiting")
+    __slots__ = (
+        "bytes",
+        "cost",
+        "credit",
+        "heavy",
+        "pass_number",
+        "turned",
+        "turned_pass",
+        "used",
+        "used_pass",
+        "waiting",
+    )
 
     def __init__(self) -> None:
         #: Seconds of the loop the cause may still use (negative: its debt).
@@ -120,6 +132,10 @@ class TurnShare:
         self.used = 0.0
         self.used_pass = -1
         self.heavy = False
+        #: Seconds the cause's turns took in pass ``turned_pass`` (their
+        #: decoding, without the appends and reads charged to it).
+        self.turned = 0.0
+        self.turned_pass = -1
         #: The cause's connections that were put off, in order: the first
         #: has the cause's next turn, so every connection of it has turns.
         self.waiting: deque[TurnTaker] = deque()
@@ -128,9 +144,16 @@ class TurnShare:
         """Whether the cause has had its share of this pass (while others want theirs)."""
         return self.credit <= 0 or self.bytes >= TURN_BYTES or self.cost >= TURN_COST
 
-    def used_in(self, number: int) -> float:
-        """Seconds of the loop charged to the cause in pass ``number`` so far."""
-        return self.used if self.used_pass == number else 0.0
+    def turned_in(self, number: int) -> float:
+        """Seconds the cause's turns took in pass ``number`` so far."""
+        return self.turned if self.turned_pass == number else 0.0
+
+    def turn_took(self, number: int, seconds: float) -> None:
+        """One of the cause's turns in pass ``number`` took ``seconds``."""
+        if self.turned_pass != number:
+            self.turned_pass = number
+            self.turned = 0.0
+        self.turned += seconds
 
 
 class Passes:
@@ -417,6 +440,7 @@ class TurnTaker:
             elapsed = max(0.0, time.monotonic() - started - self._excluded)
             share.credit -= elapsed
             passes.used(share, elapsed)
+            share.turn_took(passes.number, elapsed)
         if more and not self._closing():
             self._schedule()
         else:
@@ -482,7 +506,7 @@ class TurnTaker:
                 or share.credit <= elapsed
                 or share.cost + cost >= TURN_COST
             )
-        return share.used_in(passes.number) + elapsed >= ALONE_SECONDS
+        return share.turned_in(passes.number) + elapsed >= ALONE_SECONDS
 
     def _may_turn(self, passes: Passes, share: TurnShare) -> bool:
         """Whether this connection may take its cause's turn now; if not, it queues for it.
