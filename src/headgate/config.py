@@ -375,7 +375,11 @@ class GatewayConfig:
     #: ``max_connections`` (at least 1).
     writer_slots: int = 0
     #: TLS handshakes per second that one peer address may start, in bursts
-    #: of as many; beyond, a new connection is cut off before its handshake.
+    #: of as many; beyond, a new connection is cut off before its handshake,
+    #: after being held unread until the address may start one again (one
+    #: by one, at most ``handshake_timeout_ms``, at most
+    #: ``max_pending_handshakes`` held at once): a flood refused at once would
+    #: retry at once, spending its own CPU on tries.
     handshake_rate: float = 20.0
     #: TLS handshakes in progress at once, over all peers.
     max_pending_handshakes: int = 64

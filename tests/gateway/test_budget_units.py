@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,13 @@ from headgate.gateway.budget import (
     token_key,
 )
 from headgate.gateway.turns import (
+    ALONE_SECONDS,
     MAX_DEBT_PASSES,
     QUANTUM_SECONDS,
     TURN_COST,
     TURN_SECONDS,
     Passes,
+    SharedWork,
     TurnShare,
     TurnTaker,
 )
@@ -118,6 +121,32 @@ def test_a_flood_of_refusals_is_a_few_log_lines_that_count_the_rest(
         "refused 2",
         "refused 100 (97 more like this not logged)",
     ]
+
+
+def test_a_handshake_refused_for_the_rate_is_held_until_its_address_may_have_one() -> None:
+    """Refused at once, a flood retries at once; held, it tries about as often as it is let in."""
+    handshakes = HandshakeBudgets(rate=4, max_hold=1.0, max_held=6)
+    flood = address_key("10.0.0.9")
+    assert all(handshakes.admit(flood, now=0.0) for _ in range(4))
+    assert not handshakes.admit(flood, now=0.0)
+    key, seconds = handshakes.hold(flood, now=0.0)
+    assert seconds == pytest.approx(0.25), "a quarter second: one handshake at 4 a second"
+    assert handshakes.held == 1
+    other = address_key("10.0.0.8")
+    assert handshakes.hold(other, now=0.0)[1] == 0.0, "it has handshakes: refused otherwise"
+    # Those held from one address are let go one by one, at its rate; at
+    # most max_held in all, whatever the addresses: the rest are closed at once.
+    held = [handshakes.hold(flood, now=0.0)[1] for _ in range(6)]
+    assert held == [pytest.approx(0.5), pytest.approx(0.75), 1.0, 1.0, 1.0, 0.0]
+    for _ in range(6):
+        handshakes.release(key)
+    assert handshakes.held == 0
+    # Never longer than max_hold, and a held address is not forgotten meanwhile.
+    slow = HandshakeBudgets(rate=0.1, max_hold=1.0)
+    assert slow.admit(flood, now=0.0)
+    assert slow.hold(flood, now=0.0)[1] == 1.0
+    slow.forget_refilled(now=100.0)
+    assert len(slow) == 1
 
 
 def test_costs_are_named_and_a_listing_or_a_page_grows_with_what_it_serves() -> None:
@@ -322,6 +351,102 @@ async def test_a_cause_alone_takes_every_turn_its_connections_want() -> None:
     unshared = [_Backlog(None, None, 64 << 20) for _ in range(4)]
     await _run_passes(unshared, 50)
     assert sum(b.taken for b in shared) >= 0.9 * sum(b.taken for b in unshared)
+
+
+async def test_a_cause_alone_uses_one_turns_time_a_pass_however_many_connections_it_has() -> None:
+    """Sixteen busy connections of one cause, alone: a pass lasts about one turn, not sixteen.
+
+    Whoever comes next (another producer's batch, a Hello) waits for the
+    pass under way; so a cause's connections take their turns one after
+    another, and every one of them still has turns.
+    """
+    passes = Passes()
+    crowd = TurnShare()
+    step_seconds = ALONE_SECONDS / 4
+    steps_in: dict[int, int] = {}
+
+    class Dear(_Backlog):
+        def step(self, limit: int) -> int:
+            until = time.monotonic() + step_seconds
+            while time.monotonic() < until:
+                pass
+            steps_in[passes.number] = steps_in.get(passes.number, 0) + 1
+            return super().step(limit)
+
+    many = [Dear(passes, crowd, 64 << 20) for _ in range(16)]
+    await _run_passes(list(many), 64)
+    for backlog in many:
+        backlog.taker.cancel()
+    # A turn ends after the slice that reached the time: ALONE_SECONDS / step_seconds
+    # steps, and one more (sixteen turns would be 80).
+    assert max(steps_in.values()) <= 6, steps_in
+    assert min(b.taken for b in many) > 0, "every connection of the cause has turns"
+
+
+async def test_a_producer_between_its_sends_still_shares_the_loop_with_a_flood() -> None:
+    """A cause that wants the loop every few passes (a producer waiting for its
+    Acks between sends) keeps the loop shared in between: the flooding cause
+    gets its quantum a pass, not a whole turn, so the producer's next send
+    never waits for a long pass."""
+    passes = Passes()
+    flood, producer = TurnShare(), TurnShare()
+    step_seconds = QUANTUM_SECONDS / 2
+    flood_steps: dict[int, int] = {}
+
+    class Dear(_Backlog):
+        def __init__(self, share: TurnShare, pending: int, counts: dict[int, int] | None) -> None:
+            super().__init__(passes, share, pending)
+            self.counts = counts
+
+        def step(self, limit: int) -> int:
+            until = time.monotonic() + step_seconds
+            while time.monotonic() < until:
+                pass
+            if self.counts is not None:
+                self.counts[passes.number] = self.counts.get(passes.number, 0) + 1
+            return super().step(min(limit, 4096))
+
+    flooders = [Dear(flood, 64 << 20, flood_steps) for _ in range(2)]
+    sender = Dear(producer, 0, None)
+    for backlog in flooders:
+        backlog.taker.received()
+    sends_at: list[int] = []
+    for i in range(48):
+        if i % 4 == 0:  # a send every fourth pass, heavy enough to count
+            sends_at.append(passes.number)
+            sender.pending += 4096  # one step: heavy, and done in its pass
+            sender.taker.received()
+        await asyncio.sleep(0)
+    for backlog in [*flooders, sender]:
+        backlog.taker.cancel()
+    between = [n for n in flood_steps if n > sends_at[1]]
+    assert between
+    # A quantum is two steps (and one that crosses it); a whole turn would be eight.
+    assert max(flood_steps[n] for n in between) <= 4, flood_steps
+
+
+async def test_work_for_several_writers_is_paid_by_their_causes_per_writer() -> None:
+    """A stream's Acks for three writers, two of one cause: it pays two thirds.
+    What one writer's cause was charged inside it already is not charged again."""
+    charged: dict[int, float] = {}
+
+    class Spy(Passes):
+        def spent(self, share: TurnShare, seconds: float) -> None:
+            charged[id(share)] = charged.get(id(share), 0.0) + seconds
+            super().spent(share, seconds)
+
+    passes = Spy()
+    many, one = TurnShare(), TurnShare()
+    with SharedWork(passes, [many, many, one]):
+        until = time.monotonic() + 0.003
+        while time.monotonic() < until:
+            pass
+        passes.spent(one, 0.0015)  # its own write, charged to it at once
+    own = 0.0015
+    shared = charged[id(many)] * 3 / 2
+    assert shared >= 0.003 - own - 1e-4
+    assert charged[id(one)] == pytest.approx(own + shared / 3)
+    assert passes.turn is None, "the work ended: nothing is excluded from later charges"
 
 
 async def test_a_cause_whose_batches_cost_more_to_store_gets_fewer_turns() -> None:

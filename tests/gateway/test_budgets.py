@@ -24,9 +24,10 @@ import pytest
 from headgate.client import ClientSecurity, Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
+from headgate.gateway import server as server_module
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
 from headgate.gateway.server import GIL_SWITCH_INTERVAL_S, READ_SECONDS, RING_INITIAL
-from headgate.gateway.turns import Passes, TurnShare
+from headgate.gateway.turns import Passes, SharedWork, TurnShare
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
 from headgate.protocol.errors import ErrorCode
@@ -254,6 +255,35 @@ async def test_the_loops_time_reading_and_answering_a_peer_is_charged_to_its_cau
     # read's or a write's (at least the loop's own share of each read).
     assert charged.get(id(conn.share.turn), 0.0) >= 10 * READ_SECONDS
     peer.close()
+
+
+async def test_a_streams_acks_after_a_commit_are_charged_to_its_writers_causes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's work after a group commit (a stream's Acks and credit for all
+    its writers) grows with the writers: their causes pay it, by writer."""
+    payers: list[TurnShare] = []
+
+    class Recording(SharedWork):
+        def __init__(self, passes: Passes, shares: list[TurnShare]) -> None:
+            super().__init__(passes, shares)
+            payers.extend(shares)
+
+    monkeypatch.setattr(server_module, "SharedWork", Recording)
+    gw = Gateway(config(tmp_path, auth_file=tokens(tmp_path / "tokens.toml")))
+    await gw.start()
+    try:
+        async with Producer(
+            gw.address, security=ClientSecurity(token=FLOOD), producer_id=41
+        ) as producer:
+            for i in range(20):
+                await producer.send("f-acks", b"r%d" % i)
+                await producer.flush()
+            share = gw.shares.get(token_key("flood"))
+            assert share is not None
+            assert share.turn in payers
+    finally:
+        await gw.stop()
 
 
 @pytest.mark.parametrize(("ending", "pings"), [("fin", 12_000), ("close", 20_000)])
@@ -516,9 +546,14 @@ async def test_tls_handshakes_are_a_rate_per_address_checked_before_the_handshak
     await gw.start()
     try:
         context = client_context(ca_file=authority.ca)
-        results = [await tls_hello(gw.address, context) for _ in range(6)]
-        assert results[:3] == [True, True, True]
-        assert not any(results[3:]), results
+        results = [await tls_hello(gw.address, context) for _ in range(3)]
+        assert results == [True, True, True]
+        # The fourth is refused, and held until the address may have one again
+        # (a third of a second, less what passed since the first three).
+        started = time.monotonic()
+        assert not await tls_hello(gw.address, context)
+        refused_after = time.monotonic() - started
+        assert 0.1 < refused_after < 1.0, refused_after
         logged = [
             r.getMessage() for r in caplog.records if "TLS handshakes a second" in r.getMessage()
         ]
@@ -527,6 +562,52 @@ async def test_tls_handshakes_are_a_rate_per_address_checked_before_the_handshak
         assert await tls_hello(gw.address, context)
     finally:
         await gw.stop()
+
+
+async def test_a_tls_handshake_flood_refused_for_the_rate_tries_about_as_often_as_it_is_let_in(
+    tmp_path: Path, authority: Authority
+) -> None:
+    """Eight connections at a time, each retried as soon as it ends, for a second.
+
+    Refused at once, they would retry hundreds of times (every try a key
+    share and a ClientHello on the flooder's CPU, which on a shared machine
+    is taken from others); held until the rate allows one, a few dozen.
+    """
+    rate = 5
+    gw = Gateway(
+        config(
+            tmp_path,
+            tls_cert=authority.server_cert,
+            tls_key=authority.server_key,
+            handshake_rate=rate,
+        )
+    )
+    await gw.start()
+    tries = admitted = 0
+    try:
+        context = client_context(ca_file=authority.ca)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + 1.0
+
+        async def flood() -> None:
+            nonlocal tries, admitted
+            while loop.time() < until and tries < 2000:
+                tries += 1
+                try:
+                    _, writer = await asyncio.wait_for(
+                        asyncio.open_connection(*gw.address, ssl=context, server_hostname="x"), 3
+                    )
+                except (OSError, ssl.SSLError, TimeoutError):
+                    continue
+                admitted += 1
+                writer.close()
+
+        await asyncio.gather(*(flood() for _ in range(8)))
+        assert admitted <= 2 * rate + 2, admitted  # a burst and a second's rate
+        assert tries < 100, tries
+    finally:
+        await gw.stop()
+    assert gw.admission.handshakes.held == 0, "every held connection was closed and let go"
 
 
 async def test_tls_handshakes_in_progress_are_bounded(tmp_path: Path, authority: Authority) -> None:

@@ -158,6 +158,23 @@ def test_time_the_receiver_excuses_is_not_silence_and_the_rest_is() -> None:
     assert reason is not None and "no complete frame" in reason
 
 
+def test_a_backlog_decoded_late_does_not_take_back_the_time_the_receiver_excused() -> None:
+    """A writer put off behind the turns of its token's other connections: its
+    frames, read before the pause, are decoded after it; the pause was not
+    silence all the same (the gateway closed such writers with TIMEOUT)."""
+    d = ReceiveDeadlines(idle_timeout=1.0, frame_timeout=0.0, now=0.0)
+    d.decoded(0.0, frames=1, partial=False)
+    d.excuse(0.0, excused=False)
+    for tick in (0.3, 0.6, 0.9):
+        d.excuse(tick, excused=True)
+    # Its turn, at 0.95 s, decodes the frames read at 0.0 s.
+    d.decoded(0.0, frames=40, partial=False)
+    d.excuse(1.2, excused=False)
+    assert d.expired(1.2) is None, "silent only since 0.9 s"
+    reason = d.expired(2.0)
+    assert reason is not None and "no complete frame" in reason
+
+
 def test_a_pause_the_peer_causes_is_silence() -> None:
     d = ReceiveDeadlines(idle_timeout=1.0, frame_timeout=0.0, now=0.0)
     d.decoded(0.0, frames=1, partial=False)

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 
+from headgate.gateway.turns import TurnShare
+
 __all__ = ["Account", "AccountStatistics", "DurabilityLoans", "Loan", "ReadPauses"]
 
 
@@ -63,6 +65,10 @@ class AccountStatistics:
     over: bool
     #: How many times the debt went over the threshold.
     overdrafts: int
+
+
+def _no_turn() -> TurnShare | None:
+    return None
 
 
 class Account:
@@ -88,6 +94,7 @@ class Account:
         "peak_debt",
         "resume_at",
         "threshold",
+        "turn_of",
     )
 
     def __init__(
@@ -105,6 +112,9 @@ class Account:
         self.borrowed = 0
         self.over = False
         self.overdrafts = 0
+        #: The turn of the cause that pays for the connection's share of the
+        #: loop's time now (it changes at Hello); None: no cause (tests).
+        self.turn_of: Callable[[], TurnShare | None] = _no_turn
 
     def loan(self, units: int = 1) -> Loan:
         """Borrow ``units`` for one piece of work; repay the loan when it is done."""

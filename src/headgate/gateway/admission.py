@@ -70,7 +70,11 @@ class Admission(Generic[C]):
         rate = settings.work_budget_ms * UNITS_PER_MS
         self.shares = PeerShares(rate, rate)
         #: TLS handshakes each address may start, and how many are in progress.
-        self.handshakes = HandshakeBudgets(settings.handshake_rate)
+        self.handshakes = HandshakeBudgets(
+            settings.handshake_rate,
+            max_hold=settings.handshake_timeout_ms / 1000,
+            max_held=settings.max_pending_handshakes,
+        )
         self.tls_pending = 0
         #: Connections that have bound a stream to write (they hold writer slots).
         self.writer_connections = 0

@@ -289,21 +289,46 @@ class HandshakeBudgets:
     forgotten once it has refilled; at most ``max_addresses`` are tracked,
     beyond which new addresses share one bucket.
 
+    A connection refused for the rate is not closed at once but *held*
+    (:meth:`hold`): unread, until its address could have had a handshake,
+    then closed. Refused at once, a flood retries at once: each try costs
+    the flooder a key share and a ClientHello, and on a machine it shares
+    with others that CPU is theirs (a flood of 8 connections at a time spent
+    half a core on tries refused at the door). Held, each in its place in
+    the address's queue, it tries about as often as it would be let in. At
+    most ``max_held`` are held at a time (their sockets are the cost);
+    beyond, refused at once.
+
     Args:
         rate: handshakes a second per address, in bursts of as many.
         max_addresses: the most buckets held.
+        max_hold: the longest a refused connection is held (seconds).
+        max_held: the most refused connections held at once.
     """
 
     OVERFLOW = "address:(others)"
 
-    def __init__(self, rate: float, *, max_addresses: int = 4096) -> None:
+    def __init__(
+        self,
+        rate: float,
+        *,
+        max_addresses: int = 4096,
+        max_hold: float = 1.0,
+        max_held: int = 256,
+    ) -> None:
         self._rate = rate
         self._burst = max(1.0, rate)
         self._max = max_addresses
+        self._max_hold = max_hold
+        self._max_held = max_held
         self._buckets: dict[str, WorkBudget] = {}
+        #: Refused connections held now, by key.
+        self._held: dict[str, int] = {}
+        #: Refused connections held now, in all.
+        self.held = 0
 
-    def admit(self, key: str, now: float) -> bool:
-        """Whether a handshake from ``key`` may start now (it is counted if so)."""
+    def _bucket(self, key: str, now: float) -> tuple[str, WorkBudget]:
+        """``key``'s bucket (opened if needed), and the key it is kept under."""
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= self._max:
@@ -313,15 +338,52 @@ class HandshakeBudgets:
                 bucket = self._buckets.get(key)
             if bucket is None:
                 bucket = self._buckets[key] = WorkBudget(self._rate, self._burst, now)
+        return key, bucket
+
+    def admit(self, key: str, now: float) -> bool:
+        """Whether a handshake from ``key`` may start now (it is counted if so)."""
+        _, bucket = self._bucket(key, now)
         if bucket.wait(now) > 0 or bucket.balance < 1:
             return False
         bucket.charge(1.0, now)
         return True
 
+    def hold(self, key: str, now: float) -> tuple[str, float]:
+        """How long to hold a connection from ``key`` that was refused, before closing it.
+
+        Returns the key to :meth:`release` it under, and the seconds: until
+        ``key``'s bucket has a whole handshake again for it and for each
+        connection from ``key`` held already (they are let go one by one, as
+        the rate allows them to try again), at most ``max_hold``;
+        0 (close at once) when it has one now (refused for another reason),
+        or when ``max_held`` connections are held already. A held connection
+        must be released.
+        """
+        key, bucket = self._bucket(key, now)
+        bucket.wait(now)  # (refills it to now)
+        queued = self._held.get(key, 0)
+        seconds = min(self._max_hold, max(0.0, (queued + 1.0 - bucket.balance) / self._rate))
+        if seconds <= 0 or self.held >= self._max_held:
+            return key, 0.0
+        self._held[key] = self._held.get(key, 0) + 1
+        self.held += 1
+        return key, seconds
+
+    def release(self, key: str) -> None:
+        """A connection held under ``key`` (:meth:`hold`) is closed."""
+        left = self._held.get(key, 0) - 1
+        if left > 0:
+            self._held[key] = left
+        else:
+            self._held.pop(key, None)
+        self.held = max(0, self.held - 1)
+
     def forget_refilled(self, now: float) -> None:
         """Drop the buckets that are full again (their addresses are quiet)."""
         for key in [
-            k for k, b in self._buckets.items() if b.wait(now) == 0 and b.balance >= self._burst
+            k
+            for k, b in self._buckets.items()
+            if b.wait(now) == 0 and b.balance >= self._burst and k not in self._held
         ]:
             del self._buckets[key]
 

@@ -257,6 +257,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
         self.account = Account(
             f"connection {conn_id}", gateway.config.max_connection_debt, self._on_debt
         )
+        self.account.turn_of = lambda: None if self.share is None else self.share.turn
         #: The debt of this connection's batches in the ring, a unit each
         #: (grown as they are decoded, repaid as the log writer handles them).
         self._ring_loan: Loan | None = None
@@ -1191,11 +1192,22 @@ class TlsDoor(asyncio.Protocol):
         if refusal is not None:
             where = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else host
             gw.refusals.warning(time.monotonic(), "refused %s: %s", where, refusal)
-            transport.abort()
+            # Held unread until its address may have a handshake again, then
+            # closed (budget.HandshakeBudgets.hold: a flood refused at once retries at once).
+            key, hold = gw.admission.handshakes.hold(address_key(host), time.monotonic())
+            if hold > 0:
+                transport.pause_reading()
+                asyncio.get_running_loop().call_later(hold, self._close_held, transport, key)
+            else:
+                transport.abort()
             return
         conn = GatewayConnection(gw, next(gw.connection_ids), tls=True)
         transport.set_protocol(conn)
         conn.connection_made(transport)
+
+    def _close_held(self, transport: asyncio.Transport, key: str) -> None:
+        self.gateway.admission.handshakes.release(key)
+        transport.abort()
 
     def data_received(self, data: bytes) -> None:
         """Nothing is read before the connection is handed over."""

@@ -38,7 +38,7 @@ from headgate.gateway.identity import ProducerOwners
 from headgate.gateway.ring import HANDLED, MessageQueue
 from headgate.gateway.statistics import StreamCounters
 from headgate.gateway.streams import Stream
-from headgate.gateway.turns import Passes
+from headgate.gateway.turns import Passes, SharedWork
 from headgate.log import LogError
 from headgate.protocol.errors import ErrorCode, ProtocolError
 
@@ -236,16 +236,23 @@ class LogWriter:
                 assert fsync is not None
                 fsync.observe(seconds)
         for stream in streams:
-            if stream in failed:
-                # Nothing is acknowledged that is not durable; the stream is
-                # held (logged once) and the next commit tries again.
-                stream.sync_failed(failed[stream])
-                self._dirty.add(stream)
-            else:
-                stream.on_durable()
-                self.durability.settle(stream.name, stream.log.durable_position)
-                self._host.save_consumers(stream)  # one that failed is retried
-            self._host.after_commit(stream, stream in failed)
+            # The stream's writers' causes pay for its Acks and credit (turns.SharedWork).
+            writers = [
+                t
+                for w in stream.writers
+                if w.account is not None and (t := w.account.turn_of()) is not None
+            ]
+            with SharedWork(self._host.passes, writers):
+                if stream in failed:
+                    # Nothing is acknowledged that is not durable; the stream is
+                    # held (logged once) and the next commit tries again.
+                    stream.sync_failed(failed[stream])
+                    self._dirty.add(stream)
+                else:
+                    stream.on_durable()
+                    self.durability.settle(stream.name, stream.log.durable_position)
+                    self._host.save_consumers(stream)  # one that failed is retried
+                self._host.after_commit(stream, stream in failed)
         if trace is not None:
             trace.commit(
                 due,

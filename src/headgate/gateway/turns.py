@@ -33,9 +33,11 @@ connections writing tiny batches at full speed get what one gets, data
 within guarantees included. Once a cause has used its time, its
 connections wait for later passes. This holds only while more than one
 cause uses a fair part of the passes (:class:`Passes`): a gateway that
-serves one cause alone gives it every pass, as before, and a cause that
-wants little (a Ping, a keep-alive, a flood its budget holds) makes nobody
-wait. The loop's time reading a cause's connections and writing their
+serves one cause alone gives it every pass, and a cause that wants little
+(a Ping, a keep-alive, a flood its budget holds) makes nobody wait. A cause
+alone still uses no more than :data:`ALONE_SECONDS` of a pass, its
+connections one after another, so that one that comes never waits for a
+long pass. The loop's time reading a cause's connections and writing their
 answers is the cause's too (``GatewayConnection.charge_time``).
 """
 
@@ -46,7 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["Passes", "TurnShare", "TurnTaker"]
+__all__ = ["Passes", "SharedWork", "TurnShare", "TurnTaker"]
 
 #: Bounds of the bytes handed to the session at once, and its first size.
 MIN_SLICE = 256
@@ -68,8 +70,27 @@ QUANTUM_SECONDS = 0.0005
 #: The loop's time in a pass that makes a cause one of those that share it
 #: (:meth:`Passes.contended`): a quarter of its quantum.
 HEAVY_SECONDS = QUANTUM_SECONDS / 4
+#: How many passes the loop stays shared (:meth:`Passes.contended`) after
+#: one in which two causes or more used a fair part of it. A producer that
+#: waits for its Acks between sends wants the loop only every few passes; if
+#: the loop were shared only in the passes it is busy in, a flooding cause
+#: would take whole turns (and the appends of all they decoded) in between,
+#: and each of the producer's sends would wait for one of those long passes.
+CONTENDED_PASSES = 8
 #: The most passes a cause's debt can make it wait (see :class:`TurnShare`).
 MAX_DEBT_PASSES = 32
+#: The loop's time a cause's turns may take in one pass while no other cause
+#: shares the loop: one turn's (the appends of what they decoded follow in
+#: the next pass, in proportion; a lone connection is bounded by its turn as
+#: before). Its connections then take turns one after another, a pass each,
+#: instead of one turn each in every pass: a pass stays about
+#: this long however many connections a cause opens, so a cause that comes
+#: (a producer's next batch, a Hello) waits for one such pass, not for
+#: sixteen turns and the appends of all they decoded (at the start of a
+#: flood of one-record batches from 16 connections, passes of 0.5 to 2 s
+#: were measured before this bound). It costs a cause alone nothing but
+#: more, shorter passes.
+ALONE_SECONDS = TURN_SECONDS
 
 
 class TurnShare:
@@ -85,7 +106,18 @@ class TurnShare:
     what the causes share.
     """
 
-    __slots__ = ("bytes", "cost", "credit", "heavy", "pass_number", "used", "used_pass", "waiting")
+    __slots__ = (
+        "bytes",
+        "cost",
+        "credit",
+        "heavy",
+        "pass_number",
+        "turned",
+        "turned_pass",
+        "used",
+        "used_pass",
+        "waiting",
+    )
 
     def __init__(self) -> None:
         #: Seconds of the loop the cause may still use (negative: its debt).
@@ -100,13 +132,28 @@ class TurnShare:
         self.used = 0.0
         self.used_pass = -1
         self.heavy = False
+        #: Seconds the cause's turns took in pass ``turned_pass`` (their
+        #: decoding, without the appends and reads charged to it).
+        self.turned = 0.0
+        self.turned_pass = -1
         #: The cause's connections that were put off, in order: the first
         #: has the cause's next turn, so every connection of it has turns.
         self.waiting: deque[TurnTaker] = deque()
 
     def used_up(self) -> bool:
-        """Whether the cause has had its share of this pass."""
+        """Whether the cause has had its share of this pass (while others want theirs)."""
         return self.credit <= 0 or self.bytes >= TURN_BYTES or self.cost >= TURN_COST
+
+    def turned_in(self, number: int) -> float:
+        """Seconds the cause's turns took in pass ``number`` so far."""
+        return self.turned if self.turned_pass == number else 0.0
+
+    def turn_took(self, number: int, seconds: float) -> None:
+        """One of the cause's turns in pass ``number`` took ``seconds``."""
+        if self.turned_pass != number:
+            self.turned_pass = number
+            self.turned = 0.0
+        self.turned += seconds
 
 
 class Passes:
@@ -116,17 +163,19 @@ class Passes:
     loop runs callbacks scheduled in one pass in the next one).
     """
 
-    __slots__ = ("_scheduled", "heavy", "heavy_before", "number", "turn")
+    __slots__ = ("_scheduled", "_shared_until", "heavy", "heavy_before", "number", "turn")
 
     def __init__(self) -> None:
         self.number = 0
         #: The turn being taken now, if any: time charged to a cause while it
         #: runs (:meth:`spent`) is not its own (see :meth:`TurnTaker.exclude`).
-        self.turn: TurnTaker | None = None
+        self.turn: TurnTaker | SharedWork | None = None
         #: Causes that used a fair part of this pass (:data:`HEAVY_SECONDS`,
         #: or a quarter of a turn's bytes or cost), and of the one before.
         self.heavy = 0
         self.heavy_before = 0
+        #: The last pass that is shared because of an earlier one (CONTENDED_PASSES).
+        self._shared_until = -1
         self._scheduled = False
 
     def visit(self, share: TurnShare) -> None:
@@ -186,19 +235,69 @@ class Passes:
             asyncio.get_running_loop().call_soon(self._next)
 
     def _next(self) -> None:
+        if self.heavy > 1:
+            self._shared_until = self.number + CONTENDED_PASSES
         self.number += 1
         self.heavy_before, self.heavy = self.heavy, 0
         self._scheduled = False
 
     def contended(self) -> bool:
         """Whether the loop is shared: more than one cause used a fair part of
-        this pass, or of the one before.
+        this pass, or of one of the :data:`CONTENDED_PASSES` before.
 
         A cause that only wants a little (a Ping, a reader's keep-alive, a
         flood its budget holds) takes its turns as they come and makes nobody
         wait: only causes that both want the loop share it.
         """
-        return max(self.heavy, self.heavy_before) > 1
+        return self.heavy > 1 or self.number <= self._shared_until
+
+
+class SharedWork:
+    """The loop's work for several causes at once, paid by them in equal parts.
+
+    After a group commit the gateway sends a stream's Acks and credit to all
+    its writers at once, in one piece of work whose length grows with the
+    writers (sixteen connections of one token writing one stream cost it
+    sixteen times what one writer costs): each writer's cause pays its part,
+    as the broker seed charges fan-out to the cause. Time charged inside it
+    to one cause already (a connection's own write of its answers, see
+    :meth:`Passes.spent`) is not charged again::
+
+        with SharedWork(passes, [turn of each writer's cause]):
+            ...  # the stream's Acks, credit, writes
+
+    Args:
+        passes: the gateway's passes.
+        shares: one entry per writer (a cause with two writers appears twice).
+    """
+
+    __slots__ = ("_excluded", "_outer", "_passes", "_shares", "_started")
+
+    def __init__(self, passes: Passes, shares: list[TurnShare]) -> None:
+        self._passes = passes
+        self._shares = shares
+        self._outer: TurnTaker | SharedWork | None = None
+        self._started = 0.0
+        self._excluded = 0.0
+
+    def __enter__(self) -> SharedWork:
+        self._outer, self._passes.turn = self._passes.turn, self
+        self._excluded = 0.0
+        self._started = time.monotonic()
+        return self
+
+    def exclude(self, seconds: float) -> None:
+        """``seconds`` of it were charged to one cause already (:meth:`Passes.spent`)."""
+        self._excluded += seconds
+
+    def __exit__(self, *_: object) -> None:
+        passes = self._passes
+        passes.turn = self._outer
+        elapsed = time.monotonic() - self._started - self._excluded
+        if elapsed > 0 and self._shares:
+            part = elapsed / len(self._shares)
+            for share in self._shares:
+                passes.spent(share, part)
 
 
 class TurnTaker:
@@ -341,6 +440,7 @@ class TurnTaker:
             elapsed = max(0.0, time.monotonic() - started - self._excluded)
             share.credit -= elapsed
             passes.used(share, elapsed)
+            share.turn_took(passes.number, elapsed)
         if more and not self._closing():
             self._schedule()
         else:
@@ -384,41 +484,52 @@ class TurnTaker:
                 or self._held_until > clock
                 or (
                     share is not None
-                    and (
-                        share.bytes + fed >= TURN_BYTES
-                        or share.credit <= now - started
-                        or share.cost + self._turn_cost >= TURN_COST
-                    )
                     and passes is not None
-                    and passes.contended()
+                    and self._over(passes, share, fed, self._turn_cost, now - started)
                 )
             ):
                 more = True
                 break
         return more, fed
 
+    @staticmethod
+    def _over(passes: Passes, share: TurnShare, fed: int, cost: float, elapsed: float) -> bool:
+        """Whether the cause has had its part of this pass, with the turn under way's
+        ``fed`` bytes, ``cost`` units and ``elapsed`` seconds (not yet counted in ``share``).
+
+        While other causes want turns: its share (:class:`TurnShare`). Alone:
+        :data:`ALONE_SECONDS` of the pass.
+        """
+        if passes.contended():
+            return (
+                share.bytes + fed >= TURN_BYTES
+                or share.credit <= elapsed
+                or share.cost + cost >= TURN_COST
+            )
+        return share.turned_in(passes.number) + elapsed >= ALONE_SECONDS
+
     def _may_turn(self, passes: Passes, share: TurnShare) -> bool:
         """Whether this connection may take its cause's turn now; if not, it queues for it.
 
         While other causes want turns, a cause has its share of the loop's
-        time (:class:`TurnShare`), and its connections that were put off
-        have it first, in the order they were put off.
+        time (:class:`TurnShare`); alone, :data:`ALONE_SECONDS` of each pass.
+        Its connections that were put off have it first, in the order they
+        were put off.
         """
         passes.visit(share)
-        if passes.contended():
-            waiting = share.waiting
-            while waiting and waiting[0] is not self and not waiting[0].waiting:
-                # Gone, or it had its bytes decoded meanwhile: not waiting.
-                waiting.popleft()._queued_in = None
-            if waiting and waiting[0] is not self:
-                waiting[0]._wake()
-            if share.used_up() or (waiting and waiting[0] is not self):
-                passes.used(share, 0.0, put_off=True)
-                if self._queued_in is not share:
-                    self._dequeue()
-                    self._queued_in = share
-                    waiting.append(self)
-                return False
+        waiting = share.waiting
+        while waiting and waiting[0] is not self and not waiting[0].waiting:
+            # Gone, or it had its bytes decoded meanwhile: not waiting.
+            waiting.popleft()._queued_in = None
+        if waiting and waiting[0] is not self:
+            waiting[0]._wake()
+        if self._over(passes, share, 0, 0.0, 0.0) or (waiting and waiting[0] is not self):
+            passes.used(share, 0.0, put_off=True)
+            if self._queued_in is not share:
+                self._dequeue()
+                self._queued_in = share
+                waiting.append(self)
+            return False
         self._dequeue()
         return True
 

@@ -127,8 +127,10 @@ class ReceiveDeadlines:
         """
         if frames != self._frames:
             if frames - self._frames > 1 or self._prompt(now):
-                # (Of two or more, at least one arrived whole just now.)
-                self._last_frame_at = now
+                # (Of two or more, at least one arrived whole just now.) Never
+                # back: a backlog decoded after a pause the receiver excused
+                # arrived before it, and the pause was still no silence.
+                self._last_frame_at = max(self._last_frame_at, now)
             self._frames = frames
             # Whatever is partial now is a new frame.
             self._frame_since = now if partial and not self._paused else None
