@@ -24,7 +24,7 @@ import pytest
 from headgate.client import ClientSecurity, Producer
 from headgate.client.tls import client_context
 from headgate.gateway import Gateway
-from headgate.gateway import server as server_module
+from headgate.gateway import log_writer as log_writer_module
 from headgate.gateway.budget import UNITS_PER_MS, Cost, address_key, token_key
 from headgate.gateway.server import GIL_SWITCH_INTERVAL_S, READ_SECONDS, RING_INITIAL
 from headgate.gateway.turns import Passes, SharedWork, TurnShare
@@ -269,7 +269,7 @@ async def test_a_streams_acks_after_a_commit_are_charged_to_its_writers_causes(
             super().__init__(passes, shares)
             payers.extend(shares)
 
-    monkeypatch.setattr(server_module, "SharedWork", Recording)
+    monkeypatch.setattr(log_writer_module, "SharedWork", Recording)
     gw = Gateway(config(tmp_path, auth_file=tokens(tmp_path / "tokens.toml")))
     await gw.start()
     try:
