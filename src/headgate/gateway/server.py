@@ -445,6 +445,26 @@ class Gateway:
             self.consumer_service.stream_created(name)
         return stream
 
+    def stream_slot_refusal(self, name: str) -> ProtocolError | None:
+        """Why no stream called ``name`` may come into being, or None if it may.
+
+        The one rule of ``max_streams``, asked by a bind and by a
+        DeclareConsumer alike: a slot is held by every stream that exists, is
+        still recovering, or has consumers declared ahead of it. A name that
+        holds a slot already keeps it; a new one needs a free slot.
+        """
+        declared_ahead = self.consumer_service.declared_ahead
+        if name in self.streams or self.recovery.recovering(name) or name in declared_ahead:
+            return None
+        limit = self.config.max_streams
+        if len(self.streams) + self.recovery.count + len(declared_ahead) < limit:
+            return None
+        return ProtocolError(
+            f"stream {name!r} cannot be created: the gateway holds its maximum of {limit} "
+            "streams (those still recovering and those with consumers declared ahead included)",
+            code=ErrorCode.RESOURCE_EXHAUSTED,
+        )
+
     def _open_stream(self, name: str) -> Stream:
         """Open (or create) a stream's log and rebuild its dedup state.
 
