@@ -870,13 +870,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
             return misplaced
         if name in gw.streams:
             return None
-        if gw.recovery.recovering(name):
-            gw.recovery.want(name)
-            return ProtocolError(
-                f"stream {name!r} is still being recovered after the gateway's restart; "
-                "try again soon",
-                code=ErrorCode.RECOVERING,
-            )
+        if (recovering := gw.recovery.refusal(name)) is not None:
+            return recovering
         failure = gw.recovery.failure(name)
         if failure is not None:
             return ProtocolError(

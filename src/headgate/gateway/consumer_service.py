@@ -219,12 +219,8 @@ class ConsumerService:
         stream = self._host.streams.get(name)
         if stream is not None:
             return stream
-        if self._host.recovery.recovering(name):
-            self._host.recovery.want(name)
-            raise ProtocolError(
-                f"stream {name!r} is still being recovered after a restart: try again soon",
-                code=ErrorCode.RECOVERING,
-            )
+        if (recovering := self._host.recovery.refusal(name)) is not None:
+            raise recovering
         raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
 
     def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:

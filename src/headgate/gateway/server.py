@@ -433,13 +433,16 @@ class Gateway:
         """The stream called ``name``, opened (or created) on first use.
 
         Raises:
-            LogError: the stream is on disk and not recovered yet, or could
-                not be recovered.
+            ProtocolError: ``RECOVERING``, the stream is on disk and not
+                recovered yet (:meth:`StreamRecovery.refusal`).
+            LogError: the stream could not be recovered.
         """
         stream = self.streams.get(name)
         if stream is None:
-            if self.recovery.recovering(name) or self.recovery.failure(name) is not None:
-                raise LogError(f"stream {name} is not recovered (yet)")
+            if (recovering := self.recovery.refusal(name)) is not None:
+                raise recovering
+            if self.recovery.failure(name) is not None:
+                raise LogError(f"stream {name} could not be recovered")
             stream = self._open_stream(name)
             self._install(stream)
             self.consumer_service.stream_created(name)
