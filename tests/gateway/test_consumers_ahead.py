@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from headgate.client import Producer
+from headgate.client import Producer, StreamRefused
 from headgate.client.reader import Reader, ReaderRefused
 from headgate.config import ConsumerSettings, StreamSettings
 from headgate.gateway.consumers import consumers_file
@@ -153,3 +153,31 @@ def test_streams_declared_ahead_count_against_max_streams(tmp_path: Path) -> Non
     run(scenario(), timeout=20)
     run(raised(), timeout=20)
     run(restarted(), timeout=20)
+
+
+def test_a_bind_cannot_take_the_slot_of_a_stream_declared_ahead(tmp_path: Path) -> None:
+    """One rule for ``max_streams``: a slot is held by a stream, one still
+    recovering, or one with consumers declared ahead, whoever asks (a bind or
+    a DeclareConsumer). A bind of another new stream must not take the slot
+    promised to the stream declared ahead, whose own bind then succeeds."""
+
+    async def scenario() -> None:
+        async with gateway(tmp_path, **SMALL, max_streams=2) as gw:
+            async with Producer(gw.address, linger_ms=1) as p:
+                await p.send("a", b"v")
+                await p.flush("a")
+            async with Reader(gw.address) as reader:
+                assert await reader.declare_consumer("b", "archive") == 0
+            async with Producer(gw.address, linger_ms=1, reconnect_timeout=5) as p:
+                await p.send("c", b"v")
+                with pytest.raises(StreamRefused) as refused:
+                    await p.flush("c")
+            assert refused.value.code is ErrorCode.RESOURCE_EXHAUSTED
+            assert "maximum of 2 streams" in str(refused.value)
+            assert "c" not in gw.streams
+            async with Producer(gw.address, linger_ms=1) as p:
+                await p.send("b", b"v")
+                await p.flush("b")
+            assert positions(gw, "b") == {"archive": 0}
+
+    run(scenario(), timeout=20)

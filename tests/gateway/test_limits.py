@@ -376,3 +376,42 @@ async def test_a_peer_that_ends_the_session_but_keeps_its_socket_is_closed_at_on
     told = [m.decode_global(f.payload) for f in frames if isinstance(f, SendGlobal)]
     assert [type(g) for g in told][:1] == [m.Welcome]
     assert not errors_in(frames)
+
+
+async def test_nothing_follows_the_gateway_s_ending_and_nothing_precedes_its_welcome(
+    gateway: Gateway,
+) -> None:
+    """The gateway's Error that ends a session is its last frame: a Ping that
+    came after the refused frame (a release client sends Release, then a Ping
+    as its probe) gets no Pong. And a Ping sent along with Hello is answered
+    after the Welcome, never ahead of it."""
+
+    def framed(*messages: m.GlobalMessage) -> bytes:
+        return b"".join(encode_frame(SendGlobal(payload=m.encode_message(g))) for g in messages)
+
+    reader, writer = await asyncio.open_connection(*gateway.address)
+    try:
+        writer.write(framed(m.Hello(producer_id=1, client_name="prober"), m.Ping(nonce=5)))
+        await writer.drain()
+        decoder = FrameDecoder(max_payload=1 << 20)
+        told: list[m.GlobalMessage] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 5
+        while not any(isinstance(g, m.Pong) for g in told) and loop.time() < deadline:
+            chunk = await asyncio.wait_for(reader.read(65536), 5)
+            assert chunk, "the gateway closed the connection"
+            told += [
+                m.decode_global(f.payload) for f in decoder.feed(chunk) if isinstance(f, SendGlobal)
+            ]
+        assert [type(g) for g in told] == [m.Welcome, m.Pong]
+        # A Release of a stream that does not exist ends the session; the
+        # Ping behind it in the same write is moot.
+        writer.write(framed(m.Release(stream="nowhere", position=0), m.Ping(nonce=6)))
+        await writer.drain()
+        frames = await read_until_closed(reader, 5)
+    finally:
+        writer.close()
+    after = [m.decode_global(f.payload) for f in frames if isinstance(f, SendGlobal)]
+    [error] = after
+    assert isinstance(error, m.Error)
+    assert error.code is ErrorCode.UNEXPECTED_FRAME and error.scope is None

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from headgate.client import Producer, StreamRefused
-from headgate.client.reader import Reader, TailBatch
+from headgate.client.reader import Reader, ReaderRefused, TailBatch
 from headgate.config import GatewayConfig
 from headgate.gateway import Gateway
 from headgate.gateway.streams import Stream
@@ -207,6 +207,37 @@ def test_a_recovering_stream_refuses_a_raw_bind_with_recovering_scoped_to_it(
             assert "recovered" in error.text and "try again" in error.text
             assert not peer.closed  # scoped: the connection goes on
             await peer.close()
+
+    run(scenario())
+
+
+def test_a_bind_and_a_consumer_request_of_a_recovering_stream_get_one_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One function builds the RECOVERING refusal (``StreamRecovery.refusal``):
+    a writer's bind (scoped to its stream) and a consumer request (ListConsumers,
+    which ends the connection) of a stream still recovering get the same code
+    and the same text, and both move the stream to the front of the queue."""
+
+    async def scenario() -> None:
+        await fill(tmp_path, ["a"], 1, producer_id=7)
+        gates = Gates(["a"])
+        gates.install(monkeypatch)
+        async with listening(tmp_path, gates) as gw:
+            peer = RawPeer(producer_id=3)
+            await peer.connect(gw.address)
+            assert peer.session.bind_stream("a") is not None
+            await peer.send()
+            await peer.until(lambda: bool(peer.errors()))
+            (bound,) = peer.errors()
+            await peer.close()
+            async with Reader(gw.address) as reader:
+                with pytest.raises(ReaderRefused) as listed:
+                    await reader.list_consumers("a")
+            assert bound.code is listed.value.code is ErrorCode.RECOVERING
+            assert bound.text == listed.value.text
+            assert "'a'" in bound.text and "try again soon" in bound.text
+            assert gw.recovery.recovering("a")
 
     run(scenario())
 

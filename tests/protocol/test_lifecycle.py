@@ -150,6 +150,9 @@ def test_every_state_against_every_input(state: S, input_: I) -> None:
     assert (life.state, answer) == expected
     # Once opened, a session stays "opened" whatever ends it.
     assert life.opened == (answer is A.OPEN or state in (S.OPEN, S.CLOSING, S.CLOSED))
+    # Our Goodbye or our Error is the last frame we send (CLOSING: we said
+    # Goodbye); the peer's ending, or a timer's, leaves us what we owe.
+    assert life.said_last == (input_ in (I.SAY_GOODBYE, I.FAIL) or state is S.CLOSING)
 
 
 # -- two cores in memory --------------------------------------------------------
@@ -237,6 +240,65 @@ def test_a_refusal_in_place_of_welcome_closes_the_client_for_sending_too() -> No
     assert state_of(wire.client) is S.CLOSED
     with pytest.raises(RuntimeError):
         wire.client.send_global(m.Ping(nonce=1))
+
+
+def test_our_ending_error_is_the_last_frame_even_for_a_ping_decoded_before_it() -> None:
+    """A release client sends Release, then a Ping as its probe. The gateway
+    decodes both before it acts on the Release; it refuses it, ending the
+    session: the Ping behind it is not answered, and nothing follows the Error."""
+    wire = Wire()
+    wire.open(now=0.0)
+    wire.client.send_global(m.Release(stream="nowhere", position=0))
+    wire.client.send_global(m.Ping(nonce=6))
+    [release] = wire.up(0.1)
+    assert isinstance(release, MessageReceived)
+    told = wire.gateway.fail(
+        ProtocolError("no stream called 'nowhere'", code=ErrorCode.UNEXPECTED_FRAME)
+    )
+    assert [type(g) for g in globals_in(told)] == [m.Error]
+    assert wire.gateway.data_to_send() == b""
+    with pytest.raises(RuntimeError):
+        wire.gateway.send_global(m.Ack(handle=0, next_sequence=1, durable_position=64))
+
+
+def test_a_ping_is_answered_after_what_came_before_it_was_acted_on() -> None:
+    """Hello and a Ping in one read: the Pong follows the Welcome the adapter
+    sends for the Hello, never precedes it; a request and a Ping: the Pong
+    follows the answer."""
+    wire = Wire()
+    wire.client.send_global(HELLO)
+    wire.client.send_global(m.Ping(nonce=5))
+    assert wire.up(0.0) == [HelloReceived(hello=HELLO)]
+    wire.gateway.send_global(welcome())
+    assert [type(g) for g in globals_in(wire.gateway.data_to_send())] == [m.Welcome, m.Pong]
+    wire.client.send_global(m.Metadata(request_id=1))
+    wire.client.send_global(m.Ping(nonce=6))
+    [request] = wire.up(0.1)
+    assert isinstance(request, MessageReceived)
+    wire.gateway.send_global(m.ClusterMetadata(request_id=1, gateway="gw", gateways=(), streams=()))
+    assert [type(g) for g in globals_in(wire.gateway.data_to_send())] == [
+        m.ClusterMetadata,
+        m.Pong,
+    ]
+
+
+def test_after_our_goodbye_nothing_more_goes_out_but_what_we_owe_the_peer_s_does() -> None:
+    wire = Wire()
+    wire.open(now=0.0)
+    # The peer's Goodbye after a Ping: the Pong is owed for a frame before it.
+    wire.client.send_global(m.Ping(nonce=7))
+    wire.client.send_global(m.Goodbye(code=ErrorCode.NONE))
+    wire.up(0.1)
+    assert state_of(wire.gateway) is S.CLOSED
+    assert [type(g) for g in globals_in(wire.gateway.data_to_send())] == [m.Pong]
+    # Our Goodbye: a Ping that crosses it is not answered, nor anything else sent.
+    wire = Wire()
+    wire.open(now=0.0)
+    wire.gateway.send_global(m.Goodbye(code=ErrorCode.SHUTTING_DOWN, text="bye"))
+    wire.client.send_global(m.Ping(nonce=8))
+    assert wire.up(0.1) == []
+    wire.gateway.send_global(m.Pong(nonce=9))
+    assert [type(g) for g in globals_in(wire.gateway.data_to_send())] == [m.Goodbye]
 
 
 # -- the clocks ------------------------------------------------------------------

@@ -178,6 +178,7 @@ class ConnectionHost(Protocol):
     def mark_dirty(self, stream: Stream) -> None: ...
     def drop_writers(self, conn: GatewayConnection) -> None: ...
     def stream(self, name: str) -> Stream: ...
+    def stream_slot_refusal(self, name: str) -> ProtocolError | None: ...
     def flow(self, stream: Stream) -> Flow: ...
     def rebalance_soon(self, stream: Stream) -> None: ...
     def rebalance_marked(self) -> None: ...
@@ -870,13 +871,8 @@ class GatewayConnection(asyncio.BufferedProtocol):
             return misplaced
         if name in gw.streams:
             return None
-        if gw.recovery.recovering(name):
-            gw.recovery.want(name)
-            return ProtocolError(
-                f"stream {name!r} is still being recovered after the gateway's restart; "
-                "try again soon",
-                code=ErrorCode.RECOVERING,
-            )
+        if (recovering := gw.recovery.refusal(name)) is not None:
+            return recovering
         failure = gw.recovery.failure(name)
         if failure is not None:
             return ProtocolError(
@@ -891,12 +887,7 @@ class GatewayConnection(asyncio.BufferedProtocol):
                 f"token {rights.name!r} created its maximum of {quota} streams",
                 code=ErrorCode.RESOURCE_EXHAUSTED,
             )
-        if len(gw.streams) + gw.recovery.count >= gw.config.max_streams:
-            return ProtocolError(
-                f"the gateway holds its maximum of {gw.config.max_streams} streams",
-                code=ErrorCode.RESOURCE_EXHAUSTED,
-            )
-        return None
+        return gw.stream_slot_refusal(name)
 
     def refuse_stream(self, handle: int, name: str, error: ProtocolError) -> None:
         """Refuse one bound stream; the peer's other streams go on.

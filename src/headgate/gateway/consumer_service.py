@@ -43,6 +43,10 @@ class ConsumerHost(Protocol):
     #: The streams found at start and not recovered yet.
     recovery: StreamRecovery
 
+    def stream_slot_refusal(self, name: str) -> ProtocolError | None:
+        """Why no stream called ``name`` may come into being (``max_streams``), or None."""
+        ...
+
     def mark_dirty(self, stream: Stream) -> None:
         """The next group commit stores the stream's state (and deletes the terms it frees)."""
         ...
@@ -81,6 +85,11 @@ class ConsumerService:
             for entry in (data / "state").glob(f"*{suffix}")
             if entry.name.removesuffix(suffix) not in logs
         }
+
+    @property
+    def declared_ahead(self) -> frozenset[str]:
+        """The streams not created yet with a consumer declared: each holds a stream slot."""
+        return frozenset(self._declared_ahead)
 
     def stream_created(self, name: str) -> None:
         """Stream ``name`` has a log now: it no longer counts as declared ahead."""
@@ -210,12 +219,8 @@ class ConsumerService:
         stream = self._host.streams.get(name)
         if stream is not None:
             return stream
-        if self._host.recovery.recovering(name):
-            self._host.recovery.want(name)
-            raise ProtocolError(
-                f"stream {name!r} is still being recovered after a restart: try again soon",
-                code=ErrorCode.RECOVERING,
-            )
+        if (recovering := self._host.recovery.refusal(name)) is not None:
+            raise recovering
         raise ProtocolError(f"no stream called {name!r}", code=ErrorCode.UNEXPECTED_FRAME)
 
     def declare_consumer(self, declare: m.DeclareConsumer) -> tuple[int, bool]:
@@ -235,15 +240,9 @@ class ConsumerService:
             and not self._host.recovery.recovering(name)
             and self._host.recovery.failure(name) is None
         ):
-            if name not in self._declared_ahead and (
-                len(self._host.streams) + self._host.recovery.count + len(self._declared_ahead)
-                >= self._host.config.max_streams
-            ):
-                raise ProtocolError(
-                    f"stream {name!r} does not exist and the gateway holds its maximum of "
-                    f"{self._host.config.max_streams} streams (with those declared ahead)",
-                    code=ErrorCode.RESOURCE_EXHAUSTED,
-                )
+            refusal = self._host.stream_slot_refusal(name)
+            if refusal is not None:
+                raise refusal
             answer = declare_before_the_stream(
                 name,
                 consumers_file(Path(self._host.config.data_dir), name),

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from headgate.protocol.errors import ErrorCode, ProtocolError
+
 __all__ = ["StreamRecovery"]
 
 
@@ -65,6 +67,22 @@ class StreamRecovery:
     def recovering(self, name: str) -> bool:
         """Whether ``name`` is a stream on disk that is not recovered yet."""
         return name in self.in_progress or name in self._pending
+
+    def refusal(self, name: str) -> ProtocolError | None:
+        """The ``RECOVERING`` refusal of a request that needs ``name`` now, or None.
+
+        The one text and code of "still recovering, try again soon", for a
+        writer's bind (scoped to its stream) and a consumer request (which
+        ends the connection) alike. Being asked for, the stream moves to the
+        front of the queue.
+        """
+        if not self.recovering(name):
+            return None
+        self.want(name)
+        return ProtocolError(
+            f"stream {name!r} is still being recovered after the gateway's restart; try again soon",
+            code=ErrorCode.RECOVERING,
+        )
 
     def names(self) -> list[str]:
         """The streams not recovered yet."""

@@ -433,17 +433,40 @@ class Gateway:
         """The stream called ``name``, opened (or created) on first use.
 
         Raises:
-            LogError: the stream is on disk and not recovered yet, or could
-                not be recovered.
+            ProtocolError: ``RECOVERING``, the stream is on disk and not
+                recovered yet (:meth:`StreamRecovery.refusal`).
+            LogError: the stream could not be recovered.
         """
         stream = self.streams.get(name)
         if stream is None:
-            if self.recovery.recovering(name) or self.recovery.failure(name) is not None:
-                raise LogError(f"stream {name} is not recovered (yet)")
+            if (recovering := self.recovery.refusal(name)) is not None:
+                raise recovering
+            if self.recovery.failure(name) is not None:
+                raise LogError(f"stream {name} could not be recovered")
             stream = self._open_stream(name)
             self._install(stream)
             self.consumer_service.stream_created(name)
         return stream
+
+    def stream_slot_refusal(self, name: str) -> ProtocolError | None:
+        """Why no stream called ``name`` may come into being, or None if it may.
+
+        The one rule of ``max_streams``, asked by a bind and by a
+        DeclareConsumer alike: a slot is held by every stream that exists, is
+        still recovering, or has consumers declared ahead of it. A name that
+        holds a slot already keeps it; a new one needs a free slot.
+        """
+        declared_ahead = self.consumer_service.declared_ahead
+        if name in self.streams or self.recovery.recovering(name) or name in declared_ahead:
+            return None
+        limit = self.config.max_streams
+        if len(self.streams) + self.recovery.count + len(declared_ahead) < limit:
+            return None
+        return ProtocolError(
+            f"stream {name!r} cannot be created: the gateway holds its maximum of {limit} "
+            "streams (those still recovering and those with consumers declared ahead included)",
+            code=ErrorCode.RESOURCE_EXHAUSTED,
+        )
 
     def _open_stream(self, name: str) -> Stream:
         """Open (or create) a stream's log and rebuild its dedup state.

@@ -8,6 +8,13 @@ Every end of a headgate connection lives through the same few states::
                     └──── the peer's Goodbye or unscoped Error, our Error
                           (fail), a timer that ran out ───────▶ CLOSED
 
+Our Goodbye, or our Error that ends the session (:meth:`Session.fail`), is
+the last frame this end sends: after it nothing more goes out
+(:attr:`Lifecycle.said_last`), not an Ack, not the Pong of a Ping that
+arrived meanwhile, whatever the adapter still asks to send. (The peer's
+Goodbye or Error is different: this end still sends what it owes for the
+frames before it.)
+
 The table :data:`TRANSITIONS` is the whole rule, keyed by (state, input), as
 h11 keys its own: a pair that is missing is the peer's protocol error
 (``BAD_HELLO``: a session opens with its opener, and only once). Its
@@ -182,6 +189,7 @@ class Lifecycle:
         "ended",
         "expired",
         "opened",
+        "said_last",
         "state",
     )
 
@@ -205,6 +213,10 @@ class Lifecycle:
         self.opened = False
         #: Whether the state is CLOSED (a plain field: the session asks per frame).
         self.ended = False
+        #: Whether we sent our last frame (our Goodbye, or our Error that
+        #: ended the session): nothing more may go out (a plain field: the
+        #: session asks per frame it sends).
+        self.said_last = False
         #: Why a timer ended the connection, or None.
         self.expired: ProtocolError | None = None
         self.deadlines = deadlines
@@ -241,6 +253,8 @@ class Lifecycle:
         self.state, answer = found
         if answer is Answer.OPEN:
             self.opened = True
+        elif input_ is Input.SAY_GOODBYE or input_ is Input.FAIL:
+            self.said_last = True
         self.ended = self.state is ConnectionState.CLOSED
         return answer
 

@@ -36,7 +36,7 @@ from enum import Enum
 from headgate.protocol import messages as m
 from headgate.protocol.c64 import U64_MAX
 from headgate.protocol.channel import ClientChannel, MessageDropped, ServerChannel
-from headgate.protocol.codec import FrameDecoder, encode_frame_into
+from headgate.protocol.codec import FrameDecoder, encode_frame, encode_frame_into
 from headgate.protocol.deadlines import ReceiveDeadlines
 from headgate.protocol.errors import ErrorCode, FlowControlError, ProtocolError
 from headgate.protocol.frames import (
@@ -381,6 +381,8 @@ class Session:
         # When the bytes being decoded arrived (receive_data's ``now``).
         self._now = now
         self._keepalive_nonce = KEEPALIVE_NONCE_BASE
+        # The nonces of the peer's Pings not answered yet (see data_to_send).
+        self._pongs_owed: list[int] = []
         # We send nothing more: fail() was called, or the gateway refused us.
         self._closed = False
         #: The peer's message that ended the session (its Goodbye, or its
@@ -424,7 +426,18 @@ class Session:
     # -- plumbing -------------------------------------------------------------
 
     def data_to_send(self) -> bytes:
-        """Everything queued for the peer since the last call."""
+        """Everything queued for the peer since the last call.
+
+        The peer's Pings are answered here, after what the adapter did with
+        the frames decoded with them: a Pong never goes out ahead of the
+        Welcome, and it tells the peer that what it sent before the Ping
+        was acted on. After our ending (the lifecycle's ``said_last``) they
+        are not answered: the Ping came after the frame we refused.
+        """
+        if self._pongs_owed:
+            for nonce in self._pongs_owed:
+                self._emit(SendGlobal(payload=m.encode_message(m.Pong(nonce=nonce))))
+            self._pongs_owed.clear()
         if not self._out:
             return b""
         data = bytes(self._out)
@@ -433,7 +446,15 @@ class Session:
 
     @property
     def pending_output(self) -> int:
-        """Bytes queued for the peer and not yet taken by :meth:`data_to_send`."""
+        """Bytes queued for the peer and not yet taken by :meth:`data_to_send`.
+
+        The Pongs owed count too (they are written when the output is taken).
+        """
+        if self._pongs_owed and not self.lifecycle.said_last:
+            return len(self._out) + sum(
+                len(encode_frame(SendGlobal(payload=m.encode_message(m.Pong(nonce=nonce)))))
+                for nonce in self._pongs_owed
+            )
         return len(self._out)
 
     @property
@@ -457,11 +478,14 @@ class Session:
         Goodbye are moot. After the peer's Goodbye (or Error) this end may
         still send what it owes for the frames that came before it (a
         Welcome, the answer to a request, an Error), until the adapter
-        closes the connection; after :meth:`fail` it sends nothing more.
+        closes the connection; after :meth:`fail`, or our Goodbye, it sends
+        nothing more (the lifecycle's ``said_last``).
         """
         return self._closed or self.lifecycle.ended
 
     def _emit(self, frame: Frame) -> None:
+        if self.lifecycle.said_last:
+            return  # our Goodbye or Error was the last frame (the lifecycle's rule)
         encode_frame_into(frame, self._out)
 
     def send_global(self, message: m.GlobalMessage) -> None:
@@ -807,7 +831,7 @@ class Session:
             case m.FreeHandle():
                 self._on_free_handle(message, events)
             case m.Ping(nonce=nonce):
-                self.send_global(m.Pong(nonce=nonce))
+                self._pongs_owed.append(nonce)  # answered by data_to_send
             case m.Ack():
                 events.append(AckReceived(ack=message))
             case _:
