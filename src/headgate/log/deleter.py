@@ -16,17 +16,22 @@ inside the commit it held every ack of that commit for one more fsync, once
 per release that frees a term. If it fails, the terms stay on the disk (the
 next release that frees a term syncs the page again, and recovery deletes
 whatever lies behind the durable release).
+
+Deleting is now the exception: once the release is durable, up to
+:data:`~headgate.log.term.MAX_SPARE_TERMS` freed terms are kept as spares
+for the preparer to recycle (:class:`~headgate.log.term.TermSpares`), because
+on a file system mounted with ``discard`` each deletion stalled the next group
+commits for 30 to 40 ms (see :mod:`headgate.log.term`). Only the rest are
+unlinked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 from collections.abc import Callable
 
-from headgate.log.term import TermFile
+from headgate.log.term import TermFile, TermSpares
 
 _log = logging.getLogger(__name__)
 
@@ -34,18 +39,19 @@ __all__ = ["TermDeleter"]
 
 
 class TermDeleter:
-    """Closes and unlinks terms handed to :meth:`delete`, on one helper thread at a time."""
+    """Retires terms handed to :meth:`delete` (kept as spares or unlinked), on one helper thread."""
 
-    __slots__ = ("_lock", "_queue", "_running", "_thread")
+    __slots__ = ("_lock", "_queue", "_running", "_spares", "_thread")
 
-    def __init__(self) -> None:
+    def __init__(self, spares: TermSpares) -> None:
+        self._spares = spares
         self._lock = threading.Lock()
         self._queue: list[tuple[Callable[[], None] | None, list[TermFile]]] = []
         self._running = False
         self._thread: threading.Thread | None = None
 
     def delete(self, terms: list[TermFile], first: Callable[[], None] | None = None) -> None:
-        """Close and unlink ``terms`` soon, after ``first()`` returns. Never blocks.
+        """Close ``terms`` soon, after ``first()`` returns, and keep or unlink each. Never blocks.
 
         ``first`` makes the release that freed them durable; if it raises
         OSError, ``terms`` are closed but their files stay.
@@ -67,7 +73,7 @@ class TermDeleter:
                     self._running = False
                     return
                 batch, self._queue = self._queue, []
-            _delete(batch)
+            _delete(batch, self._spares)
 
     def close(self) -> None:
         """Wait until every term handed over so far is deleted."""
@@ -78,10 +84,12 @@ class TermDeleter:
         # Whatever a thread that ended meanwhile did not take (none, unless it died).
         with self._lock:
             left, self._queue = self._queue, []
-        _delete(left)
+        _delete(left, self._spares)
 
 
-def _delete(batch: list[tuple[Callable[[], None] | None, list[TermFile]]]) -> None:
+def _delete(
+    batch: list[tuple[Callable[[], None] | None, list[TermFile]]], spares: TermSpares
+) -> None:
     for first, terms in batch:
         durable = True
         if first is not None:
@@ -95,8 +103,8 @@ def _delete(batch: list[tuple[Callable[[], None] | None, list[TermFile]]]) -> No
                     exc,
                     len(terms),
                 )
-        for term in terms:
-            term.close()
-            if durable:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(term.path)
+        if durable:
+            spares.retire(terms)
+        else:
+            for term in terms:
+                term.close()

@@ -24,8 +24,6 @@ What is locked:
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 
 from headgate.log.appender import Appender
@@ -160,10 +158,7 @@ class GroupCommit:
             self.meta_dirty = False
             with table.lock:
                 doomed = [table.files.pop(t) for t in freed]
-            for term in doomed:
-                term.close()
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(term.path)
+            table.spares.retire(doomed)
         return self.durable
 
     def finish(self) -> None:
@@ -213,7 +208,7 @@ class GroupCommit:
     def delete_in_background(self) -> None:
         """From now on, freed term files are deleted on a helper thread."""
         if self._deleter is None:
-            self._deleter = TermDeleter()
+            self._deleter = TermDeleter(self._table.spares)
 
     def close(self) -> None:
         """Wait for the deletions handed to the helper thread, if any."""

@@ -10,6 +10,13 @@ published position ahead of the bytes it covers. Such a view is torn, never
 silently wrong: the length is still zero or the checksum fails. The reader then
 retries a bounded number of times before it calls the frame corrupt. LOG.md,
 "Ordering", has the whole argument.
+
+The writer recycles freed term files (:mod:`headgate.log.term`): a term this
+reader still maps may be cleared to zeros and refilled with other positions
+once the writer's release passes it. So after every read the reader looks at
+the release position again, and if it has passed ``start`` the read is a
+:class:`LogError` ("freed while being read") rather than frames whose bytes
+may already have changed under their views.
 """
 
 from __future__ import annotations
@@ -141,7 +148,7 @@ class LogReader:
                     resume, end
                 ):
                     if frames and max_bytes is not None and next_position - start > max_bytes:
-                        return frames
+                        return self._still_retained(frames, start)
                     frames.append(
                         LogFrame(
                             position,
@@ -153,7 +160,7 @@ class LogReader:
                             term.view[offset + HEADER_LENGTH : offset + header[0]],
                         )
                     )
-                return frames
+                return self._still_retained(frames, start)
             except FrameProblem as problem:
                 resume = problem.position
                 # The file may have been replaced (a writer that recovered
@@ -190,6 +197,23 @@ class LogReader:
 
     def __repr__(self) -> str:
         return f"<LogReader {self._directory}>"
+
+    def _still_retained(self, frames: list[LogFrame], start: int) -> list[LogFrame]:
+        """``frames``, unless the writer released past ``start`` meanwhile.
+
+        A freed term's file is recycled: cleared, then refilled with other
+        positions, under mappings this reader may hold, so frames read from a
+        range released during the read may no longer hold their bytes. The
+        writer stores the release before it frees any file, so a release seen
+        at or below ``start`` here means every byte read was still retained.
+        """
+        release = self._meta.read_positions().release
+        if release > start:
+            raise LogError(
+                f"[{start}, ...) of {self._directory} was freed while being read "
+                f"(the log now starts at {release}); read again from {release}"
+            )
+        return frames
 
     def _give_up(self, problem: FrameProblem, start: int) -> LogError:
         release = self._meta.read_positions().release

@@ -95,7 +95,9 @@ class StreamLog(Appender):
         self._recovery: RecoveryReport | None = None
         table = TermTable(directory, settings.term_length, terms)
         self._scanner = FrameScanner(directory, settings.term_length, terms.get)
-        self._preparer = TermPreparer(directory, settings.term_length, table.install_prepared)
+        self._preparer = TermPreparer(
+            directory, settings.term_length, table.install_prepared, table.spares
+        )
         super().__init__(
             table, meta, self._preparer, tail=tail, release=release, capacity=settings.capacity
         )
@@ -227,6 +229,7 @@ class StreamLog(Appender):
                     table.files.clear()
                 self._preparer.close()
                 self._commit.close()
+                table.spares.close()
                 self._meta.close()
                 os.close(self._lock_fd)
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from headgate.log.errors import LogError
 from headgate.log.position import position_bits_to_shift
-from headgate.log.term import TermFile, fsync_directory
+from headgate.log.preparer import MIN_PREPARED_TERM_LENGTH
+from headgate.log.term import MAX_SPARE_TERMS, TermFile, TermSpares, fsync_directory
 
 __all__ = ["TermTable"]
 
@@ -33,6 +34,7 @@ class TermTable:
         "files",
         "lock",
         "shift",
+        "spares",
         "term_length",
     )
 
@@ -49,6 +51,11 @@ class TermTable:
         #: directory fsync counts only if nothing changed the directory since.
         self.directory_changes = 0
         self.closed = False
+        #: Freed terms kept for the preparer to recycle (none for terms too
+        #: small to be prepared: nothing would take them).
+        self.spares = TermSpares(
+            term_length, MAX_SPARE_TERMS if term_length >= MIN_PREPARED_TERM_LENGTH else 0
+        )
 
     def check_open(self) -> None:
         """Raise :class:`LogError` once the log is closed."""
