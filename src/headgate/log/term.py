@@ -323,7 +323,12 @@ class TermSpares:
         self._paths: list[Path] = []
 
     def retire(self, terms: list[TermFile]) -> None:
-        """Close ``terms`` (freed, their release durable); keep some as spares, delete the rest."""
+        """Close ``terms`` (freed, their release durable); keep some as spares, delete the rest.
+
+        Once clearing a spare has been refused, spares kept before are deleted too.
+        """
+        if not zero_range_usable():
+            self.close()
         for term in terms:
             size = term.size
             term.close()
@@ -340,7 +345,10 @@ class TermSpares:
                     os.unlink(term.path)
 
     def take(self) -> Path | None:
-        """A spare's path to recycle, oldest first, or None."""
+        """A spare's path to recycle, oldest first, or None (and none kept once refused)."""
+        if not zero_range_usable():
+            self.close()
+            return None
         with self._lock:
             return self._paths.pop(0) if self._paths else None
 
