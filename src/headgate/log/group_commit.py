@@ -7,7 +7,9 @@ is new, then stores the new durable position in the metadata page (with the
 release position, under one checksum) and wakes whoever waits for it. Two
 chores ride along, after the durable position is out: the pages of terms
 that are wholly durable and behind the writer leave the process, and term
-files that a release has freed are deleted once that release is on disk.
+files that a release has freed are retired once that release is on disk
+(a few kept as spares for the preparer to recycle, the rest deleted: see
+:mod:`headgate.log.term`).
 
 What is locked:
 
