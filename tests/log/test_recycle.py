@@ -113,12 +113,14 @@ def test_spares_never_exceed_the_bound_and_the_rest_are_deleted(
         log._commit.close()  # wait for the deleter thread
         assert len(log._table.spares) == MAX_SPARE_TERMS
         on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
-        freed_left = [t for t in on_disk if t < 8]
-        assert len(freed_left) == MAX_SPARE_TERMS  # the spares; the other six are gone
+        assert on_disk[0] == 8  # no freed term is left under a term's name
+        spare_files = sorted(p.name for p in directory.glob("*.term.spare"))
+        assert len(spare_files) == MAX_SPARE_TERMS  # the spares; the other six are gone
     finally:
         log.close()
     on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
-    assert on_disk and on_disk[0] == 8  # close deletes the spares too
+    assert on_disk and on_disk[0] == 8
+    assert not list(directory.glob("*.term.spare"))  # close deletes the spares too
 
 
 def test_a_spare_of_another_length_is_never_kept_nor_used(
@@ -192,7 +194,7 @@ def test_a_preparing_leftover_from_a_spare_is_removed_by_recovery(
     leftover = directory / f"{9:016x}.term.preparing"
     os.rename(spare, leftover)
     other = log._table.spares.take()
-    assert other is not None
+    assert other is not None and other.name.endswith(".term.spare")
     log._table.spares = TermSpares(TERM, 0)  # close must not delete what a crash leaves
     log.close()
     assert leftover.exists() and other.exists()

@@ -49,6 +49,7 @@ _log = logging.getLogger(__name__)
 TERM_SUFFIX = ".term"
 _CREATING_SUFFIX = ".term.creating"
 _PREPARING_SUFFIX = ".term.preparing"
+_SPARE_SUFFIX = ".term.spare"
 
 
 def term_file_name(term_id: int) -> str:
@@ -71,8 +72,9 @@ def list_term_files(directory: Path) -> dict[int, Path]:
     """Every term file in ``directory`` by id; leftovers of interrupted creations are removed."""
     found: dict[int, Path] = {}
     for entry in os.scandir(directory):
-        if entry.name.endswith((_CREATING_SUFFIX, _PREPARING_SUFFIX)):
-            # Creation was interrupted before the rename: the file never held data.
+        if entry.name.endswith((_CREATING_SUFFIX, _PREPARING_SUFFIX, _SPARE_SUFFIX)):
+            # Creation was interrupted before the rename (the file never held
+            # data), or a freed term was kept for reuse (its release durable).
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(entry.path)
             continue
@@ -310,17 +312,22 @@ class TermSpares:
 
     The group commit (or its deleter thread) offers each freed term through
     :meth:`retire` once the release that freed it is durable; the preparer
-    takes one with :meth:`take`. A spare keeps its old name, behind the
-    release, so a crash leaves it where recovery deletes it. Thread-safe.
+    takes one with :meth:`take`. A spare is renamed ``<id>.term.spare``, a
+    name that is no term's: a crash leaves it either under its old name,
+    behind the durable release, or under the spare name, and recovery
+    deletes both. It never looks like history (recovery that cannot trust
+    the stored positions starts at the oldest term file). Thread-safe.
     """
 
-    __slots__ = ("_limit", "_lock", "_paths", "_term_length")
+    __slots__ = ("_limit", "_lock", "_paths", "_renaming", "_term_length")
 
     def __init__(self, term_length: int, limit: int) -> None:
         self._term_length = term_length
         self._limit = limit
         self._lock = threading.Lock()
         self._paths: list[Path] = []
+        #: Slots taken by spares being renamed (outside the lock).
+        self._renaming = 0
 
     def retire(self, terms: list[TermFile]) -> None:
         """Close ``terms`` (freed, their release durable); keep some as spares, delete the rest.
@@ -335,11 +342,20 @@ class TermSpares:
             with self._lock:
                 keep = (
                     size == self._term_length
-                    and len(self._paths) < self._limit
+                    and len(self._paths) + self._renaming < self._limit
                     and zero_range_usable()
                 )
-                if keep:
-                    self._paths.append(term.path)
+                self._renaming += keep
+            if keep:
+                spare = term.path.with_name(f"{term.term_id:016x}{_SPARE_SUFFIX}")
+                try:
+                    os.rename(term.path, spare)
+                except OSError:
+                    keep = False
+                with self._lock:
+                    self._renaming -= 1
+                    if keep:
+                        self._paths.append(spare)
             if not keep:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(term.path)
