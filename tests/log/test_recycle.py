@@ -17,7 +17,13 @@ import pytest
 from headgate.log import LogError, LogReader, StreamLog
 from headgate.log import term as term_module
 from headgate.log.scanner import FrameScanner
-from headgate.log.term import MAX_SPARE_TERMS, TermFile, TermSpares, term_file_name
+from headgate.log.term import (
+    MAX_SPARE_TERMS,
+    TermFile,
+    TermSpares,
+    most_term_files,
+    term_file_name,
+)
 
 TERM = 64 * 1024
 
@@ -64,7 +70,7 @@ def _rotate_into_spare(tmp_path: Path) -> tuple[StreamLog, Path, int, int]:
     old_inode = _inode(directory / term_file_name(0))
     log.release(log.sync())
     log.sync()  # frees terms 0 to 3: the release durable, then two kept, two deleted
-    assert len(log._table.spares) == MAX_SPARE_TERMS
+    assert len(log._table.spares) == 4  # all four: below the bound and a full log's files
     return log, directory, old_inode, sequence
 
 
@@ -107,20 +113,35 @@ def test_spares_never_exceed_the_bound_and_the_rest_are_deleted(
     log = StreamLog.open(directory, term_length=TERM, capacity=16 * TERM)
     log.delete_in_background()
     try:
-        _fill_to(log, 8 * TERM + 100, 0)  # terms 0 to 8
+        _fill_to(log, 12 * TERM + 100, 0)  # terms 0 to 12
         log.release(log.sync())
-        log.sync()  # frees 8 terms
+        log.sync()  # frees 12 terms
         log._commit.close()  # wait for the deleter thread
         assert len(log._table.spares) == MAX_SPARE_TERMS
         on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
-        assert on_disk[0] == 8  # no freed term is left under a term's name
+        assert on_disk[0] == 12  # no freed term is left under a term's name
         spare_files = sorted(p.name for p in directory.glob("*.term.spare"))
-        assert len(spare_files) == MAX_SPARE_TERMS  # the spares; the other six are gone
+        assert len(spare_files) == MAX_SPARE_TERMS  # the spares; the other four are gone
     finally:
         log.close()
     on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
-    assert on_disk and on_disk[0] == 8
+    assert on_disk and on_disk[0] == 12
     assert not list(directory.glob("*.term.spare"))  # close deletes the spares too
+
+
+def test_spares_and_live_terms_never_exceed_what_a_full_log_holds(
+    tmp_path: Path, fresh_state: None
+) -> None:
+    live = 4
+    spares = TermSpares(TERM, MAX_SPARE_TERMS, most_term_files(4 * TERM, TERM), lambda: live)
+    assert most_term_files(4 * TERM, TERM) == 6
+    freed = [TermFile.create(tmp_path, t, TERM) for t in range(5)]
+    spares.retire(freed)
+    assert len(spares) == 2  # 4 live + 2 spares: a full log's 6 files
+    assert len(list(tmp_path.glob("*.term.spare"))) == 2
+    assert not list(tmp_path.glob("*.term"))  # the other three deleted
+    spares.close()
+    assert not list(tmp_path.glob("*.term.spare"))
 
 
 def test_a_spare_of_another_length_is_never_kept_nor_used(

@@ -93,7 +93,7 @@ class StreamLog(Appender):
         self._lock_fd = lock_fd
         self._meta = meta
         self._recovery: RecoveryReport | None = None
-        table = TermTable(directory, settings.term_length, terms)
+        table = TermTable(directory, settings.term_length, terms, settings.capacity)
         self._scanner = FrameScanner(directory, settings.term_length, terms.get)
         self._preparer = TermPreparer(
             directory, settings.term_length, table.install_prepared, table.spares

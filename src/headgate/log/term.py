@@ -319,11 +319,21 @@ class TermSpares:
     the stored positions starts at the oldest term file). Thread-safe.
     """
 
-    __slots__ = ("_limit", "_lock", "_paths", "_renaming", "_term_length")
+    __slots__ = ("_limit", "_live", "_lock", "_most_files", "_paths", "_renaming", "_term_length")
 
-    def __init__(self, term_length: int, limit: int) -> None:
+    def __init__(
+        self,
+        term_length: int,
+        limit: int,
+        most_files: int | None = None,
+        live: Callable[[], int] | None = None,
+    ) -> None:
+        """``limit`` spares at most; with ``live`` (how many term files the log
+        has open), spares and live terms together at most ``most_files``."""
         self._term_length = term_length
         self._limit = limit
+        self._most_files = most_files
+        self._live = live
         self._lock = threading.Lock()
         self._paths: list[Path] = []
         #: Slots taken by spares being renamed (outside the lock).
@@ -340,11 +350,7 @@ class TermSpares:
             size = term.size
             term.close()
             with self._lock:
-                keep = (
-                    size == self._term_length
-                    and len(self._paths) + self._renaming < self._limit
-                    and zero_range_usable()
-                )
+                keep = size == self._term_length and self._has_room() and zero_range_usable()
                 self._renaming += keep
             if keep:
                 spare = term.path.with_name(f"{term.term_id:016x}{_SPARE_SUFFIX}")
@@ -359,6 +365,15 @@ class TermSpares:
             if not keep:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(term.path)
+
+    def _has_room(self) -> bool:
+        """Whether one more spare fits; the caller holds the lock."""
+        kept = len(self._paths) + self._renaming
+        if kept >= self._limit:
+            return False
+        if self._live is None or self._most_files is None:
+            return True
+        return self._live() + kept < self._most_files
 
     def take(self) -> Path | None:
         """A spare's path to recycle, oldest first, or None (and none kept once refused)."""
@@ -381,9 +396,20 @@ class TermSpares:
                 os.unlink(path)
 
 
-#: Spares kept per log: the preparer needs one per term ahead; a release that
-#: frees several terms at once leaves a second for the rotation after.
-MAX_SPARE_TERMS = 2
+#: Spares kept per log at most. A release frees every term behind it at once
+#: (the gateway's releaser runs every 250 ms in ``bench/ingest.py``: at
+#: 350 MB/s, five 16 MiB terms), and each one not kept is a deletion, hence a
+#: discard stall; the preparer then takes them one per rotation. Besides,
+#: spares and live terms together stay within what a full log holds
+#: (:func:`most_term_files`), so recycling needs no disk a full log would not.
+MAX_SPARE_TERMS = 8
+
+
+def most_term_files(capacity: int, term_length: int) -> int:
+    """The most term files a log of ``capacity`` has: its capacity's terms, the tail's
+    partial one at each end, and the one prepared ahead."""
+    return -(-capacity // term_length) + 2
+
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_ZERO_RANGE = 0x10

@@ -18,7 +18,13 @@ from pathlib import Path
 from headgate.log.errors import LogError
 from headgate.log.position import position_bits_to_shift
 from headgate.log.preparer import MIN_PREPARED_TERM_LENGTH
-from headgate.log.term import MAX_SPARE_TERMS, TermFile, TermSpares, fsync_directory
+from headgate.log.term import (
+    MAX_SPARE_TERMS,
+    TermFile,
+    TermSpares,
+    fsync_directory,
+    most_term_files,
+)
 
 __all__ = ["TermTable"]
 
@@ -38,7 +44,9 @@ class TermTable:
         "term_length",
     )
 
-    def __init__(self, directory: Path, term_length: int, files: dict[int, TermFile]) -> None:
+    def __init__(
+        self, directory: Path, term_length: int, files: dict[int, TermFile], capacity: int
+    ) -> None:
         self.directory = directory
         self.term_length = term_length
         self.shift = position_bits_to_shift(term_length)
@@ -54,7 +62,10 @@ class TermTable:
         #: Freed terms kept for the preparer to recycle (none for terms too
         #: small to be prepared: nothing would take them).
         self.spares = TermSpares(
-            term_length, MAX_SPARE_TERMS if term_length >= MIN_PREPARED_TERM_LENGTH else 0
+            term_length,
+            MAX_SPARE_TERMS if term_length >= MIN_PREPARED_TERM_LENGTH else 0,
+            most_term_files(capacity, term_length),
+            lambda: len(self.files),
         )
 
     def check_open(self) -> None:
