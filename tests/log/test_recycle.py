@@ -69,7 +69,7 @@ def _rotate_into_spare(tmp_path: Path) -> tuple[StreamLog, Path, int, int]:
     sequence = _fill_to(log, 4 * TERM + 100, 0)  # terms 0 to 4
     old_inode = _inode(directory / term_file_name(0))
     log.release(log.sync())
-    log.sync()  # frees terms 0 to 3: the release durable, then two kept, two deleted
+    log.sync()  # frees terms 0 to 3: the release durable, then kept as spares
     assert len(log._table.spares) == 4  # all four: below the bound and a full log's files
     return log, directory, old_inode, sequence
 
@@ -80,7 +80,7 @@ def test_a_recycled_term_reads_as_zeros_and_the_log_goes_on_across_it(
     log, directory, old_inode, sequence = _rotate_into_spare(tmp_path)
     try:
         start = log.release_position
-        log._preparer.close()  # term 5 prepared from a spare on entering term 4? wait for it
+        log._preparer.close()  # term 5 was prepared (new) on entering term 4
         sequence = _fill_to(log, 5 * TERM + 100, sequence)  # into term 5: term 6 requested
         log._preparer.close()
         six = directory / term_file_name(6)
@@ -104,6 +104,36 @@ def test_a_recycled_term_reads_as_zeros_and_the_log_goes_on_across_it(
     with StreamLog.open(directory) as again:  # recovery scans across the recycled terms
         assert again.tail_position == tail
         assert _check_all(again, start) == count
+
+
+def test_a_reader_that_mapped_a_recycled_term_never_reads_it_as_history(
+    tmp_path: Path, fresh_state: None
+) -> None:
+    directory = tmp_path / "log"
+    log = StreamLog.open(directory, term_length=TERM, capacity=8 * TERM)
+    try:
+        sequence = _fill_to(log, 4 * TERM + 100, 0)  # terms 0 to 4
+        log.sync()
+        with LogReader.open(directory) as reader:
+            old = reader.read(0)  # maps terms 0 to 4
+            old_count = len(old)
+            del old
+            log.release(log.durable_position)
+            log.sync()  # terms 0 to 3 become spares
+            log._preparer.close()
+            sequence = _fill_to(log, 7 * TERM + 100, sequence)  # terms 6, 7 from spares
+            log.sync()
+            assert term_module._zero_range_state is True
+            with pytest.raises(LogError, match="cannot read"):
+                reader.read(0)  # its map of term 0 now holds other positions
+            new = reader.read(reader.start_position())
+            assert [f.first_sequence for f in new] == [
+                f.first_sequence for f in log.read(log.release_position)
+            ]
+            assert all(bytes(f.payload) == bytes([f.first_sequence % 251]) * 1000 for f in new)
+            assert old_count > 0
+    finally:
+        log.close()
 
 
 def test_spares_never_exceed_the_bound_and_the_rest_are_deleted(
