@@ -377,6 +377,29 @@ def test_a_released_position_is_named_in_the_error(data_dir: Path) -> None:
         reader.stop()
 
 
+def test_a_page_released_while_it_is_decoded_is_refused_not_returned(
+    data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Freed terms are recycled (cleared and reused): a page whose range the
+    # log freed between the read and the copy out of the map must not count.
+    import headgate.spark.decode as decode
+
+    a = make_stream(data_dir, "a")
+    a.append([10] * 60)
+    decoded = decode.frames_to_batch
+
+    def freed_meanwhile(*args: Any, **kwargs: Any) -> Any:
+        batch = decoded(*args, **kwargs)
+        with StreamLog.open(data_dir / "streams" / "a", term_length=TERM, capacity=1 << 22) as log:
+            log.release(a.frames[30][0])
+            log.sync()
+        return batch
+
+    monkeypatch.setattr(decode, "frames_to_batch", freed_meanwhile)
+    with pytest.raises(SourceError, match=r"stream 'a': positions from 0 were released while"):
+        list(read_slice(str(data_dir), StreamSlice("a", 0, a.end), arrow_schema()))
+
+
 # --- without Spark: consumers, startingTimestamp, failOnDataLoss ----------------------
 
 

@@ -216,7 +216,19 @@ def _read_page(
     if not frames:
         return None, piece.end
     skip = piece.skip if position == piece.start else 0
-    return frames_to_batch(piece.stream, frames, schema, skip=skip), frames[-1].end_position
+    batch = frames_to_batch(piece.stream, frames, schema, skip=skip)
+    # The frames are views into the mapped terms until frames_to_batch copies
+    # them out; a term freed meanwhile may be recycled (cleared and reused,
+    # headgate.log.term), so the copy counts only if the log still held the
+    # page once it was taken. (LogReader.read checks the same before it
+    # returns; this covers the decoding after it.)
+    oldest = reader.start_position()
+    if oldest > position:
+        raise SourceError(
+            f"stream {piece.stream!r}: positions from {position} were released while "
+            f"being read; the oldest position the log retains is now {oldest}"
+        )
+    return batch, frames[-1].end_position
 
 
 def check_retained(stream: str, reader: Any, start: int, end: int) -> None:
