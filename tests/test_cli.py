@@ -596,6 +596,15 @@ def test_each_command_of_the_table_is_found_under_its_name() -> None:
     assert main.get_command(click.Context(main), "nosuch") is None
 
 
+def _in_a_fresh_interpreter(script: str) -> str:
+    """What ``script`` prints, run by a new Python (this one has imported every command)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_a_command_imports_its_own_module_and_no_other_commands() -> None:
     # In a fresh interpreter: this one has imported every command already.
     script = (
@@ -604,11 +613,7 @@ def test_a_command_imports_its_own_module_and_no_other_commands() -> None:
         "main.get_command(click.Context(main), 'serve')\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('headgate.cli.'))))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["headgate.cli.serve", "headgate.cli.text"]
+    assert _in_a_fresh_interpreter(script).split() == ["headgate.cli.serve", "headgate.cli.text"]
 
 
 def test_the_list_of_commands_is_each_commands_own_summary_and_imports_none() -> None:
@@ -639,11 +644,7 @@ def test_the_list_of_commands_is_each_commands_own_summary_and_imports_none() ->
         "main.format_epilog(ctx, formatter)\n"
         "print(repr((ours, loaded, formatter.getvalue())))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    ours, loaded, clicks = ast.literal_eval(done.stdout)
+    ours, loaded, clicks = ast.literal_eval(_in_a_fresh_interpreter(script))
     assert loaded == []
     assert ours == clicks.rstrip("\n")
     assert "\n  serve      Run the gateway until" in ours

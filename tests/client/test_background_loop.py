@@ -31,20 +31,22 @@ def test_work_handed_over_runs_on_the_loop_thread() -> None:
         background.stop()
 
 
+async def _forever(cancelled: threading.Event) -> None:
+    """Sleep a minute; set ``cancelled`` if cancelled first."""
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
 def test_a_wait_that_times_out_cancels_the_work() -> None:
     background = BackgroundLoop("test-loop")
     cancelled = threading.Event()
 
-    async def forever() -> None:
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
     try:
         with pytest.raises(TimeoutError, match=r"not done within 0\.1 s"):
-            background.run(forever(), 0.1)
+            background.run(_forever(cancelled), 0.1)
         assert cancelled.wait(5)
     finally:
         background.stop()
@@ -54,14 +56,7 @@ def test_stop_cancels_what_still_runs_and_ends_the_thread() -> None:
     background = BackgroundLoop("test-loop-stop")
     cancelled = threading.Event()
 
-    async def forever() -> None:
-        try:
-            await asyncio.sleep(60)
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-
-    future = background.submit(forever())
+    future = background.submit(_forever(cancelled))
     background.stop()
     assert cancelled.is_set() and future.cancelled()
     assert background.loop.is_closed()
