@@ -134,6 +134,10 @@ SERVER_LIFETIME_S = 900.0
 
 _LENGTH = struct.Struct(">I")
 _ACK = struct.Struct(">Q")
+#: What the baseline renames a connection's file to once it is closed (see ``_settle``).
+_DONE_SUFFIX = ".done"
+#: How long the driver waits for the baseline to close the files of a run that ended.
+SETTLE_TIMEOUT_S = 5.0
 _LISTENING = re.compile(r"listening on (\S+):(\d+)")
 
 SendOne = Callable[[str, bytes], Awaitable[None]]
@@ -208,12 +212,22 @@ class _BaselineServer:
         self.receivers.append(receiver)
         return receiver
 
-    def reap(self) -> None:
-        """Close and delete the files of connections that ended (never during an fsync)."""
+    def reap(self, delete: bool = False) -> None:
+        """Close the files of connections that ended (never during an fsync).
+
+        A closed file is renamed ``*.done`` and left for the benchmark's driver to
+        delete between runs (``_settle``): deleted here, its blocks would be freed
+        (on a file system mounted with ``discard``, trimmed at the next journal
+        commit, which every fsync on that disk waits for) while the next run, often
+        headgate's, is being timed. ``delete``: the server is stopping.
+        """
         for receiver in [r for r in self.receivers if r.lost]:
             self.receivers.remove(receiver)
             os.close(receiver.fd)
-            receiver.path.unlink(missing_ok=True)
+            if delete:
+                receiver.path.unlink(missing_ok=True)
+            else:
+                receiver.path.rename(receiver.path.with_suffix(_DONE_SUFFIX))
 
     async def commit_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -236,7 +250,9 @@ class _BaselineServer:
             if receiver.transport is not None:
                 receiver.transport.close()
         self.executor.shutdown(wait=True)
-        self.reap()
+        self.reap(delete=True)
+        for done in self.directory.glob(f"*{_DONE_SUFFIX}"):
+            done.unlink(missing_ok=True)
 
 
 async def _serve_baseline(port: int, directory: Path) -> None:
@@ -1125,6 +1141,25 @@ def _serve_arguments(args: argparse.Namespace, data_dir: Path) -> list[str]:
     ]
 
 
+def _settle(baseline_dir: Path) -> None:
+    """Before each timed run: delete the baseline's files of the runs that ended, and sync.
+
+    Where the disk is mounted with ``discard`` (this machine's root is), blocks
+    freed by a deletion are trimmed at the file system's next journal commit, and
+    every fsync on the disk waits for that commit: the baseline deleted a file of
+    1-2 GB as its run ended, while headgate's next run was timed, and that run's
+    acks stalled for 100-250 ms. The deletions and their trims now happen here,
+    between runs, for both systems alike. Headgate's streams are never deleted
+    by this benchmark (a latency run's freed terms are recycled by the gateway).
+    """
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while any(baseline_dir.glob("connection-*.bin")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for done in baseline_dir.glob(f"*{_DONE_SUFFIX}"):
+        done.unlink(missing_ok=True)
+    os.sync()
+
+
 def _headgate_command() -> list[str]:
     script = Path(sys.executable).parent / "headgate"
     return [str(script)] if script.exists() else [sys.executable, "-m", "headgate.cli"]
@@ -1244,6 +1279,7 @@ def benchmark(args: argparse.Namespace) -> int:
             for size in RECORD_SIZES:
                 for mode, procs in workloads:
                     for system in _systems(mode, nats_server is not None):
+                        _settle(base / "baseline")
                         results = workers.run(specs(system, mode, size, procs))
                         key = (system, mode, size, procs)
                         figure = figures.setdefault(key, Figure())
@@ -1272,6 +1308,7 @@ def benchmark(args: argparse.Namespace) -> int:
                         release=args.latency_release and system != NATS,
                     )
                     lat_key = (system, size) if load == HALF_LOAD else (system, size, load)
+                    _settle(base / "baseline")
                     latencies[lat_key] = _latency(workers.run(run)[0], rate)
                     print(
                         f"# latency {system} {size} B at {rate:,.0f} rec/s "
