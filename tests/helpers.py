@@ -35,8 +35,11 @@ from headgate.cli.top import Snapshot, fetch, render_to_fit
 from headgate.config import ConsumerSettings, GatewayConfig
 from headgate.costs import batch_cost
 from headgate.gateway import Gateway
+from headgate.gateway.budget import Cost
 from headgate.log import LogReader
 from headgate.protocol import messages as m
+from headgate.protocol.codec import encode_frame
+from headgate.protocol.frames import Absolve, SendGlobal
 from headgate.protocol.records import decode_records, encode_records
 from headgate.protocol.session import (
     AckReceived,
@@ -48,6 +51,22 @@ from headgate.protocol.session import (
 )
 
 # -- a gateway in this process ---------------------------------------------------------
+
+
+#: What the work budget charges for one pair of :func:`ping_pairs`.
+PING_PAIR_COST = 2 * Cost.CONTROL + Cost.ABSOLVE
+
+
+def ping_pairs(count: int, nonce: int = 1) -> bytes:
+    """``count`` Pings, each followed by an Absolve of nothing on the bind channel.
+
+    A flood of Pings with another frame between each is what the work budget,
+    the write cap and the idle rule govern (each Ping still asks for a Pong).
+    Pings alone, back to back, are ended after a few by the Ping rule
+    (:meth:`headgate.protocol.lifecycle.Lifecycle.pinged`), before any of those.
+    """
+    ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=nonce))))
+    return (ping + encode_frame(Absolve(channel=0, amount=0))) * count
 
 
 KiB = 1024

@@ -34,7 +34,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import Frame, IssueGuarantees, SendChannel, SendGlobal
 from tests.gateway._certs import Authority, make_authority
 from tests.gateway._tokens import Token, write_tokens
-from tests.helpers import config, stored
+from tests.helpers import PING_PAIR_COST, config, ping_pairs, stored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -135,22 +135,49 @@ async def test_eight_connections_of_one_token_share_one_budget(gateway: Gateway)
     peers = [await Raw().open(gateway.address, FLOOD, producer_id=i) for i in range(8)]
     started = time.monotonic()
     for peer in peers:
-        peer.send(PING * 2000)
+        peer.send(ping_pairs(2000))  # Pings alone would be cut off (the Ping rule)
     await asyncio.gather(*(peer.read_for(1.0) for peer in peers))
     elapsed = time.monotonic() - started
     pongs = sum(peer.count(m.Pong) for peer in peers)
-    # One budget: a burst of 100 Pings plus 100 a second (less the Hellos),
-    # and a small slice charged after it was decoded; eight budgets (one
-    # per connection) would have answered eight times as many.
-    one_budget = 100 + 100 * elapsed
-    assert 50 <= pongs <= one_budget * 1.2 + 60
+    # One budget: a burst of 100 Pings' worth plus 100 a second (less the
+    # Hellos), in pairs, and a small slice charged after it was decoded;
+    # eight budgets (one per connection) would have answered eight times as many.
+    one_budget = (100 + 100 * elapsed) * Cost.CONTROL / PING_PAIR_COST
+    assert one_budget / 4 <= pongs <= one_budget * 1.2 + 60
     assert pongs < 8 * one_budget / 2
     share = gateway.shares.get(token_key("flood"))
     assert share is not None and share.connections == 8
-    # Every Pong answered was charged.
-    assert share.charged >= pongs * Cost.CONTROL
+    # Every Pong answered was charged, with its pair.
+    assert share.charged >= pongs * PING_PAIR_COST
     for peer in peers:
         peer.close()
+
+
+async def test_a_ping_flood_alone_is_cut_off_and_the_good_producer_loses_nothing(
+    gateway: Gateway, tmp_path: Path
+) -> None:
+    """Pings back to back, nothing else between: each connection is ended with
+    RESOURCE_EXHAUSTED after a few (not read for as long as its sender likes,
+    its buffers full), and a producer of another token writes meanwhile."""
+    flooders = [await Raw().open(gateway.address, FLOOD, producer_id=20 + i) for i in range(6)]
+    for peer in flooders:
+        await peer.until(lambda p=peer: p.count(m.Welcome) > 0)  # type: ignore[misc]
+        peer.send(PING * 5000)
+    reads = [asyncio.create_task(peer.read_for(3.0)) for peer in flooders]
+    async with Producer(
+        gateway.address, security=ClientSecurity(token=GOOD), reconnect_timeout=5
+    ) as producer:
+        for i in range(500):
+            await producer.send("good-p", b"v%d" % i)
+        await asyncio.wait_for(producer.flush(), 10)
+    await asyncio.gather(*reads)
+    for peer in flooders:
+        assert peer.closed, "the flooder's connection was ended"
+        [error] = peer.errors()
+        assert error.code == ErrorCode.RESOURCE_EXHAUSTED and "Pings too often" in error.text
+        assert peer.count(m.Pong) <= 17, "at most the Pings before the strikes ran out"
+    values = [v for _, _, vs in stored(tmp_path / "data", "good-p") for v in vs]
+    assert values == [b"v%d" % i for i in range(500)], "the good producer lost nothing"
 
 
 async def test_a_share_lives_as_long_as_its_connections(gateway: Gateway) -> None:
@@ -300,7 +327,7 @@ async def test_a_peer_gone_behind_its_backlog_is_not_decoded_on(
     """
     peer = await Raw().open(gateway.address, FLOOD, producer_id=4)
     await peer.until(lambda: peer.count(m.Welcome) > 0)
-    peer.send(PING * pings)  # over 100 s of the token's budget
+    peer.send(ping_pairs(pings // 2))  # over 100 s of the token's budget
     await peer.writer.drain()
     await peer.read_for(0.3)
     (conn,) = gateway.connections.values()

@@ -18,7 +18,7 @@ import pytest
 
 from headgate.client import Producer, StreamRefused
 from headgate.gateway import Gateway
-from headgate.gateway.budget import UNITS_PER_MS, Cost
+from headgate.gateway.budget import UNITS_PER_MS
 from headgate.gateway.turns import FIRST_SLICE, TurnTaker
 from headgate.protocol import messages as m
 from headgate.protocol.codec import FrameDecoder, encode_frame
@@ -26,7 +26,7 @@ from headgate.protocol.errors import ErrorCode
 from headgate.protocol.frames import AnnounceDropping, SendChannel, SendGlobal
 from headgate.protocol.records import encode_records
 from headgate.protocol.session import WelcomeReceived
-from tests.helpers import RawPeer, config, stored
+from tests.helpers import PING_PAIR_COST, RawPeer, config, ping_pairs, stored
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -164,7 +164,7 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(
             tmp_path,
             idle_timeout_ms=400,
             max_write_buffer=64 * 1024,
-            work_budget_ms=min(1000.0, pings_per_second * Cost.CONTROL / UNITS_PER_MS),
+            work_budget_ms=min(1000.0, pings_per_second * PING_PAIR_COST / UNITS_PER_MS),
         )
     )
     await gateway.start()
@@ -173,7 +173,11 @@ async def test_a_peer_that_never_reads_cannot_make_the_gateway_buffer(
     finally:
         await gateway.stop()
     reasons = [r.getMessage() for r in caplog.records if r.name == "headgate.gateway"]
-    expected = "TIMEOUT" if pings_per_second == 5000 else "RESOURCE_EXHAUSTED"
+    expected = (
+        "TIMEOUT"
+        if pings_per_second == 5000
+        else "RESOURCE_EXHAUSTED: the peer does not read what the gateway sends"
+    )
     assert any(expected in reason for reason in reasons), reasons
 
 
@@ -189,7 +193,7 @@ async def _never_read(gateway: Gateway) -> None:
     assert isinstance(transport, asyncio.Transport)
     transport.pause_reading()  # never read again
     hello = m.Hello(producer_id=3, client_name="deaf")
-    ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1))))
+    pairs = ping_pairs(1000)  # Pings alone would be cut off first (the Ping rule)
     writer.write(encode_frame(SendGlobal(payload=m.encode_message(hello))))
     peak = 0
     loop = asyncio.get_running_loop()
@@ -198,7 +202,7 @@ async def _never_read(gateway: Gateway) -> None:
     # the kernel buffers of both ends absorb.
     sent = 0
     while sent < 600_000 and loop.time() < deadline and gateway.connections:
-        writer.write(ping * 1000)
+        writer.write(pairs)
         sent += 1000
         with contextlib.suppress(TimeoutError, ConnectionError):
             await asyncio.wait_for(writer.drain(), 0.2)
@@ -288,15 +292,15 @@ async def test_bind_guarantees_come_back_when_a_binding_is_freed(gateway: Gatewa
 
 
 async def test_a_ping_flood_is_slowed_to_the_control_budget(tmp_path: Path) -> None:
-    # A budget of 200 Pings a second (each with its Pong).
-    budget_ms = 200 * Cost.CONTROL / UNITS_PER_MS
+    # A budget of 200 Pings a second (each with its Pong, and the other frame of
+    # its pair: Pings alone, back to back, would be cut off by the Ping rule).
+    budget_ms = 200 * PING_PAIR_COST / UNITS_PER_MS
     gw = Gateway(config(tmp_path, work_budget_ms=budget_ms, idle_timeout_ms=0))
     await gw.start()
     try:
         reader, writer = await asyncio.open_connection(*gw.address)
         hello = m.Hello(producer_id=3, client_name="pinger")
-        ping = encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=1))))
-        writer.write(encode_frame(SendGlobal(payload=m.encode_message(hello))) + ping * 5000)
+        writer.write(encode_frame(SendGlobal(payload=m.encode_message(hello))) + ping_pairs(5000))
         decoder = FrameDecoder(max_payload=1 << 20)
         pongs = 0
         loop = asyncio.get_running_loop()
@@ -310,8 +314,8 @@ async def test_a_ping_flood_is_slowed_to_the_control_budget(tmp_path: Path) -> N
                     if isinstance(f, SendGlobal) and isinstance(m.decode_global(f.payload), m.Pong)
                 )
         # A burst of 200, then 200 a second; the budget is charged after each
-        # slice, so the first slice (16 KiB, 1638 Pings) goes through whole.
-        assert 200 <= pongs <= 200 + 200 + FIRST_SLICE // 10
+        # slice, so the first slice (16 KiB, 1365 pairs of 12 bytes) goes through whole.
+        assert 200 <= pongs <= 200 + 200 + FIRST_SLICE // 12
         assert pongs < 5000 // 2
         writer.close()
     finally:

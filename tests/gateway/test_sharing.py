@@ -279,8 +279,12 @@ async def test_a_deaf_writer_that_spends_its_budget_on_pings_still_meets_the_ple
         hh = await hog.bind("victim")
         total = shareable(gw, "victim")
         await earn(hog, hh, gw, "victim", 0.9 * total)
+        # A Metadata request between Pings (its Absolves it drops, and Pings
+        # alone, back to back, would be cut off first by the Ping rule).
         pings = b"".join(
-            encode_frame(SendGlobal(payload=m.encode_message(m.Ping(nonce=i)))) for i in range(50)
+            encode_frame(SendGlobal(payload=m.encode_message(message)))
+            for i in range(25)
+            for message in (m.Ping(nonce=i), m.Metadata(request_id=i))
         )
         good = RawPeer(producer_id=1, token=good_token)
         await good.connect(gw.address)
@@ -290,7 +294,8 @@ async def test_a_deaf_writer_that_spends_its_budget_on_pings_still_meets_the_ple
         deadline = loop.time() + 5.0
         held = False
         while not hog.closed and loop.time() < deadline:
-            await hog.send(pings)  # 2,500 Pings a second: far beyond its budget
+            # 1,250 Pings and as many Metadata a second: far beyond its budget.
+            await hog.send(pings)
             await hog.pump(0.02)
             held = held or conn.pauses_own_reads(time.monotonic())
         assert held, "the flood never spent the hog's budget: the test proves nothing"

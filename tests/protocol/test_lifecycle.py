@@ -16,6 +16,8 @@ from headgate.protocol.deadlines import ReceiveDeadlines
 from headgate.protocol.errors import ErrorCode, ProtocolError
 from headgate.protocol.frames import SendGlobal
 from headgate.protocol.lifecycle import (
+    PING_GAP_SECONDS,
+    PING_STRIKES,
     Answer,
     ConnectionState,
     Input,
@@ -486,3 +488,76 @@ def test_a_session_whose_clocks_stood_still_is_stale_after_half_the_idle_timeout
     no_idle.receive(I.WELCOME)
     no_idle.welcomed(0, 0.0)
     assert not no_idle.stale(1e9)
+
+
+def _opened_gateway() -> tuple[Session, Session]:
+    deadlines = ReceiveDeadlines(idle_timeout=60.0, frame_timeout=0.0, now=0.0)
+    gateway = Session(Role.GATEWAY, now=0.0, deadlines=deadlines)
+    client = Session(Role.PRODUCER, now=0.0)
+    client.send_global(HELLO)
+    gateway.receive_data(client.data_to_send(), 0.0)
+    return gateway, client
+
+
+def test_pings_back_to_back_past_the_strikes_end_the_connection_with_resource_exhausted() -> None:
+    lifecycle = Lifecycle(
+        Input.HELLO,
+        now=0.0,
+        deadlines=ReceiveDeadlines(idle_timeout=60.0, frame_timeout=0.0, now=0.0),
+    )
+    # The first Ping and PING_STRIKES more, each the very next frame, in one read.
+    for frame in range(1, PING_STRIKES + 2):
+        assert lifecycle.pinged(5.0, frame) is None
+    error = lifecycle.pinged(5.0, PING_STRIKES + 2)
+    assert error is not None and error.code is ErrorCode.RESOURCE_EXHAUSTED
+    assert "Pings too often" in str(error) and f"at most {PING_STRIKES + 1}" in str(error)
+
+
+def test_a_gap_or_any_other_frame_between_pings_starts_the_strikes_again() -> None:
+    lifecycle = Lifecycle(
+        Input.HELLO,
+        now=0.0,
+        deadlines=ReceiveDeadlines(idle_timeout=60.0, frame_timeout=0.0, now=0.0),
+    )
+    now, frame = 1.0, 1
+    for i in range(10 * PING_STRIKES):
+        if i % PING_STRIKES == PING_STRIKES - 1:
+            frame += 2  # one other frame between this Ping and the one before
+        elif i % PING_STRIKES == PING_STRIKES // 2:
+            now += PING_GAP_SECONDS  # or a gap of the whole limit
+            frame += 1
+        else:
+            frame += 1
+        assert lifecycle.pinged(now, frame) is None, f"Ping {i} struck out"
+
+
+def test_only_the_gateway_counts_ping_strikes() -> None:
+    client = Lifecycle(Input.WELCOME, now=0.0)
+    assert all(client.pinged(0.0, frame) is None for frame in range(1, 10 * PING_STRIKES))
+
+
+def test_a_gateway_session_refuses_a_ping_flood_and_answers_none_of_it() -> None:
+    gateway, client = _opened_gateway()
+    gateway.data_to_send()
+    for nonce in range(PING_STRIKES + 2):
+        client.send_global(m.Ping(nonce=nonce))
+    with pytest.raises(ProtocolError) as raised:
+        gateway.receive_data(client.data_to_send(), 1.0)
+    assert raised.value.code is ErrorCode.RESOURCE_EXHAUSTED
+    told = gateway.fail(raised.value)
+    assert [type(g) for g in globals_in(told)] == [m.Error], "the Error is the last frame"
+
+
+def test_a_probe_ping_after_each_request_and_keepalives_are_never_a_flood() -> None:
+    """The release client's shape (a Release, then its probe Ping, at once) and a
+    keepalive every third of the idle timeout: thousands, and never refused."""
+    gateway, client = _opened_gateway()
+    for i in range(2000):
+        client.send_global(m.Metadata(request_id=i))
+        client.send_global(m.Ping(nonce=i))
+        gateway.receive_data(client.data_to_send(), 1.0)
+    for i in range(200):
+        client.send_global(m.Ping(nonce=10_000 + i))
+        gateway.receive_data(client.data_to_send(), 2.0 + i * 20.0)
+    assert not gateway.lifecycle.ended
+    assert len(globals_in(gateway.data_to_send())) >= 2200, "every Ping was answered"

@@ -668,12 +668,12 @@ class GatewayConnection(asyncio.BufferedProtocol):
         spent = 0.0
         try:
             piece = view[:limit]
-            events, consumed, need = session.receive_in_place(piece)
+            events, consumed, need = session.receive_in_place(piece, self.last_received)
             while not consumed and len(piece) < need <= len(view):
                 # One frame larger than the slice: take it whole (large frames
                 # are cheap per byte; the flood that slices bound is of small ones).
                 piece = view[:need]
-                events, consumed, need = session.receive_in_place(piece)
+                events, consumed, need = session.receive_in_place(piece, self.last_received)
             for event in events:
                 if self._closing:
                     break  # refused by an event before: nothing after it is acted on

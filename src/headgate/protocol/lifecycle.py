@@ -37,6 +37,16 @@ argument, :meth:`Lifecycle.get_timer` says when the next one is due and
   for :func:`~headgate.protocol.deadlines.keepalive_interval` (a third of the
   idle timeout), so that the gateway never sees the client idle and the
   client hears from the gateway (its Pong) at least that often.
+
+And the one rule on how often a client may Ping the gateway
+(:meth:`Lifecycle.pinged`): a Ping that arrives less than
+:data:`PING_GAP_SECONDS` after the peer's previous Ping, with no other frame
+between, is a strike; more than :data:`PING_STRIKES` strikes in a row end the
+connection with ``RESOURCE_EXHAUSTED``. A keepalive is seconds apart, and a
+probe Ping follows the requests it probes, so no headgate client comes near
+it; a flood of Pings, which the work budget already slows, would otherwise
+hold its connections and keep its sender writing into their buffers for as
+long as it likes (HTTP/2 servers cut Ping floods off the same way).
 """
 
 from __future__ import annotations
@@ -46,7 +56,14 @@ from enum import Enum
 from headgate.protocol.deadlines import ReceiveDeadlines, keepalive_interval
 from headgate.protocol.errors import ErrorCode, ProtocolError
 
+#: A Ping less than this after the peer's previous one, nothing between, is a strike.
+PING_GAP_SECONDS = 0.01
+#: Strikes in a row the gateway lets pass; one more ends the connection.
+PING_STRIKES = 16
+
 __all__ = [
+    "PING_GAP_SECONDS",
+    "PING_STRIKES",
     "TRANSITIONS",
     "Answer",
     "ConnectionState",
@@ -183,6 +200,9 @@ class Lifecycle:
         "_heard_at",
         "_idle_timeout",
         "_interval",
+        "_peer_ping_at",
+        "_peer_ping_frame",
+        "_ping_strikes",
         "_pinged_at",
         "_sent_at",
         "deadlines",
@@ -224,6 +244,11 @@ class Lifecycle:
         self._heard_at = now
         self._sent_at = now
         self._pinged_at = now
+        # The peer's last Ping: its frame number, when it arrived, and the
+        # strikes in a row it ended (see pinged).
+        self._peer_ping_frame = -2
+        self._peer_ping_at = now
+        self._ping_strikes = 0
         # A client's idle timeout and Ping interval, from the Welcome.
         self._idle_timeout = 0.0
         self._interval: float | None = None
@@ -284,6 +309,31 @@ class Lifecycle:
         if not self.opened or self.ended or not self._idle_timeout:
             return False
         return now - self._sent_at >= self._idle_timeout / 2
+
+    def pinged(self, now: float, frame: int) -> ProtocolError | None:
+        """The peer's Ping, its ``frame``-th frame, arrived at ``now``; an error if too often.
+
+        Only the gateway enforces it (a lifecycle with receive deadlines): a
+        client is nobody else's resource. The strikes start again with any
+        other frame between two Pings, or a gap of :data:`PING_GAP_SECONDS`.
+        """
+        if self.deadlines is None:
+            return None
+        if frame == self._peer_ping_frame + 1 and now - self._peer_ping_at < PING_GAP_SECONDS:
+            self._ping_strikes += 1
+        else:
+            self._ping_strikes = 0
+        self._peer_ping_frame = frame
+        self._peer_ping_at = now
+        if self._ping_strikes > PING_STRIKES:
+            return ProtocolError(
+                f"Pings too often: {self._ping_strikes + 1} in a row, each less than "
+                f"{PING_GAP_SECONDS * 1000:g} ms after the one before with no other frame "
+                f"between (at most {PING_STRIKES + 1}; a keepalive Ping every few seconds "
+                "is plenty)",
+                code=ErrorCode.RESOURCE_EXHAUSTED,
+            )
+        return None
 
     def heard(self, now: float) -> None:
         """Bytes from the peer arrived at ``now`` (a client's sign of life)."""

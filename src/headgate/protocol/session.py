@@ -568,7 +568,9 @@ class Session:
         self._bind_pending(events)
         return events
 
-    def receive_in_place(self, view: memoryview) -> tuple[list[Event], int, int]:
+    def receive_in_place(
+        self, view: memoryview, now: float | None = None
+    ) -> tuple[list[Event], int, int]:
         """Decode the complete frames at the start of ``view`` without copying them.
 
         The zero-copy form of :meth:`receive_data`, for a caller that reads
@@ -580,7 +582,8 @@ class Session:
         Returns ``(events, consumed, need)``: ``consumed`` bytes of ``view``
         were whole frames; the frame that starts there needs ``need`` bytes
         in all before offering it again can make progress (0 if none started).
-        Do not mix with :meth:`receive_data` inside a frame.
+        Do not mix with :meth:`receive_data` inside a frame. ``now``: when
+        the bytes arrived (the gateway's latest read), as for :meth:`receive_data`.
 
         Raises:
             ProtocolError: the peer broke the protocol; ``code`` says how.
@@ -590,6 +593,8 @@ class Session:
         events: list[Event] = []
         if self.lifecycle.ended:
             return events, len(view), 0  # after the peer's Goodbye: moot
+        if now is not None:
+            self._now = now
         self._events = events
         frames, ends, consumed, need = self._decoder.decode_in_place(view)
         try:
@@ -831,6 +836,9 @@ class Session:
             case m.FreeHandle():
                 self._on_free_handle(message, events)
             case m.Ping(nonce=nonce):
+                refusal = self.lifecycle.pinged(self._now, self.frames_received)
+                if refusal is not None:
+                    raise refusal
                 self._pongs_owed.append(nonce)  # answered by data_to_send
             case m.Ack():
                 events.append(AckReceived(ack=message))
