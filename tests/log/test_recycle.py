@@ -286,3 +286,45 @@ def test_a_reader_refuses_a_range_freed_while_it_read(
             assert reader.read(reader.start_position())  # reading again from the new start works
     finally:
         log.close()
+
+
+def test_the_deleter_thread_cuts_a_term_it_deletes_down_a_step_at_a_time(
+    tmp_path: Path, fresh_state: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freed terms beyond the spares are deleted by the deleter thread, each cut
+    down DELETE_STEP at a time first (so a large release's trims never hold a
+    group commit's fdatasync for long); nothing is left of them."""
+    cuts: list[tuple[int, int]] = []
+    real_ftruncate = os.ftruncate
+
+    def recording(fd: int, length: int) -> None:
+        cuts.append((fd, length))
+        real_ftruncate(fd, length)
+
+    monkeypatch.setattr(term_module, "DELETE_STEP", TERM // 4)
+    monkeypatch.setattr(term_module, "DELETE_PAUSE_SECONDS", 0.0)
+    monkeypatch.setattr(os, "ftruncate", recording)
+    directory = tmp_path / "log"
+    log = StreamLog.open(directory, term_length=TERM, capacity=16 * TERM)
+    log.delete_in_background()
+    try:
+        _fill_to(log, 12 * TERM + 100, 0)  # terms 0 to 12
+        log.release(log.sync())
+        log.sync()  # frees 12 terms: 8 kept as spares, 4 deleted
+        log._commit.close()  # wait for the deleter thread
+    finally:
+        log.close()
+    deleted = 12 - MAX_SPARE_TERMS
+    # Each deleted term: cut to 3/4, 1/2, 1/4, then 0 of its length.
+    steps = [length for _, length in cuts]
+    assert steps == [3 * TERM // 4, TERM // 2, TERM // 4, 0] * deleted
+    on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
+    assert on_disk[0] == 12, "no freed term is left under a term's name"
+
+
+def test_deleting_gradually_a_file_that_is_gone_or_empty_is_fine(tmp_path: Path) -> None:
+    term_module.delete_gradually(tmp_path / "never-there")
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    term_module.delete_gradually(empty)
+    assert not empty.exists()

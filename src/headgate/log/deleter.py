@@ -22,7 +22,9 @@ Deleting is now the exception: once the release is durable, up to
 for the preparer to recycle (:class:`~headgate.log.term.TermSpares`), because
 on a file system mounted with ``discard`` each deletion stalled the next group
 commits for 30 to 40 ms (see :mod:`headgate.log.term`). Only the rest are
-unlinked.
+deleted, each cut down a few MiB at a time first
+(:func:`~headgate.log.term.delete_gradually`), so that the trims of a large
+release never hold a commit's fdatasync for long.
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def _delete(
                     len(terms),
                 )
         if durable:
-            spares.retire(terms)
+            spares.retire(terms, gradually=True)
         else:
             for term in terms:
                 term.close()

@@ -39,6 +39,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -339,10 +340,12 @@ class TermSpares:
         #: Slots taken by spares being renamed (outside the lock).
         self._renaming = 0
 
-    def retire(self, terms: list[TermFile]) -> None:
+    def retire(self, terms: list[TermFile], *, gradually: bool = False) -> None:
         """Close ``terms`` (freed, their release durable); keep some as spares, delete the rest.
 
         Once clearing a spare has been refused, spares kept before are deleted too.
+        ``gradually``: each deletion is paced (:func:`delete_gradually`); for a
+        helper thread, never for a caller that others wait on.
         """
         if not zero_range_usable():
             self.close()
@@ -363,8 +366,11 @@ class TermSpares:
                     if keep:
                         self._paths.append(spare)
             if not keep:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(term.path)
+                if gradually:
+                    delete_gradually(term.path)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(term.path)
 
     def _has_room(self) -> bool:
         """Whether one more spare fits; the caller holds the lock."""
@@ -394,6 +400,44 @@ class TermSpares:
         for path in paths:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+#: How much of a file :func:`delete_gradually` frees at a time, and how long it
+#: waits between two cuts.
+DELETE_STEP = 4 << 20
+DELETE_PAUSE_SECONDS = 0.002
+
+
+def delete_gradually(path: Path) -> None:
+    """Unlink ``path`` after cutting it down :data:`DELETE_STEP` at a time.
+
+    On a file system mounted with ``discard`` the blocks a deletion frees are
+    trimmed as it happens (ext4 without a journal, as here: in the deleting
+    thread), and the disk serves the group commit's fdatasync behind the
+    trim. Forty-eight 16 MiB terms unlinked at once (a consumer that catches
+    up releases that much at a time) held fdatasyncs every 2 ms up to 10 ms
+    (p99 7.6 ms); cut down 4 MiB at a time, 2 ms apart, p99 1.7 ms and at most
+    2.8 ms (``bench/discard.py``), at the cost of about 10 ms more per term
+    on the deleter's thread. Errors are left to the unlink (a file that is
+    gone already is fine).
+    """
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError:
+        fd = -1
+    if fd >= 0:
+        try:
+            size = os.fstat(fd).st_size
+            while size > 0:
+                size = max(0, size - DELETE_STEP)
+                os.ftruncate(fd, size)
+                time.sleep(DELETE_PAUSE_SECONDS)
+        except OSError:
+            pass  # unlinked below all the same
+        finally:
+            os.close(fd)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 #: Spares kept per log at most. A release frees every term behind it at once
