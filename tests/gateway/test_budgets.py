@@ -115,6 +115,16 @@ class Raw:
             self.writer.close()
 
 
+async def _good_producer_writes(gateway: Gateway, stream: str, count: int) -> None:
+    """The good token's producer writes ``count`` records ``v0``, ``v1``... and flushes."""
+    async with Producer(
+        gateway.address, security=ClientSecurity(token=GOOD), reconnect_timeout=5
+    ) as producer:
+        for i in range(count):
+            await producer.send(stream, b"v%d" % i)
+        await asyncio.wait_for(producer.flush(), 10)
+
+
 @pytest.fixture
 async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     # 100 Pings a second per token, in bursts of as many.
@@ -164,12 +174,7 @@ async def test_a_ping_flood_alone_is_cut_off_and_the_good_producer_loses_nothing
         await peer.until(lambda p=peer: p.count(m.Welcome) > 0)  # type: ignore[misc]
         peer.send(PING * 5000)
     reads = [asyncio.create_task(peer.read_for(3.0)) for peer in flooders]
-    async with Producer(
-        gateway.address, security=ClientSecurity(token=GOOD), reconnect_timeout=5
-    ) as producer:
-        for i in range(500):
-            await producer.send("good-p", b"v%d" % i)
-        await asyncio.wait_for(producer.flush(), 10)
+    await _good_producer_writes(gateway, "good-p", 500)
     await asyncio.gather(*reads)
     for peer in flooders:
         assert peer.closed, "the flooder's connection was ended"
@@ -208,12 +213,7 @@ async def test_a_ping_and_listing_flood_leaves_another_token_its_own_budget(
     for peer in flooders:
         peer.send((PING + listing) * 3000)
     reads = [asyncio.create_task(peer.read_for(3.0)) for peer in flooders]
-    async with Producer(
-        gateway.address, security=ClientSecurity(token=GOOD), reconnect_timeout=5
-    ) as producer:
-        for i in range(2000):
-            await producer.send("good-s", b"v%d" % i)
-        await asyncio.wait_for(producer.flush(), 10)
+    await _good_producer_writes(gateway, "good-s", 2000)
     await asyncio.gather(*reads)
     share = gateway.shares.get(token_key("flood"))
     assert share is not None

@@ -136,17 +136,23 @@ def test_a_reader_that_mapped_a_recycled_term_never_reads_it_as_history(
         log.close()
 
 
+def _twelve_terms_freed(directory: Path) -> StreamLog:
+    """A log with a deleter thread whose terms 0 to 11 were freed, once the thread is done."""
+    log = StreamLog.open(directory, term_length=TERM, capacity=16 * TERM)
+    log.delete_in_background()
+    _fill_to(log, 12 * TERM + 100, 0)  # terms 0 to 12
+    log.release(log.sync())
+    log.sync()  # frees 12 terms
+    log._commit.close()  # wait for the deleter thread
+    return log
+
+
 def test_spares_never_exceed_the_bound_and_the_rest_are_deleted(
     tmp_path: Path, fresh_state: None
 ) -> None:
     directory = tmp_path / "log"
-    log = StreamLog.open(directory, term_length=TERM, capacity=16 * TERM)
-    log.delete_in_background()
+    log = _twelve_terms_freed(directory)
     try:
-        _fill_to(log, 12 * TERM + 100, 0)  # terms 0 to 12
-        log.release(log.sync())
-        log.sync()  # frees 12 terms
-        log._commit.close()  # wait for the deleter thread
         assert len(log._table.spares) == MAX_SPARE_TERMS
         on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
         assert on_disk[0] == 12  # no freed term is left under a term's name
@@ -305,15 +311,7 @@ def test_the_deleter_thread_cuts_a_term_it_deletes_down_a_step_at_a_time(
     monkeypatch.setattr(term_module, "DELETE_PAUSE_SECONDS", 0.0)
     monkeypatch.setattr(os, "ftruncate", recording)
     directory = tmp_path / "log"
-    log = StreamLog.open(directory, term_length=TERM, capacity=16 * TERM)
-    log.delete_in_background()
-    try:
-        _fill_to(log, 12 * TERM + 100, 0)  # terms 0 to 12
-        log.release(log.sync())
-        log.sync()  # frees 12 terms: 8 kept as spares, 4 deleted
-        log._commit.close()  # wait for the deleter thread
-    finally:
-        log.close()
+    _twelve_terms_freed(directory).close()  # 8 kept as spares, 4 deleted
     deleted = 12 - MAX_SPARE_TERMS
     # Each deleted term: cut to 3/4, 1/2, 1/4, then 0 of its length.
     steps = [length for _, length in cuts]
