@@ -9,6 +9,9 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -297,25 +300,25 @@ def test_a_reader_refuses_a_range_freed_while_it_read(
 def test_the_deleter_thread_cuts_a_term_it_deletes_down_a_step_at_a_time(
     tmp_path: Path, fresh_state: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Freed terms beyond the spares are deleted by the deleter thread, each cut
-    down DELETE_STEP at a time first (so a large release's trims never hold a
-    group commit's fdatasync for long); nothing is left of them."""
+    """Freed terms beyond the spares are deleted by the deleter thread, their
+    blocks freed DELETE_STEP at a time first (so a large release's trims never
+    hold a group commit's fdatasync for long); nothing is left of them."""
     cuts: list[tuple[int, int]] = []
-    real_ftruncate = os.ftruncate
+    real_punch = term_module._punch_hole
 
-    def recording(fd: int, length: int) -> None:
-        cuts.append((fd, length))
-        real_ftruncate(fd, length)
+    def recording(fd: int, offset: int, length: int) -> None:
+        cuts.append((offset, length))
+        real_punch(fd, offset, length)
 
     monkeypatch.setattr(term_module, "DELETE_STEP", TERM // 4)
     monkeypatch.setattr(term_module, "DELETE_PAUSE_SECONDS", 0.0)
-    monkeypatch.setattr(os, "ftruncate", recording)
+    monkeypatch.setattr(term_module, "_punch_hole", recording)
     directory = tmp_path / "log"
     _twelve_terms_freed(directory).close()  # 8 kept as spares, 4 deleted
     deleted = 12 - MAX_SPARE_TERMS
-    # Each deleted term: cut to 3/4, 1/2, 1/4, then 0 of its length.
-    steps = [length for _, length in cuts]
-    assert steps == [3 * TERM // 4, TERM // 2, TERM // 4, 0] * deleted
+    # Each deleted term: its four quarters freed one after another.
+    quarter = TERM // 4
+    assert cuts == [(i * quarter, quarter) for i in range(4)] * deleted
     on_disk = sorted(int(p.name[:16], 16) for p in directory.glob("*.term"))
     assert on_disk[0] == 12, "no freed term is left under a term's name"
 
@@ -326,3 +329,35 @@ def test_deleting_gradually_a_file_that_is_gone_or_empty_is_fine(tmp_path: Path)
     empty.write_bytes(b"")
     term_module.delete_gradually(empty)
     assert not empty.exists()
+
+
+def test_a_reader_mapping_a_term_deleted_gradually_reads_zeros_not_a_bus_error(
+    tmp_path: Path,
+) -> None:
+    """The blocks go, the size stays: a process that still maps the file (a Spark
+    task, a view the gateway handed out) reads zeros, never faults. (Truncating
+    instead would kill it with SIGBUS; so the reader runs in a child process.)"""
+    path = tmp_path / "freed.term"
+    path.write_bytes(b"\x07" * TERM)
+    script = textwrap.dedent(
+        f"""
+        import mmap, os, sys
+        from pathlib import Path
+        from headgate.log import term
+        term.DELETE_PAUSE_SECONDS = 0.0
+        term.DELETE_STEP = {TERM // 4}
+        path = Path({str(path)!r})
+        fd = os.open(path, os.O_RDONLY)
+        view = mmap.mmap(fd, {TERM}, access=mmap.ACCESS_READ)
+        assert view[:1] == b"\\x07"
+        term.delete_gradually(path)
+        assert not path.exists()
+        data = view[:]
+        print(len(data), data.count(0))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.split() == [str(TERM), str(TERM)], "every byte reads as zero"
