@@ -217,8 +217,8 @@ class _BaselineServer:
 
         A closed file is renamed ``*.done`` and left for the benchmark's driver to
         delete between runs (``_settle``): deleted here, its blocks would be freed
-        (on a file system mounted with ``discard``, trimmed at the next journal
-        commit, which every fsync on that disk waits for) while the next run, often
+        (on a file system mounted with ``discard``, trimmed on the disk, which
+        serves the other fsyncs behind the trims) while the next run, often
         headgate's, is being timed. ``delete``: the server is stopping.
         """
         for receiver in [r for r in self.receivers if r.lost]:
@@ -1144,9 +1144,10 @@ def _serve_arguments(args: argparse.Namespace, data_dir: Path) -> list[str]:
 def _settle(baseline_dir: Path) -> None:
     """Before each timed run: delete the baseline's files of the runs that ended, and sync.
 
-    Where the disk is mounted with ``discard`` (this machine's root is), blocks
-    freed by a deletion are trimmed at the file system's next journal commit, and
-    every fsync on the disk waits for that commit: the baseline deleted a file of
+    Where the disk is mounted with ``discard`` (this machine's root is: ext4
+    without a journal, which trims as it deletes; with a journal, at its next
+    commit, which fsyncs wait for), the blocks a deletion frees are trimmed and
+    the disk serves the fsyncs behind the trims: the baseline deleted a file of
     1-2 GB as its run ended, while headgate's next run was timed, and that run's
     acks stalled for 100-250 ms. The deletions and their trims now happen here,
     between runs, for both systems alike. Headgate's streams are never deleted
