@@ -18,9 +18,9 @@ A freed term's file is recycled rather than deleted when it can be
 new term's temporary name and cleared with ``fallocate(FALLOC_FL_ZERO_RANGE |
 FALLOC_FL_KEEP_SIZE)``, which turns its blocks into unwritten extents that
 read as zeros, writing no data and freeing nothing. Deleting a 16 MiB term on
-this machine's ext4, mounted with ``discard``, made the file system issue the
-discards at its next journal commit and wait for them, and every group
-commit's ``fdatasync`` waited behind it: a 30 to 40 ms stall at each release
+this machine's ext4, mounted with ``discard`` and without a journal, made the
+file system trim its blocks as it deleted them, and every group commit's
+``fdatasync`` waited behind the trims on the disk: a 30 to 40 ms stall at each release
 that freed a term (gone with ``nodiscard``; BENCHMARKS.md, Ingest, "Tenth
 session"). With pwrite at 350 MB/s and fdatasync every 2 ms, recycling gave a
 p99 of 1.35 to 2.1 ms against 4 to 7 ms for batched unlinks, max 4.5 to 8
