@@ -499,12 +499,17 @@ def _opened_gateway() -> tuple[Session, Session]:
     return gateway, client
 
 
-def test_pings_back_to_back_past_the_strikes_end_the_connection_with_resource_exhausted() -> None:
-    lifecycle = Lifecycle(
+def _gateway_lifecycle() -> Lifecycle:
+    """A gateway's lifecycle (one with receive deadlines: the end that counts Ping strikes)."""
+    return Lifecycle(
         Input.HELLO,
         now=0.0,
         deadlines=ReceiveDeadlines(idle_timeout=60.0, frame_timeout=0.0, now=0.0),
     )
+
+
+def test_pings_back_to_back_past_the_strikes_end_the_connection_with_resource_exhausted() -> None:
+    lifecycle = _gateway_lifecycle()
     # The first Ping and PING_STRIKES more, each the very next frame, in one read.
     for frame in range(1, PING_STRIKES + 2):
         assert lifecycle.pinged(5.0, frame) is None
@@ -514,11 +519,7 @@ def test_pings_back_to_back_past_the_strikes_end_the_connection_with_resource_ex
 
 
 def test_a_gap_or_any_other_frame_between_pings_starts_the_strikes_again() -> None:
-    lifecycle = Lifecycle(
-        Input.HELLO,
-        now=0.0,
-        deadlines=ReceiveDeadlines(idle_timeout=60.0, frame_timeout=0.0, now=0.0),
-    )
+    lifecycle = _gateway_lifecycle()
     now, frame = 1.0, 1
     for i in range(10 * PING_STRIKES):
         if i % PING_STRIKES == PING_STRIKES - 1:
